@@ -1,0 +1,68 @@
+"""posttrain: post-train language models from feedback.
+
+SFT, reward models, PPO (with a critic, and the classic generate()/step() loop), RLOO, GRPO,
+Online DPO and XPO, scored by a reward model, any text reward function, or a judge.
+
+Importing the package is cheap: the public names below are resolved lazily on first use, so
+`import posttrain` loads neither torch nor transformers (and never wandb, tensorboard, deepspeed,
+peft or vllm).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "TrainingConfig": "posttrain.configs",
+    "OnPolicyConfig": "posttrain.configs",
+    "ConfigError": "posttrain.configs",
+    "SFTConfig": "posttrain.trainers.sft_config",
+    "SFTTrainer": "posttrain.trainers.sft",
+    "RewardConfig": "posttrain.trainers.reward_config",
+    "RewardTrainer": "posttrain.trainers.reward",
+    "PPOConfig": "posttrain.trainers.ppo_config",
+    "PPOTrainer": "posttrain.trainers.ppo",
+    "RLOOConfig": "posttrain.trainers.rloo_config",
+    "RLOOTrainer": "posttrain.trainers.rloo",
+    "GRPOConfig": "posttrain.trainers.grpo_config",
+    "GRPOTrainer": "posttrain.trainers.grpo",
+    "OnlineDPOConfig": "posttrain.trainers.online_dpo_config",
+    "OnlineDPOTrainer": "posttrain.trainers.online_dpo",
+    "XPOConfig": "posttrain.trainers.xpo_config",
+    "XPOTrainer": "posttrain.trainers.xpo",
+    "BasePairwiseJudge": "posttrain.judges",
+    "BaseRankJudge": "posttrain.judges",
+    "BaseBinaryJudge": "posttrain.judges",
+    "RewardModelJudge": "posttrain.judges",
+    "CallableJudge": "posttrain.judges",
+    "HTTPPairwiseJudge": "posttrain.judges",
+    "OpenAIPairwiseJudge": "posttrain.judges",
+    "PairRMJudge": "posttrain.judges",
+    "LogCompletionsCallback": "posttrain.callbacks",
+    "Rollout": "posttrain.rollout",
+    "DataError": "posttrain.data",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'posttrain' has no attribute {name!r}")
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as err:
+        if err.name == module:
+            raise AttributeError(f"posttrain.{name} is not available in this version ({__version__}).") from None
+        raise
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

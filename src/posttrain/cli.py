@@ -1,0 +1,154 @@
+"""The `posttrain` command.
+
+`posttrain <command> [--field value ...] [--config run.yaml]`: one subcommand per trainer or tool.
+Flags are the config dataclass fields, with underscores, exactly as TRL's example scripts write them
+(parsed by transformers' HfArgumentParser, so `--help` shows every field with its help and default).
+A YAML file given with `--config` sets defaults that command-line flags override. Trainers are
+imported only when their command runs, so `posttrain --help` is quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from posttrain import __version__
+
+
+@dataclass(frozen=True)
+class Command:
+    config: str  # "module:Class" of the config dataclass
+    runner: str  # "module:function" taking the parsed config, returning an exit code
+    summary: str
+    positional: str | None = None  # a field that may be given as the first positional argument
+
+
+COMMANDS: dict[str, Command] = {
+    "sft": Command("posttrain.trainers.sft_config:SFTConfig", "posttrain.trainers.sft:run", "Supervised fine-tuning (step 1)."),
+    "reward": Command(
+        "posttrain.trainers.reward_config:RewardConfig", "posttrain.trainers.reward:run", "Train a reward model on preference pairs (step 2)."
+    ),
+    "ppo": Command("posttrain.trainers.ppo_config:PPOConfig", "posttrain.trainers.ppo:run", "PPO with a critic (actor, reference, reward, value)."),
+    "rloo": Command("posttrain.trainers.rloo_config:RLOOConfig", "posttrain.trainers.rloo:run", "REINFORCE leave-one-out (RLOO)."),
+    "grpo": Command("posttrain.trainers.grpo_config:GRPOConfig", "posttrain.trainers.grpo:run", "GRPO: group-normalised advantages."),
+    "online-dpo": Command(
+        "posttrain.trainers.online_dpo_config:OnlineDPOConfig", "posttrain.trainers.online_dpo:run", "Online DPO with a reward model or judge."
+    ),
+    "xpo": Command("posttrain.trainers.xpo_config:XPOConfig", "posttrain.trainers.xpo:run", "Exploratory Preference Optimization (XPO)."),
+    "judge": Command("posttrain.evaluate:JudgeConfig", "posttrain.evaluate:run", "Win-rate evaluation of a model with a judge."),
+    "chat": Command("posttrain.chat:ChatConfig", "posttrain.chat:run", "Talk to a trained model in the terminal.", "model_name_or_path"),
+    "demo": Command("posttrain.demo.pipeline:DemoConfig", "posttrain.demo.pipeline:run", "The offline one-command RLHF demo (SFT, RM, RL, report)."),
+    "plot": Command("posttrain.plots:PlotConfig", "posttrain.plots:run", "Redraw the plots of a run from its metrics.jsonl.", "output_dir"),
+}
+
+
+def _load(ref: str) -> Any:
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _command_available(cmd: Command) -> bool:
+    module = cmd.config.partition(":")[0]
+    return importlib.util.find_spec(module) is not None
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="posttrain",
+        description="Post-train language models from feedback: SFT, reward models, PPO, RLOO, GRPO, Online DPO, XPO.",
+        epilog="Run `posttrain <command> --help` for the flags of a command. "
+        "Multi-GPU: `accelerate launch -m posttrain.cli <command> ...`.",
+    )
+    parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    for name, cmd in COMMANDS.items():
+        sub.add_parser(name, help=cmd.summary, add_help=False)
+    return parser
+
+
+def _closest(flag: str, valid: list[str]) -> str:
+    matches = difflib.get_close_matches(flag, valid, n=3, cutoff=0.5)
+    return f" Did you mean {', '.join(matches)}?" if matches else ""
+
+
+def build_parser(name: str, config_cls: type):
+    """The HfArgumentParser of one command (also used by tests to check help and round trips)."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(config_cls, prog=f"posttrain {name}", description=COMMANDS[name].summary, allow_abbrev=False)
+    parser.add_argument("--config", default=None, help="YAML file of field: value defaults; command-line flags override it.")
+    return parser
+
+
+def parse_config(name: str, argv: list[str]) -> Any:
+    """Parse the flags (and optional --config YAML) of command `name` into its config dataclass."""
+    cmd = COMMANDS[name]
+    config_cls = _load(cmd.config)
+    parser = build_parser(name, config_cls)
+    valid_flags = sorted({opt for action in parser._actions for opt in action.option_strings if opt.startswith("--")})
+    if cmd.positional and argv and not argv[0].startswith("-"):
+        argv = [f"--{cmd.positional}", *argv]
+
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        import yaml
+
+        if not os.path.isfile(known.config):
+            raise SystemExit(f"posttrain {name}: --config {known.config}: no such file.")
+        with open(known.config) as f:
+            values = yaml.safe_load(f) or {}
+        if not isinstance(values, dict):
+            raise SystemExit(f"posttrain {name}: --config {known.config} must hold a mapping of field: value.")
+        dests = {action.dest for action in parser._actions}
+        for key in values:
+            if key not in dests:
+                raise SystemExit(
+                    f"posttrain {name}: --config {known.config}: unknown field {key!r}.{_closest('--' + key, valid_flags)}"
+                )
+        parser.set_defaults(**values)
+
+    namespace, remaining = parser.parse_known_args(argv)
+    if remaining:
+        first = next((r for r in remaining if r.startswith("-")), remaining[0])
+        flag = first.split("=", 1)[0]
+        parser.error(f"unknown argument {first!r}.{_closest(flag, valid_flags)}")
+    values = {k: v for k, v in vars(namespace).items() if k != "config"}
+    from posttrain.configs import ConfigError
+
+    try:
+        return config_cls(**values)
+    except ConfigError as err:
+        raise SystemExit(f"posttrain {name}: {err}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = _top_parser()
+    if not argv or argv[0] in ("-h", "--help", "--version"):
+        if not argv:
+            top.print_help()
+            return 0
+        top.parse_args(argv[:1])
+        return 0
+    name = argv[0]
+    if name not in COMMANDS:
+        top.error(f"unknown command {name!r}.{_closest(name, list(COMMANDS))} Commands: {', '.join(COMMANDS)}.")
+    cmd = COMMANDS[name]
+    if not _command_available(cmd):
+        print(f"posttrain {name}: this command is not built yet in posttrain {__version__}.", file=sys.stderr)
+        return 2
+    config = parse_config(name, argv[1:])
+    runner: Callable[[Any], int | None] = _load(cmd.runner)
+    return int(runner(config) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

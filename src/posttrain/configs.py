@@ -1,0 +1,269 @@
+"""Shared configuration dataclasses.
+
+Every trainer config extends `TrainingConfig` (optimisation, logging, saving, model and data
+locations) and the online trainers extend `OnPolicyConfig` (rollout sizes and generation). Field
+names, meanings and defaults follow TRL's `TrainingArguments` / `OnPolicyConfig` (see
+../shared/reference/trl-notes.md §3.2) so code and command lines written for TRL port unchanged.
+Each field's `help` metadata is its `--help` text on the command line.
+
+This module imports only the standard library: `posttrain --help` and config validation run before
+torch loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _help(text: str, **kw: Any) -> Any:
+    return field(metadata={"help": text}, **kw)
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field(s) and the fix."""
+
+
+@dataclass
+class TrainingConfig:
+    """Fields every trainer shares: where to read and write, how to optimise, log and save."""
+
+    output_dir: str = _help("Where models, checkpoints, metrics.jsonl and plots are written.", default="outputs/run")
+    model_name_or_path: str | None = _help(
+        "Policy (or model to train): a local folder saved with save_pretrained or a hub name.", default=None
+    )
+    dataset_name: str | None = _help(
+        "Training data: a hub dataset name, a folder saved with datasets.save_to_disk, or a "
+        ".jsonl/.json/.parquet/.csv file.",
+        default=None,
+    )
+    dataset_config: str | None = _help("Configuration name of a hub dataset.", default=None)
+    dataset_train_split: str = _help("Split used for training.", default="train")
+    dataset_test_split: str = _help("Split used for evaluation and sample generations.", default="test")
+    learning_rate: float = _help("Initial AdamW learning rate.", default=5e-5)
+    per_device_train_batch_size: int = _help("Batch size per device per micro-step.", default=8)
+    per_device_eval_batch_size: int = _help("Batch size per device for evaluation.", default=8)
+    gradient_accumulation_steps: int = _help("Micro-steps accumulated before each optimizer step.", default=1)
+    num_train_epochs: float = _help("Passes over the training data (when max_steps / total_episodes are not set).", default=3.0)
+    max_steps: int = _help("If > 0: total optimizer steps, overriding num_train_epochs.", default=-1)
+    lr_scheduler_type: str = _help(
+        "Learning-rate schedule: linear, cosine, cosine_with_restarts, polynomial, constant, constant_with_warmup.",
+        default="linear",
+    )
+    warmup_ratio: float = _help("Fraction of total steps used for linear warmup.", default=0.0)
+    warmup_steps: int = _help("Warmup steps (overrides warmup_ratio when > 0).", default=0)
+    weight_decay: float = _help("AdamW weight decay.", default=0.0)
+    adam_beta1: float = _help("AdamW beta1.", default=0.9)
+    adam_beta2: float = _help("AdamW beta2.", default=0.999)
+    adam_epsilon: float = _help("AdamW epsilon.", default=1e-8)
+    max_grad_norm: float | None = _help("Clip the global gradient norm to this value (None or 0: no clipping).", default=1.0)
+    seed: int = _help("Random seed for python, numpy and torch (sampling included).", default=42)
+    bf16: bool = _help("bf16 mixed precision (autocast). Fast on GPUs and on CPUs with AMX.", default=False)
+    fp16: bool = _help("fp16 mixed precision (GPU only).", default=False)
+    torch_dtype: str | None = _help("dtype to load weights in: float32, bfloat16, float16 or auto.", default=None)
+    trust_remote_code: bool = _help("Allow model code from the hub.", default=False)
+    gradient_checkpointing: bool = _help("Recompute activations in backward to save memory.", default=False)
+    disable_dropout: bool = _help("Turn off dropout in every model (needed for exact PPO ratios).", default=True)
+    logging_steps: int = _help("Log metrics every N optimizer steps (online trainers: every N rollout batches).", default=10)
+    eval_steps: int | None = _help("Evaluate every N steps (None: only at the end).", default=None)
+    save_steps: int = _help("Save a resumable checkpoint every N steps (0: never during training).", default=500)
+    save_total_limit: int | None = _help("Keep at most this many checkpoints (oldest deleted).", default=None)
+    report_to: list[str] = _help(
+        "Metric sinks besides console and metrics.jsonl: none, tensorboard, wandb, all.", default_factory=lambda: ["none"]
+    )
+    run_name: str | None = _help("Run name for trackers.", default=None)
+    resume_from_checkpoint: str | None = _help(
+        'Resume from a checkpoint folder, or "latest" for the newest one in output_dir.', default=None
+    )
+    overwrite_output_dir: bool = _help("Allow writing into a non-empty output_dir that holds a finished run.", default=False)
+    dataset_num_proc: int | None = _help("Processes for dataset preprocessing.", default=None)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.report_to, str):
+            self.report_to = [self.report_to]
+        self.report_to = [r for part in self.report_to for r in str(part).split(",") if r]
+        checks = [
+            ("learning_rate", self.learning_rate >= 0, "must be >= 0"),
+            ("per_device_train_batch_size", self.per_device_train_batch_size >= 1, "must be >= 1"),
+            ("per_device_eval_batch_size", self.per_device_eval_batch_size >= 1, "must be >= 1"),
+            ("gradient_accumulation_steps", self.gradient_accumulation_steps >= 1, "must be >= 1"),
+            ("warmup_ratio", 0.0 <= self.warmup_ratio <= 1.0, "must be within [0, 1]"),
+            ("logging_steps", self.logging_steps >= 1, "must be >= 1"),
+            ("save_steps", self.save_steps >= 0, "must be >= 0"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ConfigError(f"{name}={getattr(self, name)!r} {why}.")
+        if self.bf16 and self.fp16:
+            raise ConfigError("bf16 and fp16 are both set; choose one mixed-precision mode.")
+        valid_sinks = {"none", "all", "tensorboard", "wandb"}
+        bad = [r for r in self.report_to if r not in valid_sinks]
+        if bad:
+            raise ConfigError(f"report_to has unknown sink(s) {bad}; valid: {sorted(valid_sinks)}.")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ConfigError(f"save_total_limit={self.save_total_limit} must be >= 1 or None.")
+
+    # -- helpers -------------------------------------------------------------------------------
+    @property
+    def mixed_precision(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field (derived sizes included), JSON-serialisable: saved beside models and checkpoints."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value if isinstance(value, (str, int, float, bool, type(None), list, dict)) else repr(value)
+        return out
+
+    def warmup_for(self, total_steps: int) -> int:
+        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * total_steps)
+
+
+@dataclass
+class OnPolicyConfig(TrainingConfig):
+    """Rollout sizes and generation settings of the online trainers (TRL's OnPolicyConfig).
+
+    Sizes derived by `derive_sizes` (TRL §3.1), all counted in completions (episodes):
+      local_batch_size   = per_device_train_batch_size · gradient_accumulation_steps · num_mini_batches
+      batch_size         = local_batch_size · world_size        (episodes per rollout batch)
+      mini_batch_size    = batch_size / num_mini_batches         (episodes per optimizer step)
+      local_mini_batch_size = local_batch_size / num_mini_batches
+      num_total_batches  = ceil(total_episodes / batch_size)     (rollout batches in the run)
+    One rollout batch therefore yields exactly num_mini_batches optimizer steps per epoch, each over
+    per_device_train_batch_size × gradient_accumulation_steps completions per device.
+    """
+
+    learning_rate: float = _help("Initial AdamW learning rate.", default=3e-6)
+    logging_steps: int = _help("Log metrics every N rollout batches.", default=1)
+    num_mini_batches: int = _help("Minibatches (optimizer steps) per rollout batch and epoch.", default=1)
+    total_episodes: int | None = _help(
+        "Total completions to generate (default: num_train_epochs × dataset size × samples per prompt).", default=None
+    )
+    local_rollout_forward_batch_size: int = _help(
+        "Rows per no-grad chunk for generation and the reference / reward / value forwards.", default=64
+    )
+    num_sample_generations: int = _help(
+        "How many times during training to print a table of (query, model response, score); 0 disables.", default=10
+    )
+    response_length: int = _help("Maximum new tokens per completion.", default=53)
+    stop_token: str | None = _help('"eos": stop completions at the tokenizer\'s EOS token.', default=None)
+    stop_token_id: int | None = _help("Stop completions at this token id (kept in the completion).", default=None)
+    temperature: float = _help("Sampling temperature; also divides logits when scoring logprobs.", default=0.7)
+    top_k: int = _help("Sample from the top-k tokens only (0: off).", default=0)
+    top_p: float = _help("Nucleus sampling threshold (1.0: off).", default=1.0)
+    missing_eos_penalty: float | None = _help(
+        "Subtract this from the score of a completion that did not end with the stop token (the EOS trick).",
+        default=None,
+    )
+    sft_model_path: str | None = _help(
+        "Policy / reference initialisation; defaults to model_name_or_path (TRL's script argument).", default=None
+    )
+    reward_model_path: str | None = _help("Reward model: a sequence-classification model folder or hub name.", default=None)
+    reward_funcs: list[str] | None = _help(
+        "Text reward functions as dotted import paths, module:function or module.function (used instead of a reward model).",
+        default=None,
+    )
+    max_prompt_length: int | None = _help("Prompts longer than this many tokens are handled by prompt_overflow.", default=None)
+    prompt_overflow: str = _help('What to do with overlong prompts: "truncate_left" or "drop".', default="truncate_left")
+    ds3_gather_for_generation: bool = _help(
+        "Under DeepSpeed ZeRO-3 gather the full policy once for generation (fast; needs the memory).", default=True
+    )
+    exp_name: str = _help("Experiment name.", default="posttrain")
+
+    # Derived by derive_sizes(); None until then (TRL names).
+    world_size: int | None = field(default=None, init=False, metadata={"help": "Derived: number of processes.", "derived": True})
+    local_batch_size: int | None = field(default=None, init=False, metadata={"help": "Derived.", "derived": True})
+    batch_size: int | None = field(default=None, init=False, metadata={"help": "Derived: episodes per rollout batch.", "derived": True})
+    mini_batch_size: int | None = field(default=None, init=False, metadata={"help": "Derived.", "derived": True})
+    local_mini_batch_size: int | None = field(default=None, init=False, metadata={"help": "Derived.", "derived": True})
+    micro_batch_size: int | None = field(default=None, init=False, metadata={"help": "Derived.", "derived": True})
+    num_total_batches: int | None = field(default=None, init=False, metadata={"help": "Derived.", "derived": True})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.stop_token is not None and self.stop_token != "eos":
+            raise ConfigError(f'stop_token={self.stop_token!r}: the only supported value is "eos" (or use stop_token_id).')
+        if self.stop_token is not None and self.stop_token_id is not None:
+            raise ConfigError("stop_token and stop_token_id are both set; give one of them.")
+        if self.num_mini_batches < 1:
+            raise ConfigError(f"num_mini_batches={self.num_mini_batches} must be >= 1.")
+        if self.response_length < 1:
+            raise ConfigError(f"response_length={self.response_length} must be >= 1.")
+        if self.local_rollout_forward_batch_size < 1:
+            raise ConfigError(f"local_rollout_forward_batch_size={self.local_rollout_forward_batch_size} must be >= 1.")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature={self.temperature} must be >= 0 (0 = greedy).")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1].")
+        if self.prompt_overflow not in ("truncate_left", "drop"):
+            raise ConfigError(f'prompt_overflow={self.prompt_overflow!r} must be "truncate_left" or "drop".')
+        if self.total_episodes is not None and self.total_episodes < 1:
+            raise ConfigError(f"total_episodes={self.total_episodes} must be >= 1.")
+        if self.sft_model_path is None:
+            self.sft_model_path = self.model_name_or_path
+        if self.model_name_or_path is None:
+            self.model_name_or_path = self.sft_model_path
+
+    @property
+    def samples_per_prompt(self) -> int:
+        """Completions generated per prompt (1 for PPO; rloo_k / num_generations in subclasses)."""
+        return 1
+
+    def derive_sizes(self, world_size: int = 1, dataset_size: int | None = None) -> "OnPolicyConfig":
+        """Compute the derived batch sizes and check that every division is exact.
+
+        Raises ConfigError naming both numbers when a size does not divide: this runs before any
+        model loads, so a bad batch arithmetic costs nothing.
+        """
+        k = self.samples_per_prompt
+        self.world_size = world_size
+        self.micro_batch_size = self.per_device_train_batch_size * world_size
+        self.local_mini_batch_size = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        self.local_batch_size = self.local_mini_batch_size * self.num_mini_batches
+        self.batch_size = self.local_batch_size * world_size
+        self.mini_batch_size = self.local_mini_batch_size * world_size
+        if self.local_batch_size % k != 0:
+            raise ConfigError(
+                f"per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches = {self.local_batch_size} "
+                f"completions per device must be divisible by the samples per prompt ({k}); change the batch size or k."
+            )
+        if self.total_episodes is None:
+            if dataset_size is None:
+                raise ConfigError("total_episodes is not set and the dataset size is unknown; pass --total_episodes.")
+            self.total_episodes = int(self.num_train_epochs * dataset_size * k)
+        if self.total_episodes < self.batch_size:
+            raise ConfigError(
+                f"total_episodes ({self.total_episodes}) is smaller than one rollout batch (batch_size = {self.batch_size} = "
+                f"per_device_train_batch_size {self.per_device_train_batch_size} × gradient_accumulation_steps "
+                f"{self.gradient_accumulation_steps} × num_mini_batches {self.num_mini_batches} × world_size {world_size}); "
+                "raise total_episodes or lower the batch size."
+            )
+        self.num_total_batches = math.ceil(self.total_episodes / self.batch_size)
+        return self
+
+    @property
+    def prompts_per_rollout(self) -> int:
+        """Prompts drawn per device per rollout batch."""
+        assert self.local_batch_size is not None, "call derive_sizes() first"
+        return self.local_batch_size // self.samples_per_prompt
+
+    @property
+    def sample_generations_freq(self) -> int:
+        assert self.num_total_batches is not None, "call derive_sizes() first"
+        if self.num_sample_generations <= 0:
+            return 0
+        return max(1, self.num_total_batches // self.num_sample_generations)
+
+
+def config_fields(cls: type) -> list[dataclasses.Field]:
+    """User-settable fields of a config class (derived sizes excluded)."""
+    return [f for f in dataclasses.fields(cls) if not f.metadata.get("derived")]
+
+
+def resolve_path(path: str | None) -> str | None:
+    """Expand ~ in local paths; leave hub names untouched."""
+    return os.path.expanduser(path) if path else path

@@ -1,0 +1,158 @@
+"""The `posttrain` command line: help, version, unknown flags, YAML configs, light imports."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from posttrain import __version__, cli
+from posttrain.cli import COMMANDS, Command
+
+SEED_RLOO_FLAGS = [
+    "--learning_rate", "3e-6",
+    "--output_dir", "models/minimal/rloo",
+    "--per_device_train_batch_size", "64",
+    "--gradient_accumulation_steps", "1",
+    "--total_episodes", "10000",
+    "--model_name_or_path", "tiny/policy",
+    "--reward_model_path", "tiny/rm",
+    "--missing_eos_penalty", "1.0",
+]
+
+CALLS: list = []
+
+
+def fake_runner(config):
+    CALLS.append(config)
+    return 0
+
+
+@pytest.fixture
+def fake_command(monkeypatch):
+    monkeypatch.setitem(COMMANDS, "fake", Command("posttrain.configs:OnPolicyConfig", "test_cli:fake_runner", "A test command."))
+    CALLS.clear()
+    return "fake"
+
+
+def test_help_lists_every_command():
+    out = subprocess.run([sys.executable, "-m", "posttrain", "--help"], capture_output=True, text=True, check=True).stdout
+    for name in ["sft", "reward", "ppo", "rloo", "grpo", "online-dpo", "xpo", "judge", "chat", "demo", "plot"]:
+        assert name in out
+
+
+def test_version():
+    out = subprocess.run([sys.executable, "-m", "posttrain", "--version"], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == f"posttrain {__version__}"
+
+
+def test_no_arguments_prints_help(capsys):
+    assert cli.main([]) == 0
+    assert "<command>" in capsys.readouterr().out
+
+
+def test_unknown_command_suggests_the_closest(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["rlo"])
+    assert "Did you mean rloo" in capsys.readouterr().err
+
+
+def test_seed_flags_parse_into_the_config(fake_command):
+    assert cli.main([fake_command, *SEED_RLOO_FLAGS]) == 0
+    (config,) = CALLS
+    assert config.learning_rate == 3e-6
+    assert config.per_device_train_batch_size == 64
+    assert config.total_episodes == 10000
+    assert config.reward_model_path == "tiny/rm"
+    assert config.missing_eos_penalty == 1.0
+    assert config.sft_model_path == "tiny/policy"  # defaults to model_name_or_path
+
+
+def test_unknown_flag_names_the_closest_valid_flags(fake_command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main([fake_command, "--learning_rat", "1e-3"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--learning_rat" in err and "--learning_rate" in err
+
+
+def test_abbreviated_flags_are_not_silently_accepted(fake_command, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([fake_command, "--learning", "1e-3"])
+    assert "--learning_rate" in capsys.readouterr().err
+
+
+def test_command_help_lists_every_field_with_help_and_default(fake_command):
+    from posttrain.configs import OnPolicyConfig, config_fields
+
+    text = cli.build_parser(fake_command, OnPolicyConfig).format_help()
+    for f in config_fields(OnPolicyConfig):
+        assert f"--{f.name}" in text, f.name
+    assert "Maximum new tokens per completion. (default: 53)" in " ".join(text.split())
+    # derived sizes are computed, not flags
+    assert "--num_total_batches" not in text
+
+
+def test_yaml_config_with_command_line_override(fake_command, tmp_path: Path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("learning_rate: 1.0e-4\nresponse_length: 16\nreport_to: [tensorboard]\nstop_token: eos\n")
+    cli.main([fake_command, "--config", str(cfg), "--response_length", "8", "--total_episodes", "32"])
+    (config,) = CALLS
+    assert config.learning_rate == 1e-4  # from YAML
+    assert config.response_length == 8  # the flag wins over YAML
+    assert config.report_to == ["tensorboard"]
+    assert config.stop_token == "eos"
+
+
+def test_yaml_round_trip_of_a_saved_config(fake_command, tmp_path: Path):
+    import yaml
+
+    from posttrain.configs import OnPolicyConfig, config_fields
+
+    original = OnPolicyConfig(learning_rate=2e-5, temperature=0.9)
+    values = {f.name: getattr(original, f.name) for f in config_fields(OnPolicyConfig)}
+    cfg = tmp_path / "saved.yaml"
+    cfg.write_text(yaml.safe_dump(values))
+    cli.main([fake_command, "--config", str(cfg)])
+    (config,) = CALLS
+    for name, value in values.items():
+        assert getattr(config, name) == value, name
+
+
+def test_yaml_unknown_key_is_an_error(fake_command, tmp_path: Path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("learning_rat: 1.0\n")
+    with pytest.raises(SystemExit, match="unknown field 'learning_rat'.*--learning_rate"):
+        cli.main([fake_command, "--config", str(cfg)])
+
+
+def test_invalid_value_is_reported_before_anything_runs(fake_command):
+    with pytest.raises(SystemExit, match="stop_token"):
+        cli.main([fake_command, "--stop_token", "eot"])
+    assert CALLS == []
+
+
+def test_a_command_whose_module_is_missing_says_so(monkeypatch, capsys):
+    monkeypatch.setitem(COMMANDS, "later", Command("posttrain.not_built_yet:Config", "posttrain.not_built_yet:run", "x"))
+    assert cli.main(["later"]) == 2
+    assert "not built yet" in capsys.readouterr().err
+
+
+def test_import_posttrain_stays_light():
+    code = (
+        "import sys, posttrain, posttrain.cli, posttrain.configs\n"
+        "heavy = [m for m in ('torch', 'transformers', 'wandb', 'tensorboard', 'deepspeed', 'peft', 'vllm') if m in sys.modules]\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ""
+
+
+def test_importing_trainers_does_not_pull_optional_trackers():
+    code = (
+        "import sys, posttrain\n"
+        "import posttrain.trainers.common\n"
+        "print(','.join(m for m in ('wandb', 'tensorboard', 'deepspeed', 'peft', 'vllm') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ""
