@@ -22,6 +22,7 @@ from torch import nn
 from posttrain import checkpoint as ckpt
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError, OnPolicyConfig
+from posttrain.health import HealthMonitor
 from posttrain.rollout import Rollout, SamplingConfig
 from posttrain.tracking import MetricAccumulator, ProgressBar, Tracker
 
@@ -287,6 +288,7 @@ class OnlineRun:
         self.metrics = MetricAccumulator()
         self.tracker = Tracker(config.output_dir, config.report_to, config=config.to_dict(),
                                run_name=config.run_name, is_main=self.is_main)
+        self.health = HealthMonitor(enabled=self.is_main)
         self.progress: ProgressBar | None = None
         self.start_time = time.time()
         self._episodes_at_start = 0
@@ -339,7 +341,13 @@ class OnlineRun:
         values["episode"] = self.state.episode + self.config.batch_size
         values["epoch"] = values["episode"] / max(len(self.train_dataset) * self.config.samples_per_prompt, 1)
         self.tracker.log(values, step=update + 1)
+        self.health.check(values, update + 1)
         return values
+
+    def loss_is_finite(self, loss: torch.Tensor) -> bool:
+        """False (and counted) for a NaN/inf loss, whose optimizer step the trainer then skips;
+        raises TrainingDiverged after HealthMonitor.max_nonfinite of them in a row."""
+        return self.health.loss_is_finite(loss)
 
     def should_sample(self, update: int) -> bool:
         freq = self.config.sample_generations_freq
@@ -368,6 +376,7 @@ class OnlineRun:
                     "optimizer_steps": self.state.optimizer_steps},
             "prompts": self.prompts.state_dict(),
             "generator": self.generator.get_state(),
+            "health": self.health.state_dict(),
             **(extra or {}),
         }
         unwrapped = {k: dist.unwrap(m, self.accelerator) for k, m in models.items()}
@@ -388,6 +397,7 @@ class OnlineRun:
         self.state = RunState(update=run["update"], episode=run["episode"], optimizer_steps=run["optimizer_steps"])
         self.prompts.load_state_dict(state.pop("prompts"))
         self.generator.set_state(state.pop("generator"))
+        self.health.load_state_dict(state.pop("health", {}))
         if self.is_main:
             print(f"Resumed from {path} at rollout batch {self.state.update} (episode {self.state.episode}).")
         return state
