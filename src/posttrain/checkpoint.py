@@ -1,0 +1,565 @@
+"""Atomic checkpoints, exact resume and the final model export.
+
+A checkpoint is `output_dir/checkpoint-<step>/`:
+
+    <model key>/            one folder per model ("policy", "value_model", ...): `save_pretrained`
+                            output (safetensors), or `model.safetensors` for plain modules
+    tokenizer/              the tokenizer, when given
+    posttrain_config.json   the run's config
+    optimizer.pt, scheduler.pt
+    trainer_state.json      counters that JSON represents exactly (step, episode, data position,
+                            KL coefficient, ...); trainer_state.pt holds the entries it cannot
+                            (tensors, e.g. a torch.Generator state)
+    rng_state_<rank>.pt     python / numpy / torch / CUDA generator states of each rank
+    checkpoint_complete.json  written last
+
+Everything is written into `output_dir/.tmp-checkpoint-<step>-<random>/`, fsynced, and renamed
+into place in one `os.replace`, so a crash mid-save leaves the previous checkpoint as the newest
+complete one and no half-written `checkpoint-*` directory (DESIGN.md, principle 10). The marker
+file guards the cases rename cannot (a copied or hand-edited directory).
+
+Every `torch.load` here uses `weights_only=True`: resuming from a downloaded checkpoint must not
+execute pickled code, so RNG states are stored as tensors and plain containers only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from posttrain import distributed
+from posttrain.tracking import to_jsonable
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+CHECKPOINT_PREFIX = "checkpoint-"
+COMPLETE_MARKER = "checkpoint_complete.json"
+CONFIG_NAME = "posttrain_config.json"
+TMP_PREFIX = ".tmp-"
+_CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
+# Top-level files of a saved model: replaced as a set by save_final so shards of an older,
+# differently-sharded save never mix with the new weights.
+# adapter_config.json belongs to the set: transformers loads any folder holding one as PEFT.
+_WEIGHT_FILE_RE = re.compile(
+    r"^((model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?"
+    r"|adapter_config\.json)$"
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or does not match the models it is loaded into."""
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """A dataclass or mapping config as a JSON-ready dict (paths and enums as strings)."""
+    if config is None:
+        return {}
+    data = to_jsonable(config)
+    if not isinstance(data, dict):
+        raise TypeError(f"config must be a dataclass or a mapping, got {type(config).__name__}.")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------
+# Filesystem helpers
+
+
+def _fsync_path(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        # Directories cannot be opened on some platforms (Windows); nothing to flush there.
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush file contents and directory entries so the rename publishes durable data."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            _fsync_path(Path(dirpath) / name)
+        _fsync_path(Path(dirpath))
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Move directory `src` to `dst`; an existing `dst` (a re-save of the same step) is first
+    renamed aside, because os.replace cannot overwrite a non-empty directory."""
+    if not dst.exists():
+        os.replace(src, dst)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}old-{dst.name}-", dir=dst.parent))
+    aside.rmdir()
+    os.replace(dst, aside)
+    os.replace(src, dst)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _remove_tmp_dirs(output_dir: Path) -> None:
+    """Remove temp dirs left by a save that was killed before it could clean up."""
+    if not output_dir.is_dir():
+        return
+    for entry in output_dir.iterdir():
+        if entry.is_dir() and entry.name.startswith(TMP_PREFIX):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+def _state_dict_for_saving(model: nn.Module, accelerator: Accelerator | None) -> dict | None:
+    # Under DeepSpeed ZeRO-3 / FSDP the full weights exist only after a gather in which every
+    # rank must take part, so this runs on all ranks; without an accelerator the model's own
+    # state_dict is used by the save functions.
+    if accelerator is None:
+        return None
+    return accelerator.get_state_dict(model)
+
+
+def _save_model(model: nn.Module, directory: Path, state_dict: dict | None, accelerator) -> None:
+    bare = distributed.unwrap(model, accelerator)
+    directory.mkdir(parents=True, exist_ok=True)
+    if hasattr(bare, "save_pretrained"):
+        # transformers (and PEFT) write safetensors by default; folders stay loadable with
+        # plain `from_pretrained`.
+        bare.save_pretrained(directory, state_dict=state_dict)
+        return
+    from safetensors.torch import save_file
+
+    state_dict = bare.state_dict() if state_dict is None else state_dict
+    # Clones: safetensors refuses tensors that share storage (tied weights); loading copies
+    # the same values into both names, so duplicating them on disk is harmless.
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    raise CheckpointError(
+        f"{directory} holds no model.safetensors (or sharded index); it is not a model saved by "
+        "posttrain. Check the checkpoint path and the model names passed to load_checkpoint."
+    )
+
+
+def _load_model(model: nn.Module, directory: Path, map_location: str, accelerator) -> None:
+    from safetensors.torch import load_file
+
+    bare = distributed.unwrap(model, accelerator)
+    if not directory.is_dir():
+        raise CheckpointError(
+            f"{directory} is missing: the checkpoint has no weights for model {directory.name!r}. "
+            "Pass the same model names to load_checkpoint as to save_checkpoint."
+        )
+    adapter = directory / "adapter_model.safetensors"
+    if adapter.is_file() and hasattr(bare, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(bare, load_file(str(adapter), device=str(map_location)))
+        return
+    state_dict: dict[str, torch.Tensor] = {}
+    for file in _weight_files(directory):
+        state_dict.update(load_file(str(file), device=str(map_location)))
+    missing, unexpected = bare.load_state_dict(state_dict, strict=False)
+    # save_pretrained drops the second name of tied weights (e.g. lm_head.weight tied to the
+    # embeddings); such a key is filled because it shares storage with a loaded one. Any other
+    # missing or unexpected key is a real mismatch, as strict=True would report.
+    own = bare.state_dict(keep_vars=True)
+    loaded_storage = {own[k].data_ptr() for k in state_dict if k in own}
+    missing = [k for k in missing if own[k].data_ptr() not in loaded_storage]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"weights in {directory} do not match model {directory.name!r}: "
+            f"missing keys {missing[:10]}, unexpected keys {list(unexpected)[:10]}. "
+            "Resume with the same model architecture (and PEFT settings) the checkpoint was saved with."
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG and trainer state
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+    except ImportError:
+        np = None
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        s = state["numpy"]
+        keys = s["keys"].numpy().astype(np.uint32)
+        np.random.set_state((s["name"], keys, s["pos"], s["has_gauss"], s["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        # A resume on fewer GPUs restores the devices that exist.
+        for index, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, index)
+
+
+def _is_exact_json(value: Any) -> bool:
+    try:
+        return json.loads(json.dumps(value, allow_nan=False)) == value
+    except (TypeError, ValueError):
+        return False
+
+
+def _save_trainer_state(directory: Path, trainer_state: Mapping[str, Any]) -> None:
+    as_json = {k: v for k, v in trainer_state.items() if _is_exact_json(v)}
+    as_torch = {k: v for k, v in trainer_state.items() if k not in as_json}
+    _write_json(directory / "trainer_state.json", as_json)
+    if as_torch:
+        torch.save(as_torch, directory / "trainer_state.pt")
+
+
+def _load_trainer_state(directory: Path, map_location: str) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    json_path, torch_path = directory / "trainer_state.json", directory / "trainer_state.pt"
+    if json_path.is_file():
+        state.update(json.loads(json_path.read_text(encoding="utf-8")))
+    if torch_path.is_file():
+        state.update(torch.load(torch_path, map_location=map_location, weights_only=True))
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Discovery
+
+
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """The step of a `checkpoint-<step>` directory name, else None."""
+    match = _CHECKPOINT_RE.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    return (Path(path) / COMPLETE_MARKER).is_file()
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints in `output_dir`, oldest first (temp and unfinished dirs skipped)."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [
+        (step, entry)
+        for entry in root.iterdir()
+        if entry.is_dir() and (step := checkpoint_step(entry)) is not None and is_complete(entry)
+    ]
+    return [entry for _, entry in sorted(found)]
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    checkpoints = list_checkpoints(output_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def resolve_checkpoint(
+    output_dir: str | os.PathLike, resume_from_checkpoint: str | os.PathLike | bool | None
+) -> Path | None:
+    """Turn `resume_from_checkpoint` into a complete checkpoint directory or None.
+
+    None / False / "false" -> None (fresh run). True / "latest" / "true" -> the newest complete
+    checkpoint in `output_dir`. A path -> that checkpoint, or the newest one inside it when it
+    is a run's output directory. Raises CheckpointError when asked to resume from nothing.
+    """
+    request = resume_from_checkpoint
+    if request is None or request is False:
+        return None
+    if isinstance(request, str):
+        lowered = request.strip().lower()
+        if lowered in ("", "false", "none", "no"):
+            return None
+        if lowered in ("true", "latest", "last", "yes"):
+            request = True
+    if request is True:
+        found = latest_checkpoint(output_dir)
+        if found is None:
+            raise CheckpointError(
+                f"resume_from_checkpoint={resume_from_checkpoint!r} but {output_dir} holds no "
+                f"complete {CHECKPOINT_PREFIX}<step> directory. Start without "
+                "--resume_from_checkpoint, or pass the path of a checkpoint directory."
+            )
+        return found
+    path = Path(request)
+    if not path.exists():
+        raise CheckpointError(
+            f"resume_from_checkpoint={os.fspath(request)!r} does not exist. Pass an existing "
+            f"{CHECKPOINT_PREFIX}<step> directory, or 'latest' to use the newest in output_dir."
+        )
+    if is_complete(path):
+        return path
+    inside = latest_checkpoint(path) if path.is_dir() else None
+    if inside is not None:
+        return inside
+    raise CheckpointError(
+        f"resume_from_checkpoint={os.fspath(request)!r} is not a complete posttrain checkpoint "
+        f"(no {COMPLETE_MARKER}); it was interrupted while saving or written by another tool. "
+        "Use an earlier checkpoint or 'latest'."
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Save / load
+
+
+def _rotate(output_dir: Path, save_total_limit: int, keep: Path) -> None:
+    checkpoints = [c for c in list_checkpoints(output_dir) if c != keep]
+    excess = len(checkpoints) + 1 - save_total_limit
+    for old in checkpoints[: max(excess, 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(
+    output_dir: str | os.PathLike,
+    step: int,
+    *,
+    models: Mapping[str, nn.Module],
+    tokenizer: Any = None,
+    config: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    trainer_state: Mapping[str, Any] | None = None,
+    save_total_limit: int | None = None,
+    accelerator: Accelerator | None = None,
+) -> Path:
+    """Atomically write `output_dir/checkpoint-<step>` and return its path.
+
+    Call on every rank: weights are gathered collectively, each rank saves its RNG state, and
+    the main process writes the rest. The optimizer state saved is the main process's, which is
+    the full state under DDP (sharded ZeRO / FSDP optimizer states are not handled here).
+    `save_total_limit` keeps only that many newest checkpoints (None: keep all).
+    """
+    if save_total_limit is not None and save_total_limit < 1:
+        raise ValueError(f"save_total_limit={save_total_limit} must be >= 1 or None.")
+    for key in models:
+        if not key or "/" in key or key.startswith(".") or key == "tokenizer":
+            raise ValueError(f"model name {key!r} cannot be used as a checkpoint folder name.")
+    output_dir = Path(output_dir)
+    main = distributed.is_main(accelerator)
+    final = output_dir / f"{CHECKPOINT_PREFIX}{step}"
+
+    tmp_name = None
+    if main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        _remove_tmp_dirs(output_dir)
+        tmp_name = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{CHECKPOINT_PREFIX}{step}-", dir=output_dir)
+        tmp_name = Path(tmp_name).name
+    # The other ranks write their RNG state into the same temp dir, so they need its name.
+    tmp = output_dir / distributed.broadcast_object(tmp_name, accelerator)
+    try:
+        for key, model in models.items():
+            state_dict = _state_dict_for_saving(model, accelerator)
+            if main:
+                _save_model(model, tmp / key, state_dict, accelerator)
+        if main:
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp / "tokenizer")
+            if config is not None:
+                _write_json(tmp / CONFIG_NAME, config_to_dict(config))
+            if optimizer is not None:
+                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            if scheduler is not None:
+                torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            _save_trainer_state(tmp, {"step": step, **dict(trainer_state or {})})
+        rank = distributed.process_index(accelerator)
+        torch.save(_rng_state(), tmp / f"rng_state_{rank}.pt")
+        distributed.wait_for_everyone(accelerator)
+        if main:
+            _write_json(tmp / COMPLETE_MARKER, {"step": step, "models": list(models)})
+            _fsync_tree(tmp)
+            _replace_dir(tmp, final)
+            _fsync_path(output_dir)
+            if save_total_limit is not None:
+                _rotate(output_dir, save_total_limit, keep=final)
+    except BaseException:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    distributed.wait_for_everyone(accelerator)
+    return final
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    models: Mapping[str, nn.Module],
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    restore_rng: bool = True,
+    map_location: str = "cpu",
+    accelerator: Accelerator | None = None,
+) -> dict[str, Any]:
+    """Load a checkpoint into the given objects in place and return its trainer_state.
+
+    Load into models before `accelerator.prepare` under ZeRO-3 / FSDP (sharded parameters
+    cannot take a full state dict). Each rank restores its own RNG state; after a change in
+    world size, ranks without a saved state take rank 0's.
+    """
+    path = Path(path)
+    if not is_complete(path):
+        raise CheckpointError(
+            f"{path} is not a complete posttrain checkpoint (no {COMPLETE_MARKER}); "
+            "use resolve_checkpoint to find the newest complete one."
+        )
+    for key, model in models.items():
+        _load_model(model, path / key, map_location, accelerator)
+    for name, target in (("optimizer.pt", optimizer), ("scheduler.pt", scheduler)):
+        if target is None:
+            continue
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(
+                f"{file} is missing: the checkpoint was saved without it, so this run's "
+                f"{name.removesuffix('.pt')} cannot resume exactly."
+            )
+        target.load_state_dict(torch.load(file, map_location=map_location, weights_only=True))
+    if restore_rng:
+        rng_file = path / f"rng_state_{distributed.process_index(accelerator)}.pt"
+        if not rng_file.is_file():
+            rng_file = path / "rng_state_0.pt"
+        if rng_file.is_file():
+            _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+    return _load_trainer_state(path, map_location)
+
+
+def save_final(
+    output_dir: str | os.PathLike,
+    model: nn.Module,
+    tokenizer: Any = None,
+    config: Any = None,
+    extra_models: Mapping[str, nn.Module] | None = None,
+    accelerator: Accelerator | None = None,
+) -> Path:
+    """Save the trained model at the top of `output_dir` (loadable with plain
+    `AutoModel*.from_pretrained(output_dir)`), its tokenizer, `posttrain_config.json`, and
+    `extra_models` (e.g. {"value_model": critic}) in subfolders.
+
+    Files are written to a temp dir first and then moved in, config.json last, so a crash
+    mid-save never leaves weights next to a config describing something else.
+    """
+    output_dir = Path(output_dir)
+    main = distributed.is_main(accelerator)
+    all_models = {"": model, **dict(extra_models or {})}
+    state_dicts = {key: _state_dict_for_saving(m, accelerator) for key, m in all_models.items()}
+    if main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}final-", dir=output_dir))
+        try:
+            for key, m in all_models.items():
+                _save_model(m, tmp / key if key else tmp, state_dicts[key], accelerator)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            if config is not None:
+                _write_json(tmp / CONFIG_NAME, config_to_dict(config))
+            _fsync_tree(tmp)
+            new_names = {entry.name for entry in tmp.iterdir()}
+            for stale in output_dir.iterdir():
+                if stale.is_file() and _WEIGHT_FILE_RE.match(stale.name) and stale.name not in new_names:
+                    stale.unlink()
+            entries = sorted(tmp.iterdir(), key=lambda e: (e.name == "config.json", e.name))
+            for entry in entries:
+                target = output_dir / entry.name
+                if entry.is_dir():
+                    _replace_dir(entry, target)
+                else:
+                    os.replace(entry, target)
+            _fsync_path(output_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    distributed.wait_for_everyone(accelerator)
+    return output_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# Output directory ownership
+
+
+def has_output(output_dir: str | os.PathLike) -> bool:
+    """True when `output_dir` holds something worth keeping: a complete checkpoint, saved
+    weights, or logged metrics (kept so a crashed run can be diagnosed)."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return False
+    if list_checkpoints(root):
+        return True
+    for entry in root.iterdir():
+        if entry.is_file() and _WEIGHT_FILE_RE.match(entry.name):
+            return True
+    metrics = root / "metrics.jsonl"
+    return metrics.is_file() and metrics.stat().st_size > 0
+
+
+class OutputDirGuard:
+    """Context manager around a training run: on failure it removes the temp dirs of an
+    interrupted save, and removes `output_dir` entirely if this run created it and nothing
+    worth keeping was written yet. A directory that existed before the run is never deleted.
+
+        with OutputDirGuard(config.output_dir, is_main=distributed.is_main(accelerator)):
+            trainer.train()
+    """
+
+    def __init__(self, output_dir: str | os.PathLike, is_main: bool = True) -> None:
+        self.output_dir = Path(output_dir)
+        self.is_main = is_main
+        self.created = False
+
+    def __enter__(self) -> OutputDirGuard:
+        if self.output_dir.exists() and not self.output_dir.is_dir():
+            raise NotADirectoryError(
+                f"output_dir={os.fspath(self.output_dir)!r} is a file; pass a directory path."
+            )
+        self.created = not self.output_dir.exists()
+        if self.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None or not self.is_main:
+            return False
+        _remove_tmp_dirs(self.output_dir)
+        if self.created and self.output_dir.is_dir() and not has_output(self.output_dir):
+            shutil.rmtree(self.output_dir, ignore_errors=True)
+        return False

@@ -1,0 +1,164 @@
+"""The thin layer over accelerate: the only module that knows about ranks.
+
+Trainers, tracking and checkpointing call these helpers with an `accelerate.Accelerator` (or
+`None`, meaning "one plain process"), so models and math never import accelerate (DESIGN.md,
+principle 6) and the same trainer runs on 1 CPU, 1 GPU or N GPUs. accelerate, deepspeed and
+friends are imported inside the functions so that `import posttrain` stays light (principle 7).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+MIXED_PRECISION_CHOICES = ("no", "bf16", "fp16")
+
+
+def build_accelerator(
+    gradient_accumulation_steps: int = 1,
+    mixed_precision: str = "no",
+    seed: int | None = None,
+    log_with: str | list[str] | None = None,
+    cpu: bool = False,
+) -> Accelerator:
+    """Create the run's `Accelerator`; the launch environment (accelerate launch, torchrun,
+    DeepSpeed / FSDP configs) decides the distributed type, these arguments only the loop knobs.
+
+    `seed` is applied with `set_seed` after the process group exists, so every rank starts from
+    the same model initialisation and sampling stream unless a caller asks for per-device seeds.
+    """
+    if mixed_precision not in MIXED_PRECISION_CHOICES:
+        raise ValueError(
+            f"mixed_precision={mixed_precision!r} is not supported; "
+            f"use one of {', '.join(MIXED_PRECISION_CHOICES)}."
+        )
+    if gradient_accumulation_steps < 1:
+        raise ValueError(
+            f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1."
+        )
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        mixed_precision=mixed_precision,
+        log_with=log_with,
+        cpu=cpu,
+    )
+    if seed is not None:
+        set_seed(seed)
+    return accelerator
+
+
+def world_size(accelerator: Accelerator | None) -> int:
+    """Number of processes taking part in the run (1 without an accelerator)."""
+    return 1 if accelerator is None else accelerator.num_processes
+
+
+def process_index(accelerator: Accelerator | None) -> int:
+    """Global rank of this process (0 without an accelerator)."""
+    return 0 if accelerator is None else accelerator.process_index
+
+
+def is_main(accelerator: Accelerator | None) -> bool:
+    """True on the one process that writes files and prints (global rank 0)."""
+    return True if accelerator is None else accelerator.is_main_process
+
+
+def device(accelerator: Accelerator | None) -> torch.device:
+    """The device this process computes on (CPU without an accelerator)."""
+    return torch.device("cpu") if accelerator is None else accelerator.device
+
+
+def reduce_sum(tensor: torch.Tensor, accelerator: Accelerator | None) -> torch.Tensor:
+    """Element-wise sum of `tensor` over all ranks (a copy; the input is left untouched)."""
+    if world_size(accelerator) == 1:
+        return tensor.clone()
+    return accelerator.reduce(tensor, reduction="sum")
+
+
+def gather(tensor: torch.Tensor, accelerator: Accelerator | None) -> torch.Tensor:
+    """Concatenate `tensor` from all ranks along dim 0 (rank order)."""
+    if world_size(accelerator) == 1:
+        return tensor
+    return accelerator.gather(tensor)
+
+
+def broadcast_object(obj: Any, accelerator: Accelerator | None, from_process: int = 0) -> Any:
+    """Send a picklable object from `from_process` to every rank; returns the received copy."""
+    if world_size(accelerator) == 1:
+        return obj
+    from accelerate.utils import broadcast_object_list
+
+    box = [obj]
+    broadcast_object_list(box, from_process=from_process)
+    return box[0]
+
+
+def wait_for_everyone(accelerator: Accelerator | None) -> None:
+    """Barrier across ranks; a no-op for one process."""
+    if world_size(accelerator) > 1:
+        accelerator.wait_for_everyone()
+
+
+def unwrap(model: nn.Module, accelerator: Accelerator | None) -> nn.Module:
+    """The bare model under DDP / DeepSpeed / FSDP / torch.compile wrappers."""
+    if accelerator is not None:
+        return accelerator.unwrap_model(model)
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model)
+
+
+def _is_deepspeed_zero3(accelerator: Accelerator | None) -> bool:
+    if accelerator is None:
+        return False
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
+
+
+@contextlib.contextmanager
+def unwrap_for_generation(
+    model: nn.Module, accelerator: Accelerator | None, gather_deepspeed3_params: bool = True
+) -> Iterator[nn.Module]:
+    """Yield a model that can run `generate`-style token-by-token forwards.
+
+    Under DDP the wrapper only adds gradient synchronisation, so the bare module is enough.
+    Under DeepSpeed ZeRO-3 every forward would all-gather each layer's shards again, which for
+    hundreds of decoding steps dominates the rollout; gathering the full parameters once for the
+    whole generation (as TRL's `unwrap_model_for_generation` does) trades memory for that time.
+    `gather_deepspeed3_params=False` keeps the sharded path for models too big to gather.
+    """
+    unwrapped = unwrap(model, accelerator)
+    if not (_is_deepspeed_zero3(accelerator) and gather_deepspeed3_params):
+        yield unwrapped
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        yield unwrapped
+
+
+def set_seed(seed: int, device_specific: bool = False) -> None:
+    """Seed python `random`, numpy, torch and CUDA; `device_specific` adds the rank so ranks
+    draw different samples (used for sampling, never for model initialisation)."""
+    from accelerate.utils import set_seed as accelerate_set_seed
+
+    accelerate_set_seed(seed, device_specific=device_specific)
+
+
+@contextlib.contextmanager
+def main_process_first(accelerator: Accelerator | None) -> Iterator[None]:
+    """Run the body on the main process first, then on the others (dataset preprocessing
+    and downloads fill caches once instead of racing on them)."""
+    if accelerator is None:
+        yield
+        return
+    with accelerator.main_process_first():
+        yield

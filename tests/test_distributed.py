@@ -1,0 +1,68 @@
+import pytest
+import torch
+
+from posttrain import distributed
+from posttrain.tracking import MetricAccumulator
+
+
+@pytest.fixture
+def accelerator():
+    from accelerate.state import AcceleratorState, GradientState
+
+    acc = distributed.build_accelerator(gradient_accumulation_steps=2, cpu=True, seed=3)
+    yield acc
+    # Accelerator state is a process-wide singleton; reset so other tests build their own.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def test_single_process_helpers(accelerator):
+    assert distributed.world_size(accelerator) == 1
+    assert distributed.process_index(accelerator) == 0
+    assert distributed.is_main(accelerator)
+    assert accelerator.gradient_accumulation_steps == 2
+    t = torch.tensor([1.0, 2.0])
+    summed = distributed.reduce_sum(t, accelerator)
+    assert torch.equal(summed, t) and summed is not t
+    assert torch.equal(distributed.gather(t, accelerator), t)
+    assert distributed.broadcast_object({"a": 1}, accelerator) == {"a": 1}
+    distributed.wait_for_everyone(accelerator)
+    with distributed.main_process_first(accelerator):
+        pass
+
+
+def test_without_accelerator_is_one_process():
+    assert distributed.world_size(None) == 1 and distributed.is_main(None)
+    assert distributed.device(None) == torch.device("cpu")
+    t = torch.tensor([3.0])
+    assert torch.equal(distributed.reduce_sum(t, None), t)
+    with distributed.main_process_first(None):
+        pass
+
+
+def test_unwrap_and_unwrap_for_generation(accelerator):
+    model = torch.nn.Linear(2, 2)
+    prepared = accelerator.prepare(model)
+    assert distributed.unwrap(prepared, accelerator) is model
+    with distributed.unwrap_for_generation(prepared, accelerator) as bare:
+        assert bare is model
+    assert distributed.unwrap(model, None) is model
+
+
+def test_accumulator_reduce_through_accelerator(accelerator):
+    acc = MetricAccumulator()
+    acc.add_mean("m", torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1, 1, 0]))  # (1 + 2) / 2
+    acc.add_sum("s", torch.tensor(4))
+    assert acc.reduce(accelerator) == pytest.approx({"m": 1.5, "s": 4.0})
+
+
+def test_set_seed_is_reproducible():
+    distributed.set_seed(7)
+    a = torch.rand(3)
+    distributed.set_seed(7)
+    assert torch.equal(a, torch.rand(3))
+
+
+def test_bad_mixed_precision_is_a_clear_error():
+    with pytest.raises(ValueError, match="mixed_precision='fp8'"):
+        distributed.build_accelerator(mixed_precision="fp8", cpu=True)
