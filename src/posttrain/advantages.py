@@ -27,7 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from posttrain.ops import DEFAULT_CHUNK_TOKENS, masked_whiten
+from posttrain.ops import DEFAULT_CHUNK_TOKENS, chunk_rows, masked_whiten
 
 # Names accepted by `kl_penalty`. "kl"/"mse" are TRL OLD_STEP's names, "k1"/"k2"/"k3" Schulman's;
 # each pair of aliases computes the same thing.
@@ -84,7 +84,7 @@ def full_kl(
     ref_logits: torch.Tensor,
     mask: torch.Tensor | None = None,
     temperature: float = 1.0,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
 ) -> torch.Tensor:
     """Exact per-position KL(p‖p_ref) = Σ_v p_v·(log p_v − log p_ref,v), p = softmax(logits / temperature).
 
@@ -99,6 +99,7 @@ def full_kl(
     flat = logits.reshape(-1, logits.size(-1))
     ref_flat = ref_logits.reshape(-1, ref_logits.size(-1))
     out = []
+    chunk_tokens = chunk_rows(flat.size(-1), chunk_tokens)
     for start in range(0, flat.size(0), chunk_tokens):
         block = flat[start : start + chunk_tokens].float()
         ref_block = ref_flat[start : start + chunk_tokens].float()

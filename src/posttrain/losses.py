@@ -311,7 +311,7 @@ def chunked_nll(
     labels: torch.Tensor,
     ignore_index: int = -100,
     normalizer: Normalizer = None,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Next-token NLL: Σ_{labels ≠ ignore} −log softmax(logits)[label] / normalizer.
 

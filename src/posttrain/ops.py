@@ -11,10 +11,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Rows of (tokens x vocab) processed at once by the chunked log-softmax. 4096 rows of a 150k vocab
-# in float32 is 2.4 GB, so callers with huge vocabularies can lower it; 1024 keeps peak memory small
-# while staying vectorised.
-DEFAULT_CHUNK_TOKENS = 1024
+# The chunked log-softmax works on blocks of (rows x vocab) float32 values of at most this many
+# elements (16 MiB): with a 150k vocabulary that is 27 token positions per block, with a 6.8k
+# vocabulary 615 — bounded memory whatever the vocabulary, while staying vectorised.
+DEFAULT_CHUNK_ELEMENTS = 1 << 22
+DEFAULT_CHUNK_TOKENS = None  # None: derive the rows per block from DEFAULT_CHUNK_ELEMENTS
+
+
+def chunk_rows(vocab: int, chunk_tokens: int | None) -> int:
+    if chunk_tokens is not None:
+        return max(1, int(chunk_tokens))
+    return max(1, DEFAULT_CHUNK_ELEMENTS // max(vocab, 1))
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -88,17 +95,18 @@ def selective_log_softmax(
     logits: torch.Tensor,
     index: torch.Tensor,
     temperature: float = 1.0,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
 ) -> torch.Tensor:
     """log softmax(logits / temperature)[index] for each position, computed in chunks of rows.
 
     logits: (..., V) any float dtype; index: (...) token ids. Returns float32 (...).
-    Only a (chunk_tokens, V) float32 block is alive at a time, so a (B, T, V) float32 log-softmax is
+    Only a (chunk_tokens, V) float32 block (by default ~16 MiB) is alive at a time, so a (B, T, V) float32 log-softmax is
     never built whole. Gradients flow through (used with grad in the policy update).
     The same temperature must be used here as in sampling so train-time logprobs match rollout
     logprobs ("N implementation details of RLHF with PPO", detail on temperature).
     """
     flat, lead = _rows(logits)
+    chunk_tokens = chunk_rows(flat.size(-1), chunk_tokens)
     idx = index.reshape(-1)
     out = []
     for start in range(0, flat.size(0), chunk_tokens):
@@ -113,10 +121,11 @@ def selective_log_softmax(
 
 
 def entropy_from_logits(
-    logits: torch.Tensor, temperature: float = 1.0, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    logits: torch.Tensor, temperature: float = 1.0, chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS
 ) -> torch.Tensor:
     """Entropy −Σ_v p_v log p_v of softmax(logits / temperature) per position, in chunks. float32 (...)."""
     flat, lead = _rows(logits)
+    chunk_tokens = chunk_rows(flat.size(-1), chunk_tokens)
     out = []
     for start in range(0, flat.size(0), chunk_tokens):
         block = flat[start : start + chunk_tokens].float()
@@ -133,10 +142,11 @@ def logprobs_and_entropy(
     logits: torch.Tensor,
     index: torch.Tensor,
     temperature: float = 1.0,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both selected-token logprobs and entropy from one chunked log-softmax pass (float32 each)."""
     flat, lead = _rows(logits)
+    chunk_tokens = chunk_rows(flat.size(-1), chunk_tokens)
     idx = index.reshape(-1)
     lps, ents = [], []
     for start in range(0, flat.size(0), chunk_tokens):

@@ -392,7 +392,7 @@ class OnlineRun:
         if path is None:
             return {}
         unwrapped = {k: dist.unwrap(m, self.accelerator) for k, m in models.items()}
-        state = ckpt.load_checkpoint(path, models=unwrapped, optimizer=optimizer, scheduler=scheduler)
+        state = ckpt.load_checkpoint(path, models=unwrapped, optimizer=optimizer, scheduler=scheduler, accelerator=self.accelerator)
         run = state.pop("run")
         self.state = RunState(update=run["update"], episode=run["episode"], optimizer_steps=run["optimizer_steps"])
         self.prompts.load_state_dict(state.pop("prompts"))
@@ -403,14 +403,15 @@ class OnlineRun:
         return state
 
     def finish(self, model: nn.Module, extra_models: dict[str, nn.Module] | None = None) -> None:
-        """Save the trained policy (and e.g. the critic) where plain transformers can load it."""
+        """Save the trained policy (and e.g. the critic) where plain transformers can load it.
+        Called on every rank: under ZeRO-3 / FSDP the full weights are gathered collectively."""
         dist.wait_for_everyone(self.accelerator)
-        if self.is_main:
-            ckpt.save_final(
-                self.config.output_dir, dist.unwrap(model, self.accelerator), tokenizer=self.tokenizer,
-                config=self.config.to_dict(),
-                extra_models={k: dist.unwrap(m, self.accelerator) for k, m in (extra_models or {}).items()},
-            )
+        ckpt.save_final(
+            self.config.output_dir, dist.unwrap(model, self.accelerator), tokenizer=self.tokenizer,
+            config=self.config.to_dict(),
+            extra_models={k: dist.unwrap(m, self.accelerator) for k, m in (extra_models or {}).items()},
+            accelerator=self.accelerator,
+        )
         self.tracker.close()
 
 

@@ -1,0 +1,444 @@
+"""The one generation engine shared by every online trainer (PPO, RLOO, GRPO, Online DPO, XPO).
+
+`generate(model, prompt_ids, prompt_mask, sampling, ...)` samples completions for left-padded prompts
+with the model's KV cache and returns a `Rollout`. The EOS/stop contract (docs/internals.md, and the
+TRL bugs in trl-notes §3.3, §13–15 that it fixes):
+
+- each row stops at the first sampled id in `sampling.stop_token_ids`; the stop token is kept and
+  counted, every position after it holds `pad_token_id` and is False in `completion_mask`;
+- the decode loop ends as soon as every row has stopped, never forced to `max_new_tokens`
+  (TRL#2387 ran every rollout to the maximum; DeepSpeed-Chat passed min_length = max_length,
+  DeepSpeedExamples#539 — peers-notes §3.2);
+- masks come from lengths, never from `ids == pad`, so pad == eos is safe (TRL PR #5303 review,
+  DeepSpeed-Chat PR#672);
+- `ended` says whether a row stopped on a stop token, judged on the completion only (TRL#6805
+  searched prompt + completion for EOS).
+
+Recorded log-probabilities are log softmax(logits / temperature) of the sampled token under the FULL
+temperature-scaled distribution, before top-k / top-p filtering. That is the distribution the
+trainer recomputes (scoring.completion_logprobs applies only the temperature), so at the first PPO
+epoch ratio = 1 exactly up to float error. With top-k / top-p the recorded logprob therefore is not
+the probability of the filtered sampler; this is the same convention as TRL and the "N
+implementation details of RLHF with PPO" (temperature is applied, truncation is not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from posttrain.ops import lengths_to_mask
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How completions are sampled.
+
+    temperature 0 or do_sample=False means greedy decoding. top_k = 0 and top_p = 1.0 disable those
+    filters. stop_token_ids: ids at which a row stops (usually the EOS id, plus e.g. an
+    end-of-turn id); empty means every row runs to max_new_tokens.
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    do_sample: bool = True
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+        ids = self.stop_token_ids
+        if isinstance(ids, int):
+            ids = (ids,)
+        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids if i is not None))
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature under which logprobs are recorded (and must be recomputed): the sampling
+        temperature, or 1.0 for temperature-0 greedy decoding where logits / 0 is undefined."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+@dataclass
+class Rollout:
+    """Prompts and sampled completions, row-aligned.
+
+    prompt_ids (B, P) left-padded; completion_ids (B, T) right-padded with pad_token_id;
+    completion_mask True on real completion tokens (stop token included); completion_lengths (B,);
+    ended (B,) True where the row stopped on a stop token; logprobs / entropy (B, T) float32 under
+    the sampling temperature, 0 off-mask, or None when not recorded.
+    """
+
+    prompt_ids: torch.Tensor  # (B, P)
+    prompt_mask: torch.Tensor  # (B, P) bool
+    completion_ids: torch.Tensor  # (B, T)
+    completion_mask: torch.Tensor  # (B, T) bool
+    completion_lengths: torch.Tensor  # (B,)
+    ended: torch.Tensor  # (B,) bool
+    logprobs: torch.Tensor | None  # (B, T) float32
+    entropy: torch.Tensor | None  # (B, T) float32
+    pad_token_id: int
+
+    def __len__(self) -> int:
+        return self.prompt_ids.size(0)
+
+    @property
+    def sequence_ids(self) -> torch.Tensor:  # (B, P + T)
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    @property
+    def sequence_mask(self) -> torch.Tensor:  # (B, P + T) bool
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+    @property
+    def position_ids(self) -> torch.Tensor:  # (B, P + T)
+        """cumsum(mask) − 1 clamped at 0: real tokens get 0, 1, 2, … whatever the left padding,
+        matching the positions used during generation."""
+        return position_ids_from_mask(self.sequence_mask)
+
+    def select(self, idx: torch.Tensor | Sequence[int] | slice) -> Rollout:
+        """Rows `idx` (tensor, list or slice); T is kept so per-token tensors of the batch still align."""
+        if not isinstance(idx, slice):
+            idx = torch.as_tensor(idx, dtype=torch.long, device=self.prompt_ids.device)
+        return self._map(lambda t: t[idx])
+
+    def to(self, device: torch.device | str) -> Rollout:
+        return self._map(lambda t: t.to(device))
+
+    def _map(self, fn: Any) -> Rollout:
+        kwargs = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kwargs[f.name] = fn(value) if isinstance(value, torch.Tensor) else value
+        return Rollout(**kwargs)
+
+    @staticmethod
+    def cat(rollouts: Sequence[Rollout]) -> Rollout:
+        """Concatenate rows; prompts are re-left-padded to the longest P and completions
+        re-right-padded to the longest T (with pad_token_id, mask False, logprobs 0)."""
+        if not rollouts:
+            raise ValueError("Rollout.cat needs at least one rollout")
+        pad = rollouts[0].pad_token_id
+        if any(r.pad_token_id != pad for r in rollouts):
+            raise ValueError(f"cannot concatenate rollouts with different pad_token_id: {[r.pad_token_id for r in rollouts]}")
+        P = max(r.prompt_ids.size(1) for r in rollouts)
+        T = max(r.completion_ids.size(1) for r in rollouts)
+
+        def left(t: torch.Tensor, value: Any) -> torch.Tensor:
+            return F.pad(t, (P - t.size(1), 0), value=value)
+
+        def right(t: torch.Tensor, value: Any) -> torch.Tensor:
+            return F.pad(t, (0, T - t.size(1)), value=value)
+
+        def cat_optional(name: str) -> torch.Tensor | None:
+            values = [getattr(r, name) for r in rollouts]
+            if any(v is None for v in values):
+                return None
+            return torch.cat([right(v, 0.0) for v in values])
+
+        return Rollout(
+            prompt_ids=torch.cat([left(r.prompt_ids, pad) for r in rollouts]),
+            prompt_mask=torch.cat([left(r.prompt_mask, False) for r in rollouts]),
+            completion_ids=torch.cat([right(r.completion_ids, pad) for r in rollouts]),
+            completion_mask=torch.cat([right(r.completion_mask, False) for r in rollouts]),
+            completion_lengths=torch.cat([r.completion_lengths for r in rollouts]),
+            ended=torch.cat([r.ended for r in rollouts]),
+            logprobs=cat_optional("logprobs"),
+            entropy=cat_optional("entropy"),
+            pad_token_id=pad,
+        )
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids for a padded batch: cumsum(mask) − 1, clamped at 0 on leading pads."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose forward signature tells what it accepts (DDP keeps it at .module, PEFT
+    behind get_base_model())."""
+    model = getattr(model, "module", model)
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (transformers ≥ 4.50 causal LMs): then the
+    LM head runs only on the positions we need (trl-notes §13)."""
+    try:
+        params = inspect.signature(_unwrap(model).forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "logits_to_keep" in params
+
+
+@contextlib.contextmanager
+def generation_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Eval mode and no gradient checkpointing for the duration of generation, restored exactly after.
+
+    Gradient checkpointing is switched off through the per-module `gradient_checkpointing` flag
+    (the one transformers layers read), so the checkpoint function and its kwargs survive; TRL's
+    `unwrap_model_for_generation` does the same disable/restore (trl-notes §13). Each module's own
+    training flag is restored, so modules a caller deliberately left in eval stay in eval.
+    """
+    modules = list(model.modules())
+    training = [m.training for m in modules]
+    checkpointing = [m for m in modules if getattr(m, "gradient_checkpointing", False) is True]
+    for m in checkpointing:
+        m.gradient_checkpointing = False
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, was_training in zip(modules, training):
+            m.training = was_training
+        for m in checkpointing:
+            m.gradient_checkpointing = True
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row of (B, V) probabilities (rows need not sum exactly to 1) by inverse CDF.
+
+    Needs B uniform numbers instead of B·V: torch.multinomial (and the exponential-race trick) draw
+    one random number per vocabulary entry, which measured 2.2 ms for a (16, 6815) batch on CPU
+    against 0.06 ms here — most of a tiny model's decode step. Zero-probability tokens are never
+    picked (`right=True` needs cdf[i] > u ≥ cdf[i−1]).
+    """
+    cdf = probs.cumsum(-1)
+    u = torch.rand(probs.size(0), 1, generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.size(-1) - 1)
+
+
+def _make_sampler(sampling: SamplingConfig, generator: torch.Generator | None, return_logprobs: bool, return_entropy: bool):
+    """Returns fn(logits (B, V)) -> (tokens (B,), logprobs (B,) | None, entropy (B,) | None).
+
+    Chosen once so the decode loop does no per-step branching. One float32 (B, V) log-softmax per
+    step is the only full-vocab copy on the plain sampling path; probabilities for the sampler are
+    its exp(), shared with the entropy.
+    """
+    temp = sampling.logprob_temperature
+    top_k, top_p = sampling.top_k, sampling.top_p
+
+    def scaled_logp(logits: torch.Tensor) -> torch.Tensor:
+        x = logits.float()
+        if temp != 1.0:
+            x = x / temp
+        return torch.log_softmax(x, dim=-1)
+
+    def stats(logp: torch.Tensor, tok: torch.Tensor, probs: torch.Tensor | None = None):
+        lp = logp.gather(-1, tok[:, None]).squeeze(-1) if return_logprobs else None
+        ent = None
+        if return_entropy:
+            probs = logp.exp() if probs is None else probs
+            ent = -(probs * logp).sum(-1)
+        return lp, ent
+
+    if sampling.greedy:
+
+        def greedy(logits: torch.Tensor):
+            tok = logits.argmax(-1)
+            if not (return_logprobs or return_entropy):
+                return tok, None, None
+            logp = scaled_logp(logits)
+            return (tok, *stats(logp, tok))
+
+        return greedy
+
+    if top_k == 0 and top_p >= 1.0:
+
+        def plain(logits: torch.Tensor):
+            logp = scaled_logp(logits)
+            probs = logp.exp()
+            tok = sample_from_probs(probs, generator)
+            return (tok, *stats(logp, tok, probs))
+
+        return plain
+
+    def filtered(logits: torch.Tensor):
+        logp = scaled_logp(logits)
+        # Filtering works on log-probs: they order the vocabulary like the scaled logits and the
+        # softmax over any subset of them is the renormalised filtered distribution (HF applies
+        # temperature, then top-k, then top-p — same order here).
+        if top_k > 0:
+            cand, cand_idx = torch.topk(logp, min(top_k, logp.size(-1)), dim=-1)  # sorted, descending
+        else:
+            cand, cand_idx = torch.sort(logp, dim=-1, descending=True)
+        if top_p < 1.0:
+            p = torch.softmax(cand, dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before
+            # it already does (the most likely token is always kept).
+            drop = (p.cumsum(-1) - p) >= top_p
+            cand = cand.masked_fill(drop, float("-inf"))
+        pick = sample_from_probs(torch.softmax(cand, dim=-1), generator)
+        tok = cand_idx.gather(-1, pick[:, None]).squeeze(-1)
+        return (tok, *stats(logp, tok))
+
+    return filtered
+
+
+@torch.no_grad()
+def _generate_chunk(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    sampling: SamplingConfig,
+    pad_token_id: int,
+    sampler: Any,
+    keep_kwargs: dict[str, int],
+    return_logprobs: bool,
+    return_entropy: bool,
+) -> Rollout:
+    B, P = prompt_ids.shape
+    device = prompt_ids.device
+    max_new = sampling.max_new_tokens
+    prompt_lengths = prompt_mask.sum(-1)
+
+    # One preallocated attention mask whose growing prefix is passed each step (a view, no cat).
+    # Columns after the prompt stay 1 even after a row stops: a stopped row's later tokens are
+    # discarded, so what it attends to does not matter, and live rows never see other rows.
+    attention = torch.ones(B, P + max_new, dtype=torch.long, device=device)
+    attention[:, :P] = prompt_mask
+    positions = prompt_lengths[:, None] + torch.arange(max_new, device=device)  # (B, max_new)
+    # Masked prompt slots get id 0: an out-of-vocabulary pad (TRL examples add [PAD] without
+    # resizing embeddings) must never reach the embedding; masked ids do not affect real tokens.
+    input_ids = prompt_ids.masked_fill(~prompt_mask, 0)
+    position_ids = position_ids_from_mask(prompt_mask)
+
+    completion = torch.full((B, max_new), pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(B, max_new, dtype=torch.float32, device=device) if return_logprobs else None
+    entropy = torch.zeros(B, max_new, dtype=torch.float32, device=device) if return_entropy else None
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    lengths = torch.zeros(B, dtype=torch.long, device=device)
+    stop_ids = sampling.stop_token_ids
+    stop_tensor = torch.tensor(stop_ids, dtype=torch.long, device=device) if len(stop_ids) > 1 else None
+
+    past = None
+    steps = 0
+    for t in range(max_new):
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention[:, : P + t],
+            position_ids=position_ids,
+            past_key_values=past,
+            use_cache=True,
+            **keep_kwargs,
+        )
+        past = out.past_key_values
+        tok, lp, ent = sampler(out.logits[:, -1, :])
+        steps = t + 1
+        completion[:, t] = tok.masked_fill(finished, pad_token_id)
+        if logprobs is not None:
+            logprobs[:, t] = lp.masked_fill(finished, 0.0)
+        if entropy is not None:
+            entropy[:, t] = ent.masked_fill(finished, 0.0)
+        lengths += ~finished
+        if stop_ids:
+            hit = tok == stop_ids[0] if stop_tensor is None else torch.isin(tok, stop_tensor)
+            finished |= hit
+            # The only host sync per step; without stop tokens there is nothing to wait for.
+            if bool(finished.all()):
+                break
+        # The sampled token (not pad) is fed even for stopped rows: it is always a valid id.
+        input_ids = tok[:, None]
+        position_ids = positions[:, t : t + 1]
+
+    completion_ids = completion[:, :steps]
+    # A row ended on a stop token iff it finished; length counts the stop token.
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=lengths_to_mask(lengths, steps),
+        completion_lengths=lengths,
+        ended=finished,
+        logprobs=logprobs[:, :steps] if logprobs is not None else None,
+        entropy=entropy[:, :steps] if entropy is not None else None,
+        pad_token_id=pad_token_id,
+    )
+
+
+def generate(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    sampling: SamplingConfig,
+    *,
+    pad_token_id: int,
+    num_samples: int = 1,
+    batch_size: int | None = None,
+    generator: torch.Generator | None = None,
+    return_logprobs: bool = True,
+    return_entropy: bool = False,
+) -> Rollout:
+    """Sample completions for left-padded prompts (B, P) and return a `Rollout` of B·num_samples rows.
+
+    Rows are prompt-major: row = prompt_index * num_samples + sample_index. Generation runs in
+    chunks of `batch_size` rows (local_rollout_forward_batch_size; None = all at once), each chunk
+    ending as soon as all its rows stopped. `generator` makes sampling reproducible (it must live on
+    the model's device); the same generator state gives the same tokens for the same chunking.
+    Call inside `generation_mode(model)` to get eval mode without gradient checkpointing.
+    """
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if prompt_ids.dim() != 2 or prompt_ids.shape != prompt_mask.shape:
+        raise ValueError(f"prompt_ids and prompt_mask must both be (B, P), got {tuple(prompt_ids.shape)} and {tuple(prompt_mask.shape)}")
+    device = next(model.parameters()).device
+    prompt_ids = prompt_ids.to(device=device, dtype=torch.long)
+    prompt_mask = prompt_mask.to(device=device, dtype=torch.bool)
+    if prompt_ids.size(1) == 0 or not bool(prompt_mask[:, -1].all()):
+        raise ValueError(
+            "prompts must be left-padded with at least one real token each (prompt_mask[:, -1] all True); "
+            "use a left-padding collator (data.PromptCollator) and give empty prompts a BOS token"
+        )
+    if num_samples > 1:
+        prompt_ids = prompt_ids.repeat_interleave(num_samples, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
+
+    sampler = _make_sampler(sampling, generator, return_logprobs, return_entropy)
+    keep_kwargs = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
+    n = prompt_ids.size(0)
+    step = n if batch_size is None else batch_size
+    if step < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    chunks = [
+        _generate_chunk(
+            model, prompt_ids[s : s + step], prompt_mask[s : s + step], sampling, pad_token_id,
+            sampler, keep_kwargs, return_logprobs, return_entropy,
+        )
+        for s in range(0, n, step)
+    ]
+    return chunks[0] if len(chunks) == 1 else Rollout.cat(chunks)
+
+
+def decode_prompts(tokenizer: Any, rollout: Rollout, skip_special_tokens: bool = True) -> list[str]:
+    """Prompt texts, from the real (mask True) prompt tokens of each row."""
+    return [
+        tokenizer.decode(ids[mask].tolist(), skip_special_tokens=skip_special_tokens)
+        for ids, mask in zip(rollout.prompt_ids.cpu(), rollout.prompt_mask.cpu())
+    ]
+
+
+def decode_completions(tokenizer: Any, rollout: Rollout, skip_special_tokens: bool = True) -> list[str]:
+    """Completion texts, cut at each row's length (so pad == eos never truncates early or leaks pads)."""
+    return [
+        tokenizer.decode(ids[:n].tolist(), skip_special_tokens=skip_special_tokens)
+        for ids, n in zip(rollout.completion_ids.cpu(), rollout.completion_lengths.cpu().tolist())
+    ]

@@ -1,0 +1,288 @@
+"""Forward passes over a `Rollout`: completion log-probs, values, reward-model scores, and text
+reward functions.
+
+Index conventions (sequence = prompt (P, left-padded) + completion (T, right-padded)):
+- logits at sequence position P−1+t predict completion token t, so with `logits_to_keep=T+1` the
+  model returns exactly positions P−1 … P+T−1 and the LM head never runs on the prompt
+  (trl-notes §13);
+- the value of the state before completion token t is read at position P−1+t;
+- a reward model's score is read at the last real token, P + length − 1: the stop token when the
+  row ended. TRL put the PPO score one slot after EOS (TRL#1893, #3750) and DeepSpeed-Chat's
+  `ends` pointed one past EOS (PR#672, peers-notes §3.2). We index from lengths, never from
+  `ids == pad`, because pad may equal eos.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from posttrain.ops import lengths_to_mask, logprobs_and_entropy, selective_log_softmax
+from posttrain.rollout import Rollout, accepts_logits_to_keep, decode_completions, decode_prompts, position_ids_from_mask
+
+RewardFunction = Callable[..., Sequence[float]]
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _trimmed_inputs(rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """Sequence ids/mask/positions with all-pad prompt columns and all-pad completion columns cut.
+
+    Returns (ids, mask, positions, P', T') with P' + T' columns. Dropping columns that are padding
+    in every row changes no real token's attention or position (positions come from the mask), and
+    a micro-batch of short answers no longer pays for the batch's longest one. Masked ids are
+    replaced by 0 so an out-of-vocabulary pad never reaches an embedding.
+    """
+    P = rollout.prompt_ids.size(1)
+    T = rollout.completion_ids.size(1)
+    longest_prompt = int(rollout.prompt_mask.sum(-1).max()) if len(rollout) else 0
+    longest_completion = int(rollout.completion_lengths.max()) if len(rollout) else 0
+    start = P - max(longest_prompt, 1)
+    end = P + min(longest_completion, T)
+    ids = rollout.sequence_ids[:, start:end]
+    mask = rollout.sequence_mask[:, start:end]
+    return ids.masked_fill(~mask, 0), mask, position_ids_from_mask(mask), P - start, end - P
+
+
+def _lm_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, P: int, T: int) -> torch.Tensor:
+    """Logits (B, T, V) at positions P−1 … P+T−2, i.e. the ones predicting completion tokens 0 … T−1."""
+    if accepts_logits_to_keep(model):
+        # T+1 keeps positions P−1 … P+T−1; the last one predicts past the completion and is dropped.
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=T + 1)
+        return out.logits[:, :T]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+    return out.logits[:, P - 1 : P - 1 + T]
+
+
+def _pad_to(x: torch.Tensor, T: int) -> torch.Tensor:
+    return F.pad(x, (0, T - x.size(1)))
+
+
+def completion_logprobs(
+    model: torch.nn.Module, rollout: Rollout, *, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / temperature)[completion token], (B, T) float32, 0 off-mask; entropy too.
+
+    Differentiable single forward (use it for the policy update). temperature must be the rollout's
+    `SamplingConfig.logprob_temperature` so the result matches the recorded rollout logprobs.
+    """
+    rollout = rollout.to(_device(model))
+    B, T = rollout.completion_ids.shape
+    ids, mask, positions, P, Tc = _trimmed_inputs(rollout)
+    logits = _lm_logits(model, ids, mask, positions, P, Tc)
+    targets = rollout.completion_ids[:, :Tc]
+    cmask = rollout.completion_mask[:, :Tc]
+    if with_entropy:
+        logprobs, entropy = logprobs_and_entropy(logits, targets, temperature)
+        entropy = _pad_to(entropy.masked_fill(~cmask, 0.0), T)
+    else:
+        logprobs, entropy = selective_log_softmax(logits, targets, temperature), None
+    return _pad_to(logprobs.masked_fill(~cmask, 0.0), T), entropy
+
+
+@torch.no_grad()
+def batched_completion_logprobs(
+    model: torch.nn.Module,
+    rollout: Rollout,
+    *,
+    batch_size: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`completion_logprobs` without grad, `batch_size` rows per forward (old / reference logprobs)."""
+    parts = [
+        completion_logprobs(model, rollout.select(slice(s, s + batch_size)), temperature=temperature, with_entropy=with_entropy)
+        for s in range(0, len(rollout), batch_size)
+    ]
+    logprobs = torch.cat([p[0] for p in parts])
+    entropy = torch.cat([p[1] for p in parts]) if with_entropy else None
+    return logprobs, entropy
+
+
+def _backbone_hidden(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Last hidden states (B, L, H) of a model exposing `base_model_prefix` + `score` (a transformers
+    *ForSequenceClassification, or models.CausalLMWithValueHead): the backbone is called directly so
+    the per-token scores are ours to index (HF's own pooling finds the last token via pad ids)."""
+    prefix = getattr(model, "base_model_prefix", None)
+    backbone = getattr(model, prefix, None) if prefix else None
+    if backbone is None or not hasattr(model, "score"):
+        raise TypeError(
+            f"{type(model).__name__} must expose a backbone at `base_model_prefix` and a `score` head "
+            "(a transformers *ForSequenceClassification model or models.CausalLMWithValueHead)"
+        )
+    out = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def _score(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    out = model.score(hidden)
+    if out.size(-1) != 1:
+        raise ValueError(f"{type(model).__name__}.score must output one value per token (num_labels=1), got {out.size(-1)}")
+    return out.squeeze(-1).float()
+
+
+def completion_values(value_model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
+    """V(state before completion token t), (B, T) float32, 0 off-mask; differentiable.
+
+    Read at sequence position P−1+t (the last token the policy had seen when it chose token t); the
+    score head runs only on those positions.
+    """
+    rollout = rollout.to(_device(value_model))
+    T = rollout.completion_ids.size(1)
+    ids, mask, positions, P, Tc = _trimmed_inputs(rollout)
+    hidden = _backbone_hidden(value_model, ids, mask, positions)
+    values = _score(value_model, hidden[:, P - 1 : P - 1 + Tc])
+    return _pad_to(values.masked_fill(~rollout.completion_mask[:, :Tc], 0.0), T)
+
+
+@torch.no_grad()
+def batched_completion_values(value_model: torch.nn.Module, rollout: Rollout, *, batch_size: int) -> torch.Tensor:
+    """`completion_values` without grad, `batch_size` rows per forward."""
+    return torch.cat(
+        [completion_values(value_model, rollout.select(slice(s, s + batch_size))) for s in range(0, len(rollout), batch_size)]
+    )
+
+
+def _same_tokenizer(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    return (
+        a.get_vocab() == b.get_vocab()
+        and a.all_special_tokens == b.all_special_tokens
+        and getattr(a, "bos_token", None) == getattr(b, "bos_token", None)
+    )
+
+
+def _last_token_scores(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Score head at index `last` of each row (B,), backbone over the whole padded row."""
+    hidden = _backbone_hidden(model, ids.masked_fill(~mask, 0), mask, position_ids_from_mask(mask))
+    picked = hidden[torch.arange(ids.size(0), device=ids.device), last]
+    return _score(model, picked[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def reward_model_scores(
+    reward_model: torch.nn.Module,
+    rollout: Rollout,
+    *,
+    batch_size: int,
+    policy_tokenizer: Any = None,
+    reward_tokenizer: Any = None,
+) -> torch.Tensor:
+    """One score per sequence, (B,) float32, read at the last real token (the stop token when present).
+
+    Same tokenizer (or none given): the rollout's token ids are scored directly at index
+    P + completion_length − 1 (P − 1, the last prompt token, for an empty completion). A different
+    `reward_tokenizer`: prompt and completion are decoded with `policy_tokenizer`
+    (skip_special_tokens=True, so the policy's EOS / pads do not leak into the text), concatenated,
+    re-tokenized with the reward model's tokenizer (its own special tokens added), right-padded with 0
+    and scored at the last real token of each row by length (TRL#1979 / #3595 wanted this).
+    """
+    device = _device(reward_model)
+    if reward_tokenizer is not None and (policy_tokenizer is None or not _same_tokenizer(policy_tokenizer, reward_tokenizer)):
+        if policy_tokenizer is None:
+            raise ValueError("reward_model_scores needs policy_tokenizer to decode completions for a different reward_tokenizer")
+        texts = [p + c for p, c in zip(decode_prompts(policy_tokenizer, rollout), decode_completions(policy_tokenizer, rollout))]
+        encoded = reward_tokenizer(texts, add_special_tokens=True)["input_ids"]
+        scores = []
+        for s in range(0, len(texts), batch_size):
+            rows = [torch.tensor(r, dtype=torch.long) for r in encoded[s : s + batch_size]]
+            lengths = torch.tensor([len(r) for r in rows], dtype=torch.long, device=device)
+            if bool((lengths == 0).any()):
+                raise ValueError("reward_tokenizer produced an empty sequence; cannot score it")
+            ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0).to(device)
+            mask = lengths_to_mask(lengths, ids.size(1))
+            scores.append(_last_token_scores(reward_model, ids, mask, lengths - 1))
+        return torch.cat(scores)
+
+    scores = []
+    for s in range(0, len(rollout), batch_size):
+        chunk = rollout.select(slice(s, s + batch_size)).to(device)
+        ids, mask, _, P, _ = _trimmed_inputs(chunk)
+        scores.append(_last_token_scores(reward_model, ids, mask, P + chunk.completion_lengths - 1))
+    return torch.cat(scores)
+
+
+def reward_function_name(func: Callable[..., Any]) -> str:
+    """Name used in errors and metrics (`rewards/<name>`): __name__, or the class name for callables."""
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+def reward_function_matrix(
+    funcs: RewardFunction | Sequence[RewardFunction],
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    *,
+    columns: Mapping[str, Sequence[Any]] | None = None,
+) -> torch.Tensor:
+    """Each function's scores, (B, F) float32, validated.
+
+    Every function is called as f(prompts, completions, **columns) and must return B finite real
+    numbers; anything else (wrong length, None, NaN, inf, non-number) raises ValueError naming the
+    function and the first bad row. TRL's new PPO accepted only nn.Module reward models (TRL#2518).
+    """
+    funcs = [funcs] if callable(funcs) else list(funcs)
+    if not funcs:
+        raise ValueError("at least one reward function is required")
+    B = len(prompts)
+    if len(completions) != B:
+        raise ValueError(f"got {B} prompts but {len(completions)} completions")
+    columns = dict(columns or {})
+    for key, values in columns.items():
+        if len(values) != B:
+            raise ValueError(f"column {key!r} has {len(values)} values for {B} completions (repeat it per sample)")
+    out = torch.empty(B, len(funcs), dtype=torch.float32)
+    for j, func in enumerate(funcs):
+        name = reward_function_name(func)
+        result = func(list(prompts), list(completions), **columns)
+        if isinstance(result, torch.Tensor):
+            result = result.detach().cpu().reshape(-1).tolist()
+        try:
+            n = len(result)
+        except TypeError:
+            raise ValueError(f"reward function {name!r} returned {type(result).__name__}, expected a list of {B} floats") from None
+        if n != B:
+            raise ValueError(f"reward function {name!r} returned {n} values for {B} completions")
+        for i, value in enumerate(result):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+                raise ValueError(
+                    f"reward function {name!r} returned {value!r} at row {i} (completion {str(completions[i])[:80]!r}); "
+                    "every value must be a finite number"
+                )
+            out[i, j] = float(value)
+    return out
+
+
+def reward_function_scores(
+    funcs: RewardFunction | Sequence[RewardFunction],
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    *,
+    weights: Sequence[float] | None = None,
+    columns: Mapping[str, Sequence[Any]] | None = None,
+) -> torch.Tensor:
+    """Σ_j weight_j · f_j(prompts, completions, **columns), (B,) float32 (weights default to 1)."""
+    matrix = reward_function_matrix(funcs, prompts, completions, columns=columns)
+    if weights is None:
+        return matrix.sum(-1)
+    if len(weights) != matrix.size(1):
+        raise ValueError(f"got {len(weights)} reward weights for {matrix.size(1)} reward functions")
+    return matrix @ torch.tensor([float(w) for w in weights], dtype=torch.float32)
+
+
+def apply_missing_eos_penalty(scores: torch.Tensor, ended: torch.Tensor, penalty: float | None) -> torch.Tensor:
+    """scores − penalty where the completion did not end on a stop token (new tensor).
+
+    `ended` is Rollout.ended: judged on the completion only and on the configured stop tokens, not
+    on eos_token_id over prompt + completion (TRL PR #5338, TRL#6805).
+    """
+    if penalty is None:
+        return scores
+    return scores - penalty * (~ended.to(scores.device, torch.bool)).to(scores.dtype)

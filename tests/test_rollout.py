@@ -1,0 +1,254 @@
+"""The generation engine: stop/EOS contract, layout, seeding, chunking, and logprobs that match a
+recomputation by scoring.completion_logprobs (TRL bugs: trl-notes §3.3, §13–15)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from posttrain.rollout import (
+    Rollout,
+    SamplingConfig,
+    decode_completions,
+    decode_prompts,
+    generate,
+    generation_mode,
+    sample_from_probs,
+)
+from posttrain.scoring import completion_logprobs
+
+V = 16
+
+
+class ScriptedLM(nn.Module):
+    """Next-token logits depend only on the last input token: token `table[v]` gets +20 (greedy and
+    near-certain sampling follow the table). Records every call's inputs to check the decode loop."""
+
+    def __init__(self, table: list[int] | None = None, uniform: bool = False):
+        super().__init__()
+        self.anchor = nn.Parameter(torch.zeros(1))
+        self.table = torch.tensor(table if table is not None else [(v + 1) % V for v in range(V)])
+        self.uniform = uniform
+        self.calls: list[dict] = []
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False):
+        self.calls.append({"ids": input_ids.clone(), "mask": attention_mask.clone(), "pos": position_ids.clone(), "past": past_key_values})
+        logits = torch.zeros(*input_ids.shape, V)
+        if not self.uniform:
+            logits.scatter_(-1, self.table[input_ids][..., None], 20.0)
+        seen = (past_key_values or 0) + input_ids.size(1)
+        return SimpleNamespace(logits=logits, past_key_values=seen)
+
+
+def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    P = max(map(len, rows))
+    ids = torch.full((len(rows), P), pad)
+    mask = torch.zeros(len(rows), P, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, P - len(r) :] = torch.tensor(r)
+        mask[i, P - len(r) :] = True
+    return ids, mask
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=128,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def test_eos_mid_batch_lengths_masks_and_no_extra_decode_step():
+    model = ScriptedLM()
+    ids, mask = left_pad([[1, 5], [2, 3, 1], [7]], pad=0)
+    r = generate(model, ids, mask, SamplingConfig(max_new_tokens=12, do_sample=False, stop_token_ids=(9,)), pad_token_id=0)
+    # Rows continue 6,7,8,9 / 2..9 / 8,9 and stop at 9 (kept).
+    assert r.completion_lengths.tolist() == [4, 8, 2]
+    assert r.ended.tolist() == [True, True, True]
+    assert r.completion_ids.shape == (3, 8)  # loop ended with the longest row, not at max_new_tokens
+    assert r.completion_ids[0].tolist() == [6, 7, 8, 9, 0, 0, 0, 0]
+    assert r.completion_ids[2].tolist() == [8, 9, 0, 0, 0, 0, 0, 0]
+    assert r.completion_mask.tolist()[0] == [True] * 4 + [False] * 4
+    assert len(model.calls) == 8  # one prefill + 7 decode steps: none after the last row stopped
+    # Attention mask grows by one column a step; positions continue after each real prompt length.
+    for t, call in enumerate(model.calls):
+        assert call["mask"].shape[1] == ids.size(1) + t
+        if t > 0:
+            assert call["pos"][:, 0].tolist() == [2 + t - 1, 3 + t - 1, 1 + t - 1]
+    assert model.calls[0]["pos"].tolist() == [[0, 0, 1], [0, 1, 2], [0, 0, 0]]
+    assert r.logprobs is not None and (r.logprobs[~r.completion_mask] == 0).all()
+    assert r.entropy is None
+
+
+def test_rows_that_never_stop_run_to_max_new_tokens():
+    model = ScriptedLM(table=[v for v in range(V)])  # repeats its last token forever
+    ids, mask = left_pad([[3], [9]], pad=0)
+    r = generate(model, ids, mask, SamplingConfig(max_new_tokens=5, do_sample=False, stop_token_ids=(9,)), pad_token_id=0)
+    assert r.completion_lengths.tolist() == [5, 1]
+    assert r.ended.tolist() == [False, True]
+    assert r.completion_ids.tolist() == [[3, 3, 3, 3, 3], [9, 0, 0, 0, 0]]
+
+
+def test_pad_equal_to_eos_keeps_real_eos_tokens():
+    model = ScriptedLM()
+    eos = 9
+    # A real eos inside the prompt must stay in the mask, and the stop token in the completion too.
+    ids, mask = left_pad([[eos, 6], [4]], pad=eos)
+    r = generate(model, ids, mask, SamplingConfig(max_new_tokens=10, do_sample=False, stop_token_ids=(eos,)), pad_token_id=eos)
+    assert r.completion_lengths.tolist() == [3, 5]
+    assert r.completion_mask.sum().item() == 8
+    assert r.completion_ids[0].tolist() == [7, 8, 9, 9, 9]
+    assert r.sequence_mask[0].tolist() == [True, True, True, True, True, False, False]
+    assert r.position_ids[0, :5].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_stop_token_other_than_eos_and_several_stop_ids():
+    model = ScriptedLM()
+    ids, mask = left_pad([[1], [4]], pad=0)
+    r = generate(model, ids, mask, SamplingConfig(max_new_tokens=10, do_sample=False, stop_token_ids=(3, 6)), pad_token_id=15)
+    assert r.completion_ids.tolist() == [[2, 3], [5, 6]]
+    assert r.ended.all()
+
+
+def test_num_samples_are_prompt_major():
+    model = ScriptedLM(uniform=True)
+    ids, mask = left_pad([[1, 2], [3]], pad=0)
+    g = torch.Generator().manual_seed(0)
+    r = generate(model, ids, mask, SamplingConfig(max_new_tokens=4), pad_token_id=0, num_samples=3, generator=g)
+    assert len(r) == 6
+    assert r.prompt_ids[:3].tolist() == [[1, 2]] * 3 and r.prompt_ids[3:].tolist() == [[0, 3]] * 3
+    assert r.prompt_mask[3:].tolist() == [[False, True]] * 3
+    assert len({tuple(row) for row in r.completion_ids.tolist()}) > 1
+
+
+def test_same_seed_same_tokens_different_seed_different():
+    model = ScriptedLM(uniform=True)
+    ids, mask = left_pad([[1, 2], [3]] * 4, pad=0)
+    cfg = SamplingConfig(max_new_tokens=8)
+
+    def run(seed: int) -> torch.Tensor:
+        return generate(model, ids, mask, cfg, pad_token_id=0, generator=torch.Generator().manual_seed(seed)).completion_ids
+
+    assert torch.equal(run(1), run(1))
+    assert not torch.equal(run(1), run(2))
+
+
+def test_top_k_and_top_p_restrict_the_candidates():
+    class Fixed(ScriptedLM):
+        def forward(self, input_ids, **kw):
+            out = super().forward(input_ids, **kw)
+            out.logits = torch.linspace(4.0, 0.0, V).expand(*input_ids.shape, V).clone()
+            return out
+
+    model = Fixed()
+    ids, mask = left_pad([[1]] * 64, pad=0)
+    g = torch.Generator().manual_seed(0)
+    r = generate(model, ids, mask, SamplingConfig(max_new_tokens=3, top_k=2), pad_token_id=0, generator=g)
+    assert set(r.completion_ids.unique().tolist()) == {0, 1}
+    # softmax(linspace(4, 0, 16)) puts 0.24 on token 0: top_p = 0.2 keeps only it.
+    r = generate(model, ids, mask, SamplingConfig(max_new_tokens=3, top_p=0.2), pad_token_id=0, generator=g)
+    assert set(r.completion_ids.unique().tolist()) == {0}
+    # Recorded logprobs are under the full (unfiltered) temperature-scaled distribution.
+    full = torch.log_softmax(torch.linspace(4.0, 0.0, V), -1)[0]
+    assert torch.allclose(r.logprobs, full.expand_as(r.logprobs))
+
+
+def test_sample_from_probs_matches_distribution_and_skips_zero_probability():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5], [0.1, 0.0, 0.9, 0.0]]).repeat(2000, 1)
+    tok = sample_from_probs(probs, torch.Generator().manual_seed(0))
+    assert set(tok[0::2].tolist()) == {1, 3} and set(tok[1::2].tolist()) == {0, 2}
+    assert abs((tok[1::2] == 2).float().mean().item() - 0.9) < 0.03
+
+
+def test_greedy_top_k1_and_chunking_agree_on_real_model():
+    model = tiny_llama()
+    ids, mask = left_pad([[5, 6, 7, 8, 9], [11, 12], [20, 21, 22], [30]], pad=0)
+    greedy = SamplingConfig(max_new_tokens=12, do_sample=False, stop_token_ids=(1, 2, 3, 4))
+    a = generate(model, ids, mask, greedy, pad_token_id=0)
+    b = generate(model, ids, mask, SamplingConfig(max_new_tokens=12, top_k=1, stop_token_ids=(1, 2, 3, 4)), pad_token_id=0,
+                 generator=torch.Generator().manual_seed(3))
+    c = generate(model, ids, mask, greedy, pad_token_id=0, batch_size=3)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.completion_ids, c.completion_ids)
+    assert torch.equal(a.completion_lengths, c.completion_lengths)
+    assert torch.allclose(a.logprobs, c.logprobs, atol=1e-5)
+    # Unpadded single-row generation gives the same tokens as the left-padded batch.
+    for i in range(len(ids)):
+        real = ids[i : i + 1][:, mask[i]]
+        solo = generate(model, real, torch.ones_like(real, dtype=torch.bool), greedy, pad_token_id=0)
+        n = int(a.completion_lengths[i])
+        assert solo.completion_ids[0, :n].tolist() == a.completion_ids[i, :n].tolist()
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SamplingConfig(max_new_tokens=16, temperature=0.7, stop_token_ids=(1, 2, 3)),
+        SamplingConfig(max_new_tokens=16, temperature=1.3, top_k=8, top_p=0.9, stop_token_ids=(1, 2, 3)),
+        SamplingConfig(max_new_tokens=16, temperature=0.0, stop_token_ids=(1, 2, 3)),
+    ],
+)
+def test_rollout_logprobs_match_recomputation(cfg):
+    model = tiny_llama()
+    ids, mask = left_pad([[5, 6, 7, 8, 9, 10, 11], [11, 12], [20, 21, 22, 23], [30]], pad=0)
+    r = generate(model, ids, mask, cfg, pad_token_id=0, num_samples=3, batch_size=5,
+                 generator=torch.Generator().manual_seed(0), return_entropy=True)
+    assert r.completion_mask.sum() > 0
+    with torch.no_grad():
+        lp, ent = completion_logprobs(model, r, temperature=cfg.logprob_temperature, with_entropy=True)
+    assert torch.allclose(lp, r.logprobs, atol=1e-5)
+    assert torch.allclose(ent, r.entropy, atol=1e-5)
+    assert (lp[~r.completion_mask] == 0).all()
+
+
+def test_rollout_select_cat_to_and_decode():
+    model = ScriptedLM()
+    ids, mask = left_pad([[1, 5], [7]], pad=0)
+    cfg = SamplingConfig(max_new_tokens=10, do_sample=False, stop_token_ids=(9,))
+    a = generate(model, ids, mask, cfg, pad_token_id=0)
+    b = generate(model, *left_pad([[2, 3, 1]], pad=0), cfg, pad_token_id=0)
+    both = Rollout.cat([a, b])
+    assert both.prompt_ids.shape == (3, 3) and both.completion_ids.shape == (3, 8)
+    assert both.prompt_mask[0].tolist() == [False, True, True]
+    assert both.completion_lengths.tolist() == [4, 2, 8]
+    assert both.completion_ids[1].tolist() == [8, 9, 0, 0, 0, 0, 0, 0]
+    assert (both.logprobs[~both.completion_mask] == 0).all()
+    sel = both.select([2, 0])
+    assert sel.completion_lengths.tolist() == [8, 4] and sel.completion_ids.size(1) == 8
+    assert both.to("cpu").completion_ids.data_ptr() == both.completion_ids.data_ptr()
+
+    class CharTokenizer:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join("<eos>" if i == 9 and not skip_special_tokens else ("" if i == 9 else chr(ord("a") + i)) for i in ids)
+
+    assert decode_completions(CharTokenizer(), both) == ["ghi", "i", "cdefghi"]
+    assert decode_completions(CharTokenizer(), both, skip_special_tokens=False)[1] == "i<eos>"
+    assert decode_prompts(CharTokenizer(), both) == ["bf", "h", "cdb"]
+
+
+def test_generation_mode_restores_training_and_checkpointing():
+    model = tiny_llama()
+    model.gradient_checkpointing_enable()
+    model.train()
+    model.model.layers[0].eval()
+    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+    assert flagged
+    with generation_mode(model):
+        assert not model.training
+        assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    assert model.training and not model.model.layers[0].training
+    assert all(m.gradient_checkpointing for m in flagged)
+
+
+def test_input_validation():
+    model = ScriptedLM()
+    ids = torch.tensor([[1, 0]])
+    with pytest.raises(ValueError, match="left-padded"):
+        generate(model, ids, torch.tensor([[True, False]]), SamplingConfig(max_new_tokens=2), pad_token_id=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(max_new_tokens=2, top_p=0.0)
