@@ -160,7 +160,7 @@ def _same_tokenizer(a: Any, b: Any) -> bool:
     )
 
 
-def _last_token_scores(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+def last_token_scores(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     """Score head at index `last` of each row (B,), backbone over the whole padded row."""
     hidden = _backbone_hidden(model, ids.masked_fill(~mask, 0), mask, position_ids_from_mask(mask))
     picked = hidden[torch.arange(ids.size(0), device=ids.device), last]
@@ -199,14 +199,14 @@ def reward_model_scores(
                 raise ValueError("reward_tokenizer produced an empty sequence; cannot score it")
             ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0).to(device)
             mask = lengths_to_mask(lengths, ids.size(1))
-            scores.append(_last_token_scores(reward_model, ids, mask, lengths - 1))
+            scores.append(last_token_scores(reward_model, ids, mask, lengths - 1))
         return torch.cat(scores)
 
     scores = []
     for s in range(0, len(rollout), batch_size):
         chunk = rollout.select(slice(s, s + batch_size)).to(device)
         ids, mask, _, P, _ = _trimmed_inputs(chunk)
-        scores.append(_last_token_scores(reward_model, ids, mask, P + chunk.completion_lengths - 1))
+        scores.append(last_token_scores(reward_model, ids, mask, P + chunk.completion_lengths - 1))
     return torch.cat(scores)
 
 

@@ -1,0 +1,585 @@
+"""Judges: order-flip mapping, the HTTP judge against a scripted local server, the reward-model
+judge on a tiny model, callables, PairRM without llm-blender, the CLI spec factory and win rates.
+
+Offline: the only network traffic goes to a server on 127.0.0.1 started (and stopped) here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import pickle
+import re
+import sys
+import threading
+import time
+import types
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from posttrain.judges import (
+    DEFAULT_PAIRWISE_SYSTEM_PROMPT,
+    AllTrueJudge,
+    BaseBinaryJudge,
+    BasePairwiseJudge,
+    CallableJudge,
+    HTTPPairwiseJudge,
+    OpenAIPairwiseJudge,
+    PairRMJudge,
+    RandomPairwiseJudge,
+    RandomRankJudge,
+    RewardModelJudge,
+    judge_from_spec,
+    win_rate,
+)
+
+SECRET = "sk-test-Zq81-never-shown"
+KEY_ENV = "POSTTRAIN_TEST_JUDGE_KEY"
+# A template the test server can parse back into (prompt, response0, response1).
+TEMPLATE = "PROMPT<{prompt}>R0<{response0}>R1<{response1}>"
+TEMPLATE_RE = re.compile(r"PROMPT<(.*)>R0<(.*)>R1<(.*)>", re.S)
+
+
+# --------------------------------------------------------------------------------------------
+# Scripted OpenAI-compatible server
+# --------------------------------------------------------------------------------------------
+
+
+class ScriptedServer:
+    """Answers /v1/chat/completions according to the prompt's mode, "<mode>|<id>":
+
+    good      "0"/"1": the index of the response starting with GOOD
+    flaky     HTTP 500 on the first request for this prompt, then like good
+    rate429   HTTP 429 (Retry-After: 0) on the first request, then like good
+    fail500   always HTTP 500
+    sleep     holds the request (until teardown) so the client times out
+    malformed 200 with a body that is not JSON
+    chatty    200 with a reply that holds no 0/1
+    auth401   HTTP 401
+    """
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests: list[dict] = []  # {"prompt", "r0", "r1", "auth", "payload", "path"}
+        self.counts: Counter[str] = Counter()
+        self.release = threading.Event()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass  # keep pytest output clean
+
+            def do_POST(self):
+                payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                prompt, r0, r1 = TEMPLATE_RE.fullmatch(payload["messages"][0]["content"]).groups()
+                with server.lock:
+                    server.requests.append(
+                        {"prompt": prompt, "r0": r0, "r1": r1, "auth": self.headers.get("Authorization"),
+                         "payload": payload, "path": self.path}
+                    )
+                    server.counts[prompt] += 1
+                    attempt = server.counts[prompt]
+                mode = prompt.split("|")[0]
+                answer = "0" if r0.startswith("GOOD") else "1"
+                if self.path != "/v1/chat/completions":
+                    self._send(404, b"{}")
+                elif mode == "good" or (mode in ("flaky", "rate429") and attempt > 1):
+                    self._reply(answer)
+                elif mode == "flaky" or mode == "fail500":
+                    self._send(500, b'{"error": "boom"}')
+                elif mode == "rate429":
+                    self._send(429, b'{"error": "slow down"}', {"Retry-After": "0"})
+                elif mode == "sleep":
+                    server.release.wait(timeout=3.0)
+                    self._reply(answer)
+                elif mode == "malformed":
+                    self._send(200, b'{"choices": [ not json')
+                elif mode == "chatty":
+                    self._reply("Both answers are equally good.")
+                elif mode == "auth401":
+                    self._send(401, b'{"error": "invalid key"}')
+                else:
+                    self._send(400, b'{"error": "unknown test mode"}')
+
+            def _reply(self, content):
+                body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]}
+                self._send(200, json.dumps(body).encode())
+
+            def _send(self, code, body, headers=None):
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    for k, v in (headers or {}).items():
+                        self.send_header(k, v)
+                    self.end_headers()
+                    self.wfile.write(body)
+                except OSError:
+                    pass  # the client gave up (timeout test); nothing to answer
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=5)
+
+    def seen(self, prompt):
+        with self.lock:
+            return [r for r in self.requests if r["prompt"] == prompt]
+
+
+@pytest.fixture
+def server(monkeypatch):
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    monkeypatch.setenv(KEY_ENV, SECRET)
+    srv = ScriptedServer()
+    yield srv
+    srv.close()
+
+
+def make_judge(server, **kw):
+    options = dict(api_key_env=KEY_ENV, system_prompt=TEMPLATE, timeout=2.0, backoff=0.001, max_backoff=0.01, seed=0)
+    options.update(kw)
+    return HTTPPairwiseJudge(server.url, "judge-model", **options)
+
+
+def good_pairs(n, mode="good"):
+    """Prompts "<mode>|i" and pairs whose GOOD completion alternates between slot 0 and slot 1."""
+    prompts = [f"{mode}|{i}" for i in range(n)]
+    pairs = [[f"GOOD {i}", f"bad {i}"] if i % 2 == 0 else [f"bad {i}", f"GOOD {i}"] for i in range(n)]
+    return prompts, pairs, [i % 2 for i in range(n)]
+
+
+def flipped_prompts(server, prompts, pairs):
+    """Prompts the server saw with the pair swapped."""
+    return {p for p, pair in zip(prompts, pairs) for r in server.seen(p) if r["r0"] != pair[0]}
+
+
+def judge_warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "posttrain.judges" and r.levelno >= logging.WARNING]
+
+
+# --------------------------------------------------------------------------------------------
+# HTTP judge
+# --------------------------------------------------------------------------------------------
+
+
+def test_http_good_answers_map_back_through_flips(server, caplog):
+    prompts, pairs, expected = good_pairs(8)
+    judge = make_judge(server, max_concurrency=4)
+    assert judge.judge(prompts, pairs, shuffle_order=True) == expected
+    flipped = flipped_prompts(server, prompts, pairs)
+    # The seeded RNG swapped some pairs but not all, and the answers still point at GOOD.
+    assert 0 < len(flipped) < len(prompts)
+
+    # Same seed, same flips: the order shown to the judge is reproducible.
+    prompts2 = [p.replace("good|", "good|again-") for p in prompts]
+    assert make_judge(server).judge(prompts2, pairs) == expected
+    assert {p.replace("good|again-", "good|") for p in flipped_prompts(server, prompts2, pairs)} == flipped
+
+    prompts3 = [p.replace("good|", "good|fixed-") for p in prompts]
+    assert make_judge(server).judge(prompts3, pairs, shuffle_order=False) == expected
+    assert flipped_prompts(server, prompts3, pairs) == set()
+
+    request = server.seen("good|0")[0]
+    assert request["path"] == "/v1/chat/completions"
+    assert request["auth"] == f"Bearer {SECRET}"
+    assert request["payload"]["model"] == "judge-model"
+    assert request["payload"]["max_tokens"] == 1
+    assert judge.num_requests == 8 and judge.num_failures == 0
+    assert judge_warnings(caplog) == []
+
+
+def test_http_5xx_is_retried_then_succeeds(server, caplog):
+    prompts, pairs, expected = good_pairs(4, mode="flaky")
+    judge = make_judge(server, max_retries=2)
+    assert judge.judge(prompts, pairs) == expected
+    assert all(server.counts[p] == 2 for p in prompts)
+    assert judge_warnings(caplog) == []
+
+
+def test_http_429_is_retried(server):
+    prompts, pairs, expected = good_pairs(2, mode="rate429")
+    assert make_judge(server, max_retries=1).judge(prompts, pairs) == expected
+    assert all(server.counts[p] == 2 for p in prompts)
+
+
+def test_http_always_500_stays_minus_one_after_flip(server, caplog):
+    prompts = [f"fail500|{i}" for i in range(6)]
+    pairs = [[f"A {i}", f"B {i}"] for i in range(6)]
+    judge = make_judge(server, max_retries=2)
+    # TRL mapped a swapped answer back with 1 - rank, turning -1 into 2; every answer must stay -1.
+    assert judge.judge(prompts, pairs, shuffle_order=True) == [-1] * 6
+    assert flipped_prompts(server, prompts, pairs), "the seed should swap at least one of 6 pairs"
+    assert all(server.counts[p] == 3 for p in prompts)  # 1 try + 2 retries
+    assert judge.num_failures == 6
+    warnings = judge_warnings(caplog)
+    assert len(warnings) == 1, "one summary line per judge() call, not one per request"
+    assert "6 of 6 pairs failed" in warnings[0] and "HTTP 500 x6" in warnings[0]
+
+
+def test_http_timeout_is_a_failure(server, caplog):
+    judge = make_judge(server, timeout=0.2, max_retries=1)
+    start = time.monotonic()
+    assert judge.judge(["sleep|0"], [["GOOD", "bad"]]) == [-1]
+    assert time.monotonic() - start < 2.5
+    assert server.counts["sleep|0"] == 2
+    assert "timeout x1" in judge_warnings(caplog)[0]
+
+
+def test_http_malformed_body_and_chatty_reply(server, caplog):
+    judge = make_judge(server, max_retries=3)
+    answers = judge.judge(["malformed|0", "chatty|0", "good|0"], [["GOOD", "bad"], ["GOOD", "bad"], ["bad", "GOOD"]])
+    assert answers == [-1, -1, 1]
+    # A 200 with a useless body is an answer, not a transient error: no retry.
+    assert server.counts["malformed|0"] == 1 and server.counts["chatty|0"] == 1
+    (line,) = judge_warnings(caplog)
+    assert "2 of 3 pairs failed" in line and "malformed reply x1" in line and "reply without 0/1 x1" in line
+
+
+def test_http_401_is_not_retried(server, caplog):
+    judge = make_judge(server, max_retries=3)
+    assert judge.judge(["auth401|0"], [["GOOD", "bad"]]) == [-1]
+    assert server.counts["auth401|0"] == 1
+    (line,) = judge_warnings(caplog)
+    assert "HTTP 401" in line and f"${KEY_ENV}" in line and SECRET not in line
+
+
+def test_http_max_requests_cap(server, caplog):
+    prompts, pairs, expected = good_pairs(5)
+    judge = make_judge(server, max_requests=3)
+    assert judge.judge(prompts, pairs, shuffle_order=False) == expected[:3] + [-1, -1]
+    assert judge.judge(["good|x", "good|y"], [["GOOD", "b"], ["GOOD", "b"]]) == [-1, -1]
+    assert len(server.requests) == 3
+    cap_lines = [m for m in judge_warnings(caplog) if "max_requests=3" in m]
+    assert len(cap_lines) == 1, "the cap is announced once"
+
+
+def test_http_api_key_never_leaks(server, caplog):
+    judge = make_judge(server, max_retries=0)
+    judge.judge(["fail500|k", "auth401|k", "malformed|k"], [["a", "b"]] * 3)
+    assert server.seen("fail500|k")[0]["auth"] == f"Bearer {SECRET}"
+    assert SECRET not in repr(judge)
+    assert SECRET not in repr(vars(judge))
+    assert SECRET.encode() not in pickle.dumps(judge)
+    assert all(SECRET not in m for m in judge_warnings(caplog))
+    restored = pickle.loads(pickle.dumps(judge))
+    assert restored.judge(["good|restored"], [["bad", "GOOD"]]) == [1]
+    assert server.seen("good|restored")[0]["auth"] == f"Bearer {SECRET}"
+
+
+def test_http_without_key_sends_no_authorization(server):
+    judge = make_judge(server, api_key_env=None)
+    assert judge.judge(["good|nokey"], [["GOOD", "bad"]]) == [0]
+    assert server.seen("good|nokey")[0]["auth"] is None
+
+
+def test_http_prompt_validation_and_default_prompt():
+    text = DEFAULT_PAIRWISE_SYSTEM_PROMPT.format(prompt="P?", response0="first", response1="second")
+    assert '"""P?"""' in text and '"""first"""' in text and '"""second"""' in text
+    with pytest.raises(ValueError, match="system_prompt"):
+        HTTPPairwiseJudge("http://127.0.0.1:9/v1", "m", api_key_env=None, system_prompt="{question} {response0}")
+    with pytest.raises(ValueError, match="base_url"):
+        HTTPPairwiseJudge("127.0.0.1:9/v1", "m", api_key_env=None)
+
+
+def test_openai_judge_defaults(monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="OPENAI_API_KEY"):
+        OpenAIPairwiseJudge()
+    monkeypatch.setenv("OPENAI_API_KEY", SECRET)
+    judge = OpenAIPairwiseJudge()
+    assert isinstance(judge, HTTPPairwiseJudge)
+    assert (judge.base_url, judge.model, judge.max_requests) == ("https://api.openai.com/v1", "gpt-4o-mini", 1000)
+    assert SECRET not in repr(judge)
+
+
+# --------------------------------------------------------------------------------------------
+# Order flip, callables, random and binary judges
+# --------------------------------------------------------------------------------------------
+
+
+def test_flip_maps_answers_back_and_keeps_failures():
+    # A judge that always says "slot 0" reveals the flips: answers are 1 exactly on swapped pairs.
+    pairs = [["a", "b"]] * 64
+    always_first = CallableJudge(lambda prompts, pairs: [0] * len(pairs), mode="pairwise", seed=1)
+    shuffled = always_first.judge(["p"] * 64, pairs)
+    assert set(shuffled) == {0, 1}
+    assert always_first.judge(["p"] * 64, pairs, shuffle_order=False) == [0] * 64
+
+    always_fails = CallableJudge(lambda prompts, pairs: [-1] * len(pairs), mode="pairwise", seed=1)
+    assert always_fails.judge(["p"] * 64, pairs) == [-1] * 64
+
+
+def test_callable_pairwise_form_detected_from_signature():
+    def prefer_shorter(prompts, pairs):
+        return [0 if len(a) < len(b) else 1 for a, b in pairs]
+
+    judge = CallableJudge(prefer_shorter, seed=0)
+    assert judge.mode == "pairwise"
+    pairs = [["short", "much longer"], ["much longer", "short"]] * 4
+    assert judge.judge(["q"] * 8, pairs) == [0, 1] * 4
+
+
+def test_callable_score_form_and_nan():
+    def length_score(prompt, completion):
+        return float("nan") if completion == "broken" else len(completion)
+
+    judge = CallableJudge(length_score, seed=0)
+    assert judge.mode == "score"
+    pairs = [["a", "abc"], ["abcd", "ab"], ["broken", "ab"], ["ab", "broken"]]
+    assert judge.judge(["q"] * 4, pairs) == [1, 0, -1, -1]
+
+
+def test_callable_ambiguous_or_bad_returns():
+    with pytest.raises(ValueError, match="mode="):
+        CallableJudge(lambda p, c: 1.0)
+    assert CallableJudge(lambda p, c: len(c), mode="score").judge(["q"], [["a", "bb"]], shuffle_order=False) == [1]
+    with pytest.raises(ValueError, match="answered 0.5"):
+        CallableJudge(lambda prompts, pairs: [0.5] * len(pairs), mode="pairwise").judge(["q"], [["a", "b"]])
+    with pytest.raises(ValueError, match="returned 2 answers for 1 pairs"):
+        CallableJudge(lambda prompts, pairs: [0, 1], mode="pairwise").judge(["q"], [["a", "b"]])
+    with pytest.raises(ValueError, match="exactly 2"):
+        CallableJudge(lambda prompts, pairs: [0], mode="pairwise").judge(["q"], [["a", "b", "c"]])
+    with pytest.raises(ValueError, match="1 prompts but 2"):
+        RandomPairwiseJudge(0).judge(["q"], [["a", "b"], ["a", "b"]])
+
+
+def test_random_judges_are_reproducible():
+    pairs = [["a", "b"]] * 20
+    first = RandomPairwiseJudge(seed=3).judge(["p"] * 20, pairs)
+    assert first == RandomPairwiseJudge(seed=3).judge(["p"] * 20, pairs)
+    assert set(first) <= {0, 1}
+    ranks = RandomRankJudge(seed=0).judge(["p", "q"], [["a", "b", "c"], ["x", "y"]])
+    assert sorted(ranks[0]) == [0, 1, 2] and sorted(ranks[1]) == [0, 1]
+
+
+class _FixedBinary(BaseBinaryJudge):
+    def __init__(self, verdicts):
+        self.verdicts = verdicts
+
+    def judge(self, prompts, completions, gold_completions=None, shuffle_order=True):
+        return list(self.verdicts)
+
+
+def test_all_true_judge():
+    judge = AllTrueJudge([_FixedBinary([1, 1, 0, 1]), _FixedBinary([1, 0, 0, -1])])
+    assert judge.judge(["p"] * 4, ["c"] * 4) == [1, 0, 0, -1]
+    with pytest.raises(ValueError, match="expected 0, 1 or -1"):
+        AllTrueJudge([_FixedBinary([2])]).judge(["p"], ["c"])
+
+
+def test_trl_style_subclass_overriding_judge_still_works():
+    class Legacy(BasePairwiseJudge):
+        def judge(self, prompts, completions, shuffle_order=True):
+            return [0] * len(prompts)
+
+    assert Legacy().judge(["p"], [["a", "b"]]) == [0]
+
+
+# --------------------------------------------------------------------------------------------
+# Reward-model judge on a tiny model
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_rm():
+    """A 1-layer Llama reward model (hidden 16) whose score head prefers GOOD_COMPLETION.
+
+    pad == eos, so reading the score from pad ids would pick the wrong token when the completion
+    ends with eos. The head is w = h_good - h_bad (last-token hidden states of the two sequences):
+    then score_good - score_bad = w·(h_good - h_bad) = |h_good - h_bad|² > 0.
+    """
+    torch = pytest.importorskip("torch")
+    from posttrain.models import build_tiny_reward_model, build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer(pad_equals_eos=True)
+    model = build_tiny_reward_model(tokenizer, hidden_size=16, num_layers=1, num_heads=2, seed=0)
+    prompt = "Question: how many legs does a spider have? Answer:"
+    good, bad = " eight legs." + tokenizer.eos_token, " 42"
+    with torch.no_grad():
+        h = [last_hidden(model, tokenizer(prompt + c)["input_ids"]) for c in (good, bad)]
+        model.score.weight.copy_((h[0] - h[1])[None, :])
+    return model, tokenizer, prompt, good, bad
+
+
+def last_hidden(model, ids):
+    import torch
+
+    with torch.no_grad():
+        return model.model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]
+
+
+def manual_score(model, ids):
+    """Unpadded, batch of one: no padding or mask can be wrong."""
+    return float(model.score.weight[0].detach() @ last_hidden(model, ids))
+
+
+def test_reward_model_judge_prefers_known_completion(tiny_rm):
+    model, tokenizer, prompt, good, bad = tiny_rm
+    judge = RewardModelJudge(model, tokenizer, batch_size=16, seed=0)
+    pairs = [[good, bad], [bad, good]] * 3
+    assert judge.judge([prompt] * 6, pairs) == [0, 1] * 3
+
+
+def test_reward_model_judge_reads_last_real_token_with_pad_equal_eos(tiny_rm):
+    model, tokenizer, prompt, good, bad = tiny_rm
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id
+    completions = [good, bad, " The capital of France is Paris." + tokenizer.eos_token, ""]
+    expected = [manual_score(model, tokenizer(prompt + c)["input_ids"]) for c in completions]
+    batched = RewardModelJudge(model, tokenizer, batch_size=16).score([prompt] * 4, completions)
+    one_by_one = RewardModelJudge(model, tokenizer, batch_size=1).score([prompt] * 4, completions)
+    assert batched == pytest.approx(expected, abs=1e-5)
+    assert one_by_one == pytest.approx(expected, abs=1e-5)
+
+
+def test_reward_model_judge_conversational_uses_chat_template(tiny_rm):
+    model, tokenizer, _, _, _ = tiny_rm
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": "Paris."}], tokenize=False)
+    expected = manual_score(model, tokenizer(text, add_special_tokens=False)["input_ids"])
+    (score,) = RewardModelJudge(model, tokenizer).score([messages], ["Paris."])
+    assert score == pytest.approx(expected, abs=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# PairRM
+# --------------------------------------------------------------------------------------------
+
+
+def test_pair_rm_without_llm_blender_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llm_blender", None)  # makes `import llm_blender` fail
+    with pytest.raises(ImportError, match="pip install llm-blender") as info:
+        PairRMJudge()
+    assert "network access" in str(info.value) and "llm-blender/PairRM" in str(info.value)
+    with pytest.raises(ImportError, match="pip install llm-blender"):
+        judge_from_spec("pair_rm")
+
+
+def test_pair_rm_with_stub_blender_hard_and_soft(monkeypatch):
+    class Blender:
+        def loadranker(self, name, device=None):
+            self.loaded = (name, device)
+
+        def rank(self, prompts, candidates, return_scores=False, batch_size=8, disable_tqdm=False):
+            assert return_scores
+            return [[float(len(c)) for c in pair] for pair in candidates]
+
+    monkeypatch.setitem(sys.modules, "llm_blender", types.SimpleNamespace(Blender=Blender))
+    judge = PairRMJudge(device="cpu", seed=0)
+    assert judge.blender.loaded == ("llm-blender/PairRM", "cpu")
+    pairs = [["abc", "a"], ["a", "abc"]] * 4
+    assert judge.judge(["p"] * 8, pairs) == [0, 1] * 4
+    # Logits are the lengths (3, 1): p0 = 1 / (1 + exp(-(3 - 1) / T)); at T = 1 that is
+    # 1 / (1 + e^-2) = 0.8807970779778823, at T = 2 it is 1 / (1 + e^-1) = 0.7310585786300049.
+    probs = judge.judge(["p"] * 8, pairs, return_scores=True)
+    assert probs == pytest.approx([0.8807970779778823, 1 - 0.8807970779778823] * 4)
+    probs_t2 = judge.judge(["p"] * 2, pairs[:2], return_scores=True, temperature=2.0)
+    assert probs_t2 == pytest.approx([0.7310585786300049, 1 - 0.7310585786300049])
+
+
+# --------------------------------------------------------------------------------------------
+# judge_from_spec
+# --------------------------------------------------------------------------------------------
+
+
+def test_judge_from_spec_simple_forms(monkeypatch):
+    assert isinstance(judge_from_spec("random"), RandomPairwiseJudge)
+    pairs = [["a", "b"]] * 10
+    assert judge_from_spec("random:4").judge(["p"] * 10, pairs) == RandomPairwiseJudge(4).judge(["p"] * 10, pairs)
+
+    judge = judge_from_spec("http:http://127.0.0.1:8000/v1#org/some-model", api_key_env=None, max_retries=1)
+    assert isinstance(judge, HTTPPairwiseJudge)
+    assert (judge.base_url, judge.model, judge.max_retries) == ("http://127.0.0.1:8000/v1", "org/some-model", 1)
+    bare = judge_from_spec("http://127.0.0.1:8000/v1#m", api_key_env=None)
+    assert (bare.base_url, bare.model) == ("http://127.0.0.1:8000/v1", "m")
+
+    monkeypatch.setenv("OPENAI_API_KEY", SECRET)
+    assert judge_from_spec("openai").model == "gpt-4o-mini"
+    assert judge_from_spec("openai:gpt-4o").model == "gpt-4o"
+
+    for bad in ("http:http://127.0.0.1:8000/v1", "random:x", "python:only_module", "nonsense", "pair_rm:x"):
+        with pytest.raises(ValueError, match="spec"):
+            judge_from_spec(bad)
+
+
+def test_judge_from_spec_python(tmp_path, monkeypatch):
+    (tmp_path / "my_judges_mod.py").write_text(
+        "from posttrain.judges import BasePairwiseJudge\n"
+        "def prefer_second(prompts, pairs):\n"
+        "    return [1] * len(pairs)\n"
+        "class Always0(BasePairwiseJudge):\n"
+        "    def judge_pairs(self, prompts, pairs):\n"
+        "        return [0] * len(pairs)\n"
+        "INSTANCE = Always0()\n"
+        "class Holder:\n"
+        "    @staticmethod\n"
+        "    def score(prompt, completion):\n"
+        "        return len(completion)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn_judge = judge_from_spec("python:my_judges_mod:prefer_second")
+    assert isinstance(fn_judge, CallableJudge) and fn_judge.judge(["p"], [["a", "b"]], shuffle_order=False) == [1]
+    assert type(judge_from_spec("python:my_judges_mod:Always0")).__name__ == "Always0"
+    assert judge_from_spec("python:my_judges_mod:INSTANCE") is sys.modules["my_judges_mod"].INSTANCE
+    dotted = judge_from_spec("python:my_judges_mod:Holder.score")
+    assert dotted.mode == "score" and dotted.judge(["p"], [["a", "bb"]]) == [1]
+    with pytest.raises(ValueError, match="no attribute"):
+        judge_from_spec("python:my_judges_mod:missing")
+
+
+def test_judge_from_spec_reward_model(tiny_rm, tmp_path):
+    model, tokenizer, prompt, good, bad = tiny_rm
+    model.save_pretrained(str(tmp_path))
+    tokenizer.save_pretrained(str(tmp_path))
+    judge = judge_from_spec(f"reward_model:{tmp_path}", batch_size=4)
+    assert isinstance(judge, RewardModelJudge) and judge.batch_size == 4
+    assert judge.judge([prompt] * 2, [[good, bad], [bad, good]]) == [0, 1]
+
+
+# --------------------------------------------------------------------------------------------
+# Win rate
+# --------------------------------------------------------------------------------------------
+
+
+def test_win_rate_wilson_interval_by_hand():
+    # 7 wins of 10 valid, 2 failures ignored. z = 1.959963984540054, z² = 3.8414588206941254.
+    # p = 0.7, z²/n = 0.38414588206941254, denominator 1 + z²/n = 1.3841458820694126
+    # center = (0.7 + z²/20) / 1.38414588... = 0.89207294103470627 / 1.38414588... = 0.6444934400274221
+    # half = z·sqrt(0.7·0.3/10 + z²/400) / 1.38414588... = z·sqrt(0.021 + 0.0096036470517353) / 1.384...
+    #      = 1.959963984540054 · 0.17494133 / 1.38414588 = 0.2477152925662768
+    # interval = [0.39677814746114537, 0.8922087325936989]
+    result = win_rate([0] * 7 + [1] * 3 + [-1] * 2)
+    assert (result.n, result.failures) == (10, 2)
+    assert result.rate == pytest.approx(0.7)
+    assert result.ci_low == pytest.approx(0.39677814746114537, abs=1e-12)
+    assert result.ci_high == pytest.approx(0.8922087325936989, abs=1e-12)
+
+    # 0 wins of 5: center = half = (z²/10) / (1 + z²/5) = 0.38414588 / 1.76829176 = 0.21724123,
+    # so the interval is [0, 2·0.21724123] = [0, 0.43448246478317476], not the Wald interval's [0, 0].
+    none_won = win_rate([1] * 5)
+    assert none_won.rate == 0.0 and none_won.ci_low == pytest.approx(0.0, abs=1e-12)
+    assert none_won.ci_high == pytest.approx(0.43448246478317476, abs=1e-12)
+    # The same judgements counted for index 1: 5 of 5, interval mirrored to [0.56551753521682524, 1].
+    all_won = win_rate([1] * 5, index=1)
+    assert all_won.rate == 1.0 and all_won.ci_low == pytest.approx(1 - 0.43448246478317476, abs=1e-12)
+    assert all_won.ci_high == pytest.approx(1.0, abs=1e-12)
+
+
+def test_win_rate_edge_cases():
+    empty = win_rate([-1, -1])
+    assert empty.n == 0 and empty.failures == 2 and math.isnan(empty.rate) and math.isnan(empty.ci_low)
+    with pytest.raises(ValueError, match="judgement 1 is 2"):
+        win_rate([0, 2])
+    assert "70.0%" in str(win_rate([0] * 7 + [1] * 3))
