@@ -271,8 +271,9 @@ class OnlineRun:
         self.is_main = dist.is_main(self.accelerator)
         if train_dataset is None:
             raise ConfigError("train_dataset is required: pass a prompt dataset (or --dataset_name on the command line).")
-        config.derive_sizes(self.world_size, len(train_dataset))
         self.train_dataset = prompt_dataset(config, tokenizer, train_dataset, source="train_dataset")
+        # Sizes count the prompts that survived validation (overflow="drop" may remove some).
+        config.derive_sizes(self.world_size, len(self.train_dataset))
         self.eval_dataset = prompt_dataset(config, tokenizer, eval_dataset, source="eval_dataset") if eval_dataset is not None else None
         from posttrain.data import PromptCollator
 

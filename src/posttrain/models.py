@@ -1,0 +1,593 @@
+"""Loading tokenizers and models for post-training, plus offline tiny builders.
+
+Loaders wrap the `transformers` Auto classes with the settings RLHF needs: a pad token that never
+breaks EOS handling, dropout disabled (so the logprobs of the rollout and of the update come from
+the same function), `pad_token_id` written into reward/value model configs (TRL #937: without it a
+sequence-classification head reads the score at the wrong position), and dtype given as a string.
+
+The tiny builders make a byte-level BPE tokenizer and randomly initialised Llama / GPT-NeoX models
+from config alone, so tests, the demo and the benchmarks never touch the network.
+
+`transformers`, `tokenizers` and `safetensors` are imported inside functions so that
+`import posttrain.models` stays cheap; torch is needed for the `nn.Module` value-head wrapper.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+# Chat template of the tiny tokenizer: "role: content" per turn, EOS closing each assistant turn
+# (so generation stops on EOS), and a generation prompt that is a strict prefix of the rendered
+# assistant turn (so assistant spans can be found by rendering prefixes). Newlines are written as
+# `{{ '\n' }}` because transformers renders templates with trim_blocks, which eats a literal
+# newline that follows a block tag.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] + ': ' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+    "{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
+)
+
+# Default training text for the tiny tokenizer: enough English for BPE merges of common words,
+# chat role names and digits, so test strings tokenize into a handful of tokens each.
+_DEFAULT_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "user: What is the capital of France?\nassistant: The capital of France is Paris.",
+    "system: You are a helpful assistant.\nuser: Write a short poem about the sea.",
+    "assistant: The sea is wide and blue, the waves are calm and true.",
+    "Once upon a time there was a little robot who loved to read books.",
+    "Summarize the following text in one sentence. The movie was great and funny.",
+    "I think this answer is good, but that one is better and more helpful.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 42 100 2024.",
+    "Question: how many legs does a spider have? Answer: eight legs.",
+    "Please explain reinforcement learning from human feedback in simple words.",
+    "The reward model scores each response; the policy learns to write better responses.",
+    "Hello world! Good morning. Thank you very much. Yes, no, maybe.",
+]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
+    """Map "float32" / "bfloat16" / "float16" / "auto" / a torch.dtype to what `from_pretrained` takes.
+
+    None means float32: trainers keep full-precision master weights and use autocast for speed.
+    "auto" keeps the dtype stored in the checkpoint.
+    """
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return "auto"
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(
+            f"unknown dtype {dtype!r}; use one of: auto, {', '.join(sorted(_DTYPES))}"
+        ) from None
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------
+
+
+def _pick_pad_token(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """An existing token to pad with: a special token named like a pad token, else unk, else eos."""
+    specials = {
+        tok.content
+        for tok in getattr(tokenizer, "added_tokens_decoder", {}).values()
+        if getattr(tok, "special", False)
+    }
+    specials.update(getattr(tokenizer, "all_special_tokens", []))
+    pad_like = sorted(t for t in specials if "pad" in t.lower())
+    if pad_like:
+        return pad_like[0]
+    if tokenizer.unk_token is not None:
+        return tokenizer.unk_token
+    return tokenizer.eos_token
+
+
+def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Give `tokenizer` a pad token when it has none, without adding a token to the vocabulary.
+
+    Preference: an existing special token whose name contains "pad" (Llama 3's
+    `<|finetune_right_pad_id|>`, Qwen's `<|endoftext|>` is already the pad), then `unk`, then `eos`.
+    pad == eos is safe in posttrain because every attention / completion mask is built from
+    sequence lengths, never from `ids == pad`, so a real EOS is never mistaken for padding.
+    No new token is added, so the embedding matrix never needs resizing here.
+    """
+    if tokenizer.pad_token is not None:
+        return tokenizer
+    pad = _pick_pad_token(tokenizer)
+    if pad is None:
+        raise ValueError(
+            "the tokenizer has no pad, unk or eos token to pad with; "
+            "add one with tokenizer.add_special_tokens({'pad_token': '<|pad|>'}) "
+            "and pass the tokenizer to the model loader so it resizes the embeddings"
+        )
+    tokenizer.pad_token = pad
+    logger.info("tokenizer has no pad token; padding with existing token %r", pad)
+    return tokenizer
+
+
+def load_tokenizer(
+    name_or_path: str | os.PathLike,
+    padding_side: str = "left",
+    *,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+) -> PreTrainedTokenizerBase:
+    """Load a tokenizer (hub name or local folder) with a pad token and the given padding side.
+
+    Left padding is the default because prompts are left-padded for generation.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(name_or_path), trust_remote_code=trust_remote_code, revision=revision
+    )
+    tokenizer.padding_side = padding_side
+    return ensure_pad_token(tokenizer)
+
+
+# --------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Turn every dropout off: `nn.Dropout` modules, float dropout attributes, config values.
+
+    Attention layers often copy `config.attention_dropout` into a float attribute at init and pass
+    it to a functional dropout, so editing the config alone is not enough; module attributes whose
+    name contains "dropout" or "pdrop" are zeroed too. The config is edited so that a saved model
+    reloads without dropout.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
+                setattr(module, name, 0.0)
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "to_dict"):
+            for name, value in config.to_dict().items():
+                if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
+                    setattr(config, name, 0.0)
+    return model
+
+
+def _sync_vocab(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> None:
+    """Write the tokenizer's special ids into the config; resize embeddings only if tokens were added."""
+    if tokenizer is None:
+        return
+    embeddings = model.get_input_embeddings()
+    if embeddings is not None and len(tokenizer) > embeddings.num_embeddings:
+        logger.warning(
+            "tokenizer has %d tokens but the model embeds %d; resizing the embeddings "
+            "(new rows are randomly initialised)",
+            len(tokenizer),
+            embeddings.num_embeddings,
+        )
+        model.resize_token_embeddings(len(tokenizer))
+    if tokenizer.pad_token_id is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if tokenizer.eos_token_id is not None and getattr(model.config, "eos_token_id", None) is None:
+        model.config.eos_token_id = tokenizer.eos_token_id
+
+
+def _finish(model: PreTrainedModel, *, dropout_off: bool, gradient_checkpointing: bool) -> PreTrainedModel:
+    if dropout_off:
+        disable_dropout(model)
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing works with inputs that do not require grad (frozen
+        # embeddings, LoRA) and with torch.compile.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def load_policy(
+    path: str | os.PathLike,
+    dtype: str | torch.dtype | None = None,
+    trust_remote_code: bool = False,
+    disable_dropout: bool = True,
+    gradient_checkpointing: bool = False,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    attn_implementation: str | None = None,
+    revision: str | None = None,
+) -> PreTrainedModel:
+    """Load a causal LM (hub name or folder). With `tokenizer`, pad/eos ids go into the config."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": resolve_dtype(dtype), "trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if revision is not None:
+        kwargs["revision"] = revision
+    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    _sync_vocab(model, tokenizer)
+    return _finish(model, dropout_off=disable_dropout, gradient_checkpointing=gradient_checkpointing)
+
+
+def _load_scalar_head_model(
+    path: str | os.PathLike,
+    what: str,
+    dtype: str | torch.dtype | None,
+    trust_remote_code: bool,
+    dropout_off: bool,
+    gradient_checkpointing: bool,
+    tokenizer: PreTrainedTokenizerBase | None,
+    pad_token_id: int | None,
+    attn_implementation: str | None,
+    revision: str | None,
+) -> PreTrainedModel:
+    from transformers import AutoModelForSequenceClassification
+
+    kwargs: dict[str, Any] = {
+        "dtype": resolve_dtype(dtype),
+        "trust_remote_code": trust_remote_code,
+        "num_labels": 1,
+    }
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if revision is not None:
+        kwargs["revision"] = revision
+    model = AutoModelForSequenceClassification.from_pretrained(str(path), **kwargs)
+    if model.config.num_labels != 1:
+        raise ValueError(f"{what} {path} has num_labels={model.config.num_labels}; it must output one score")
+    if tokenizer is None and pad_token_id is None and model.config.pad_token_id is None:
+        # The tokenizer saved next to the weights is the one the head was trained with.
+        try:
+            tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code, revision=revision)
+        except (OSError, ValueError) as err:
+            raise ValueError(
+                f"{what} {path} has no pad_token_id in its config and no tokenizer could be loaded "
+                f"from it ({err}); pass tokenizer= or pad_token_id="
+            ) from err
+    _sync_vocab(model, tokenizer)
+    if pad_token_id is not None:
+        model.config.pad_token_id = pad_token_id
+    if model.config.pad_token_id is None:
+        raise ValueError(f"{what} {path}: could not determine pad_token_id; pass tokenizer= or pad_token_id=")
+    return _finish(model, dropout_off=dropout_off, gradient_checkpointing=gradient_checkpointing)
+
+
+def load_reward_model(
+    path: str | os.PathLike,
+    dtype: str | torch.dtype | None = None,
+    trust_remote_code: bool = False,
+    disable_dropout: bool = True,
+    gradient_checkpointing: bool = False,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    pad_token_id: int | None = None,
+    attn_implementation: str | None = None,
+    revision: str | None = None,
+) -> PreTrainedModel:
+    """Load a reward model: `AutoModelForSequenceClassification(num_labels=1)` with `config.pad_token_id` set.
+
+    The pad id comes from `pad_token_id`, else `tokenizer`, else the config, else the tokenizer
+    saved in `path` (TRL #937: an unset pad id makes the head score the wrong token).
+    """
+    return _load_scalar_head_model(
+        path, "reward model", dtype, trust_remote_code, disable_dropout, gradient_checkpointing,
+        tokenizer, pad_token_id, attn_implementation, revision,
+    )
+
+
+def load_value_model(
+    path: str | os.PathLike,
+    dtype: str | torch.dtype | None = None,
+    trust_remote_code: bool = False,
+    disable_dropout: bool = True,
+    gradient_checkpointing: bool = False,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    pad_token_id: int | None = None,
+    attn_implementation: str | None = None,
+    revision: str | None = None,
+) -> PreTrainedModel:
+    """Load a value model (critic): same class as a reward model, `num_labels=1`.
+
+    `path` may be a reward model (the usual PPO init) or a causal LM; in the latter case the
+    `score` head is freshly initialised (transformers logs which weights are new).
+    """
+    return _load_scalar_head_model(
+        path, "value model", dtype, trust_remote_code, disable_dropout, gradient_checkpointing,
+        tokenizer, pad_token_id, attn_implementation, revision,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Causal LM with a value head
+# --------------------------------------------------------------------------------------------
+
+
+class _ValueHead(nn.Linear):
+    """Linear(hidden, 1) that casts its input to its own dtype, so a float32 head works on bf16 states."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().forward(hidden.to(self.weight.dtype))
+
+
+@dataclass
+class ValueHeadOutput:
+    logits: torch.Tensor  # (B, T, V)
+    values: torch.Tensor  # (B, T), float32 value head output
+    hidden_states: torch.Tensor  # (B, T, H) last hidden state (after the final norm)
+
+
+class CausalLMWithValueHead(nn.Module):
+    """A causal LM sharing its trunk with a scalar value head on the last hidden state.
+
+    It looks like a sequence-classification value model to scoring code: `base_model_prefix`
+    names the attribute holding the transformer backbone and `score` is the head, so
+    `getattr(m, m.base_model_prefix)(...).last_hidden_state` followed by `m.score(...)` gives values.
+    The head is float32 whatever the LM dtype (small values are not rounded away in bf16).
+    """
+
+    base_model_prefix = "backbone"
+
+    def __init__(self, pretrained_model: PreTrainedModel):
+        super().__init__()
+        self.pretrained_model = pretrained_model
+        hidden_size = pretrained_model.config.get_text_config().hidden_size
+        self.score = _ValueHead(hidden_size, 1)
+        nn.init.normal_(self.score.weight, std=1.0 / (hidden_size + 1) ** 0.5)
+        nn.init.zeros_(self.score.bias)
+        self.score.to(device=pretrained_model.device)
+
+    @property
+    def backbone(self) -> nn.Module:
+        return getattr(self.pretrained_model, self.pretrained_model.base_model_prefix)
+
+    @property
+    def config(self):
+        return self.pretrained_model.config
+
+    @property
+    def generation_config(self):
+        return self.pretrained_model.generation_config
+
+    @property
+    def device(self) -> torch.device:
+        return self.pretrained_model.device
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> ValueHeadOutput:
+        out = self.pretrained_model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            output_hidden_states=True,
+            use_cache=False,
+            **kwargs,
+        )
+        hidden = out.hidden_states[-1]
+        values = self.score(hidden).squeeze(-1).float()
+        return ValueHeadOutput(logits=out.logits, values=values, hidden_states=hidden)
+
+    def generate(self, *args: Any, **kwargs: Any):
+        return self.pretrained_model.generate(*args, **kwargs)
+
+    def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
+        self.pretrained_model.gradient_checkpointing_enable(**kwargs)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+        """Save the LM with `save_pretrained` and the head as `value_head.safetensors` beside it."""
+        from safetensors.torch import save_file
+
+        save_directory = Path(save_directory)
+        self.pretrained_model.save_pretrained(save_directory, **kwargs)
+        state = {f"score.{k}": v.detach().cpu().contiguous() for k, v in self.score.state_dict().items()}
+        save_file(state, str(save_directory / VALUE_HEAD_FILE))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        dtype: str | torch.dtype | None = None,
+        trust_remote_code: bool = False,
+        disable_dropout: bool = True,
+        gradient_checkpointing: bool = False,
+        **kwargs: Any,
+    ) -> CausalLMWithValueHead:
+        """Load the LM from `path`; load the head from `value_head.safetensors` if present, else init it."""
+        from safetensors.torch import load_file
+
+        lm = load_policy(
+            path, dtype=dtype, trust_remote_code=trust_remote_code, disable_dropout=disable_dropout,
+            gradient_checkpointing=gradient_checkpointing, **kwargs,
+        )
+        model = cls(lm)
+        head_file = Path(path) / VALUE_HEAD_FILE
+        if head_file.is_file():
+            state = load_file(str(head_file))
+            model.score.load_state_dict({k.removeprefix("score."): v for k, v in state.items()})
+            model.score.to(device=lm.device)
+        else:
+            logger.info("no %s in %s; the value head is freshly initialised", VALUE_HEAD_FILE, path)
+        return model
+
+
+# --------------------------------------------------------------------------------------------
+# Offline tiny builders
+# --------------------------------------------------------------------------------------------
+
+
+def build_tiny_tokenizer(
+    corpus: list[str] | None = None,
+    vocab_size: int = 512,
+    save_dir: str | os.PathLike | None = None,
+    *,
+    pad_equals_eos: bool = False,
+    chat_template: str | None = TINY_CHAT_TEMPLATE,
+) -> PreTrainedTokenizerBase:
+    """Train a byte-level BPE tokenizer on `corpus` (a built-in English sample by default).
+
+    Special tokens: `<|endoftext|>` (eos, also bos) and `<|pad|>` (pad), or pad = eos with
+    `pad_equals_eos=True` to exercise that case. Byte-level means any UTF-8 text is encodable.
+    Returns a fast tokenizer with left padding and `chat_template` set.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = [EOS_TOKEN] if pad_equals_eos else [EOS_TOKEN, PAD_TOKEN]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    # trim_offsets=False keeps character offsets exact, which label masking relies on.
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(corpus if corpus is not None else _DEFAULT_CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=EOS_TOKEN,
+        bos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN if pad_equals_eos else PAD_TOKEN,
+        padding_side="left",
+    )
+    tokenizer.chat_template = chat_template
+    if save_dir is not None:
+        tokenizer.save_pretrained(str(save_dir))
+    return tokenizer
+
+
+def _tiny_config(
+    tokenizer: PreTrainedTokenizerBase,
+    arch: str,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    overrides: dict[str, Any],
+):
+    from transformers import GPTNeoXConfig, LlamaConfig
+
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        # Grouped-query attention (2 query heads per KV head) exercises the GQA path.
+        kv_heads = num_heads // 2 if num_heads % 2 == 0 else num_heads
+        return LlamaConfig(**{**common, "num_key_value_heads": kv_heads, **overrides})
+    if arch == "gpt_neox":
+        return GPTNeoXConfig(**{**common, "use_parallel_residual": True, **overrides})
+    raise ValueError(f"unknown tiny arch {arch!r}; use 'llama' or 'gpt_neox'")
+
+
+def _build_tiny(
+    auto_cls_name: str,
+    tokenizer: PreTrainedTokenizerBase,
+    arch: str,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    seed: int,
+    save_dir: str | os.PathLike | None,
+    overrides: dict[str, Any],
+) -> PreTrainedModel:
+    import transformers
+
+    config = _tiny_config(tokenizer, arch, hidden_size, num_layers, num_heads, overrides)
+    auto_cls = getattr(transformers, auto_cls_name)
+    # A private RNG fork: building a model must not move the caller's global random stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = auto_cls.from_config(config, dtype=torch.float32)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if save_dir is not None:
+        model.save_pretrained(str(save_dir))
+        tokenizer.save_pretrained(str(save_dir))
+    return model
+
+
+def build_tiny_causal_lm(
+    tokenizer: PreTrainedTokenizerBase,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    arch: str = "llama",
+    seed: int = 0,
+    *,
+    save_dir: str | os.PathLike | None = None,
+    **config_overrides: Any,
+) -> PreTrainedModel:
+    """A randomly initialised causal LM ("llama" or "gpt_neox") sized for `tokenizer`; float32.
+
+    `config_overrides` go to the config class (e.g. `hidden_dropout=0.1`). With `save_dir`, the
+    model and tokenizer are saved there (loadable with plain `from_pretrained`).
+    """
+    return _build_tiny(
+        "AutoModelForCausalLM", tokenizer, arch, hidden_size, num_layers, num_heads, seed, save_dir,
+        config_overrides,
+    )
+
+
+def build_tiny_reward_model(
+    tokenizer: PreTrainedTokenizerBase,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    arch: str = "llama",
+    seed: int = 0,
+    *,
+    save_dir: str | os.PathLike | None = None,
+    **config_overrides: Any,
+) -> PreTrainedModel:
+    """A randomly initialised sequence-classification model, `num_labels=1`, `pad_token_id` set."""
+    return _build_tiny(
+        "AutoModelForSequenceClassification", tokenizer, arch, hidden_size, num_layers, num_heads, seed,
+        save_dir, {"num_labels": 1, **config_overrides},
+    )

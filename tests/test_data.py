@@ -1,0 +1,485 @@
+"""posttrain.data: loading, format detection, chat templates, validation, prompt / preference / SFT prep."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+
+import pytest
+import torch
+from datasets import Dataset, DatasetDict
+
+from posttrain.data import (
+    IGNORE_INDEX,
+    SIMPLE_CHAT_TEMPLATE,
+    DataError,
+    PromptCollator,
+    apply_chat_template,
+    detect_format,
+    ensure_chat_template,
+    is_conversational,
+    load_any_dataset,
+    prepare_preference_dataset,
+    prepare_prompt_dataset,
+    prepare_sft_dataset,
+)
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def conv(*pairs):
+    return [{"role": r, "content": c} for r, c in pairs]
+
+
+@pytest.fixture
+def tok(tiny_tokenizer):
+    """A private copy: several tests change the chat template or padding side."""
+    return copy.deepcopy(tiny_tokenizer)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def trained_text(tok, row):
+    return tok.decode([t for t in row["labels"] if t != IGNORE_INDEX])
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------------
+
+ROWS = [{"prompt": "hello", "n": 1}, {"prompt": "world", "n": 2}, {"prompt": "again", "n": 3}]
+
+
+def test_load_jsonl_json_csv_parquet(tmp_path):
+    jsonl = write_jsonl(tmp_path / "a.jsonl", ROWS)
+    as_list = tmp_path / "b.json"
+    as_list.write_text(json.dumps(ROWS), encoding="utf-8")
+    lines_in_json = write_jsonl(tmp_path / "c.json", ROWS)
+    csv = tmp_path / "d.csv"
+    csv.write_text("prompt,n\nhello,1\nworld,2\nagain,3\n", encoding="utf-8")
+    parquet = tmp_path / "e.parquet"
+    Dataset.from_list(ROWS).to_parquet(str(parquet))
+    for path in (jsonl, as_list, lines_in_json, csv, parquet):
+        ds = load_any_dataset(path)
+        assert isinstance(ds, Dataset), path
+        assert ds["prompt"] == ["hello", "world", "again"] and ds["n"] == [1, 2, 3]
+    assert load_any_dataset(str(jsonl), split="train").num_rows == 3
+    assert load_any_dataset(jsonl, split="train[:2]").num_rows == 2
+
+
+def test_load_saved_folders_and_splits(tmp_path):
+    Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "one"))
+    assert load_any_dataset(tmp_path / "one").num_rows == 3
+    DatasetDict({"train": Dataset.from_list(ROWS), "test": Dataset.from_list(ROWS[:1])}).save_to_disk(
+        str(tmp_path / "dict")
+    )
+    whole = load_any_dataset(tmp_path / "dict")
+    assert isinstance(whole, DatasetDict) and set(whole) == {"train", "test"}
+    assert load_any_dataset(tmp_path / "dict", split="test").num_rows == 1
+    with pytest.raises(DataError, match=r"no split 'validation'; available splits: train, test"):
+        load_any_dataset(tmp_path / "dict", split="validation")
+
+
+def test_load_errors_name_file_and_line(tmp_path):
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n{"prompt": "c",}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"bad\.jsonl, line 4: malformed JSON .*Fix:"):
+        load_any_dataset(bad_json)
+
+    bad_utf8 = tmp_path / "latin1.jsonl"
+    bad_utf8.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1\.jsonl, line 2: invalid UTF-8.*iconv"):
+        load_any_dataset(bad_utf8)
+
+    bad_csv = tmp_path / "latin1.csv"
+    bad_csv.write_bytes(b"prompt\nok\ncaf\xe9\n")
+    with pytest.raises(DataError, match=r"latin1\.csv, line 3: invalid UTF-8"):
+        load_any_dataset(bad_csv)
+
+    not_object = tmp_path / "list.jsonl"
+    not_object.write_text('{"prompt": "a"}\n["prompt"]\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"list\.jsonl, line 2: expected a JSON object"):
+        load_any_dataset(not_object)
+
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "a"}, {"prompt": None}, {"prompt": [1, 2]}])
+    with pytest.raises(DataError, match=r"mixed\.jsonl, line 3, field 'prompt': is a list here but a string at line 1"):
+        load_any_dataset(mixed)
+
+    json_list = tmp_path / "rows.json"
+    json_list.write_text(json.dumps([{"prompt": "a"}, "oops"]), encoding="utf-8")
+    with pytest.raises(DataError, match=r"rows\.json, row 1: expected a JSON object"):
+        load_any_dataset(json_list)
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"empty\.jsonl: the file has no records"):
+        load_any_dataset(empty)
+
+    (tmp_path / "x.txt").write_text("hi", encoding="utf-8")
+    with pytest.raises(DataError, match=r"unsupported file type '\.txt'"):
+        load_any_dataset(tmp_path / "x.txt")
+    with pytest.raises(DataError, match=r"one split, 'train'"):
+        load_any_dataset(write_jsonl(tmp_path / "ok.jsonl", ROWS), split="test")
+    with pytest.raises(DataError, match=r"missing\.jsonl: no such file"):
+        load_any_dataset(tmp_path / "missing.jsonl")
+
+
+def test_load_hub_name_offline_gives_clear_error():
+    with pytest.raises(DataError, match=r"no-such-org/no-such-dataset: not a local file or folder.*hub"):
+        load_any_dataset("no-such-org/no-such-dataset", split="train")
+
+
+def test_load_empty_dataset(tmp_path):
+    header_only = tmp_path / "empty.csv"
+    header_only.write_text("prompt\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"empty\.csv: the file has no records"):
+        load_any_dataset(header_only)
+
+
+# --------------------------------------------------------------------------------------------
+# formats and chat templates
+# --------------------------------------------------------------------------------------------
+
+
+def test_detect_format_and_is_conversational():
+    cases = {
+        "prompt": {"prompt": ["hi"]},
+        "preference": {"prompt": ["q"], "chosen": ["a"], "rejected": ["b"]},
+        "text": {"text": ["hello"]},
+        "messages": {"messages": [conv(("user", "hi"), ("assistant", "yo"))]},
+        "prompt_completion": {"prompt": ["q"], "completion": ["a"]},
+        "tokenized": {"input_ids": [[1, 2]]},
+    }
+    for fmt, columns in cases.items():
+        assert detect_format(Dataset.from_dict(columns)) == fmt
+    assert detect_format(Dataset.from_dict({"body": ["x"]}), dataset_text_field="body") == "text"
+    assert detect_format(Dataset.from_dict({"chosen": ["a"], "rejected": ["b"]})) == "preference"
+    with pytest.raises(DataError, match=r"cannot tell the format from the columns \['foo'\]"):
+        detect_format(Dataset.from_dict({"foo": ["x"]}))
+    with pytest.raises(DataError, match="select a split"):
+        detect_format(DatasetDict({"train": Dataset.from_dict({"prompt": ["x"]})}))
+
+    assert is_conversational({"prompt": conv(("user", "hi"))})
+    assert is_conversational({"chosen": conv(("assistant", "a")), "rejected": conv(("assistant", "b"))})
+    assert not is_conversational({"prompt": "hi", "completion": "there"})
+    assert not is_conversational({"messages": []})
+
+
+def test_fallback_chat_template(tok):
+    tok.chat_template = None
+    text = apply_chat_template(conv(("system", "Be brief."), ("user", "Hi")), tok, add_generation_prompt=True)
+    assert text == "System: Be brief.\n\nUser: Hi\n\nAssistant:"
+    assert tok.chat_template == SIMPLE_CHAT_TEMPLATE
+    ensure_chat_template(tok, CHATML)
+    assert apply_chat_template(conv(("user", "x")), tok) == "<|im_start|>user\nx<|im_end|>\n"
+
+
+# --------------------------------------------------------------------------------------------
+# prompt datasets and collation
+# --------------------------------------------------------------------------------------------
+
+
+def test_prompt_dataset_standard_and_conversational(tok):
+    ds = Dataset.from_dict({"prompt": ["Hello world", "The sea"], "answer": ["x", "y"]})
+    out = prepare_prompt_dataset(ds, tok)
+    assert out["prompt"] == ["Hello world", "The sea"]
+    assert out["answer"] == ["x", "y"], "extra columns are kept for reward functions"
+    assert out[0]["input_ids"] == tok("Hello world")["input_ids"]
+
+    ds = Dataset.from_dict({"prompt": [conv(("user", "What is 2+2?"))], "solution": ["4"]})
+    row = prepare_prompt_dataset(ds, tok)[0]
+    assert row["prompt"] == "user: What is 2+2?\nassistant:"
+    assert tok.decode(row["input_ids"]) == row["prompt"]
+    assert row["solution"] == "4"
+
+
+def test_prompt_dataset_custom_column_and_pretokenized(tok):
+    ds = Dataset.from_dict({"question": ["Hello"], "id": [7]})
+    out = prepare_prompt_dataset(ds, tok, prompt_column="question")
+    assert out.column_names == ["id", "input_ids", "prompt"] or set(out.column_names) == {"id", "input_ids", "prompt"}
+    assert out[0]["prompt"] == "Hello"
+
+    ids = tok("The quick brown fox")["input_ids"]
+    stale_mask = [[1] * len(ids)]
+    out = prepare_prompt_dataset(Dataset.from_dict({"input_ids": [ids], "attention_mask": stale_mask}), tok, max_prompt_length=2)
+    assert "attention_mask" not in out.column_names
+    assert out[0]["input_ids"] == ids[-2:]
+    assert out[0]["prompt"] == tok.decode(ids[-2:])
+
+
+def test_prompt_dataset_overlong_truncate_left_and_drop(tok, caplog):
+    long, short = "The quick brown fox jumps over the lazy dog.", "Hi"
+    ds = Dataset.from_dict({"prompt": [long, short, long]})
+    n_long = len(tok(long)["input_ids"])
+    with caplog.at_level(logging.WARNING, logger="posttrain.data"):
+        out = prepare_prompt_dataset(ds, tok, max_prompt_length=4)
+    assert "2 of 3 prompts are longer than 4 tokens and were truncated from the left" in caplog.text
+    assert out[0]["input_ids"] == tok(long)["input_ids"][n_long - 4:]
+    assert out[0]["prompt"] == tok.decode(out[0]["input_ids"]) and long.endswith(out[0]["prompt"])
+    assert out[1]["prompt"] == short
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="posttrain.data"):
+        out = prepare_prompt_dataset(ds, tok, max_prompt_length=4, overflow="drop")
+    assert "2 of 3 prompts are longer than 4 tokens and were dropped" in caplog.text
+    assert out["prompt"] == [short]
+    with pytest.raises(DataError, match="every prompt is longer than max_prompt_length=1"):
+        prepare_prompt_dataset(ds, tok, max_prompt_length=1, overflow="drop")
+
+
+def test_prompt_dataset_bad_data(tok, tmp_path):
+    with pytest.raises(DataError, match=r"train_dataset, field 'prompt': missing column\(s\) \['prompt'\].*available columns: \['question'\]"):
+        prepare_prompt_dataset(Dataset.from_dict({"question": ["x"]}), tok, source="train_dataset")
+    with pytest.raises(DataError, match=r"row 1, field 'prompt': is empty"):
+        prepare_prompt_dataset(Dataset.from_dict({"prompt": ["ok", "   "]}), tok)
+    with pytest.raises(DataError, match=r"row 0, field 'prompt': has type int"):
+        prepare_prompt_dataset(Dataset.from_dict({"prompt": [3]}), tok)
+    with pytest.raises(DataError, match=r"row 0, field 'prompt': message 0 .*content of type int"):
+        prepare_prompt_dataset(Dataset.from_list([{"prompt": [{"role": "user", "content": 5}]}]), tok)
+    with pytest.raises(DataError, match=r"row 0, field 'input_ids': is empty"):
+        prepare_prompt_dataset(Dataset.from_dict({"input_ids": [[]]}), tok)
+    with pytest.raises(DataError, match=r"row 1, field 'input_ids': holds token ids outside the vocabulary"):
+        prepare_prompt_dataset(Dataset.from_dict({"input_ids": [[1], [len(tok)]]}), tok)
+    with pytest.raises(DataError, match=r"row 0, field 'input_ids': must be a list of integer token ids"):
+        prepare_prompt_dataset(Dataset.from_dict({"input_ids": [[1.5]]}), tok)
+    with pytest.raises(DataError, match="the dataset is empty"):
+        prepare_prompt_dataset(Dataset.from_dict({"prompt": []}), tok)
+    with pytest.raises(ValueError, match="overflow must be"):
+        prepare_prompt_dataset(Dataset.from_dict({"prompt": ["x"]}), tok, overflow="truncate_right")
+
+    # The file a dataset was loaded from is named in row-level errors.
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "fine"}, {"prompt": ""}])
+    with pytest.raises(DataError, match=r"train_dataset \(.*prompts\.jsonl\), row 1, field 'prompt': is empty"):
+        prepare_prompt_dataset(load_any_dataset(path), tok, source="train_dataset")
+
+
+def test_prompt_collator_left_pads_with_masks_from_lengths(tiny_tokenizer_pad_eos):
+    tok = tiny_tokenizer_pad_eos
+    eos = tok.eos_token_id
+    assert tok.pad_token_id == eos
+    # The second prompt ends with a real EOS token: with pad == eos it must stay unmasked.
+    rows = [
+        {"input_ids": [5, 6, 7], "prompt": "a", "solution": 1},
+        {"input_ids": [8, eos], "prompt": "b", "solution": 2},
+        {"input_ids": [eos], "prompt": "c", "solution": 3},
+    ]
+    batch = PromptCollator(tok.pad_token_id)(rows)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [eos, 8, eos], [eos, eos, eos]]
+    assert batch["attention_mask"].dtype == torch.bool
+    assert batch["attention_mask"].tolist() == [[True] * 3, [False, True, True], [False, False, True]]
+    assert batch["prompt"] == ["a", "b", "c"] and batch["solution"] == [1, 2, 3]
+
+
+def test_prompt_collator_on_prepared_dataset(tok):
+    ds = prepare_prompt_dataset(Dataset.from_dict({"prompt": ["Hello world, this is long", "Hi"]}), tok)
+    batch = PromptCollator(tok.pad_token_id)([ds[0], ds[1]])
+    lengths = batch["attention_mask"].sum(1).tolist()
+    assert lengths == [len(ds[0]["input_ids"]), len(ds[1]["input_ids"])]
+    assert batch["input_ids"][1, -lengths[1]:].tolist() == ds[1]["input_ids"]
+    assert (batch["input_ids"][1, : -lengths[1]] == tok.pad_token_id).all()
+
+
+# --------------------------------------------------------------------------------------------
+# preference datasets
+# --------------------------------------------------------------------------------------------
+
+
+def test_preference_standard_explicit_and_implicit_prompt(tok):
+    eos = tok.eos_token_id
+    ds = Dataset.from_dict({"prompt": ["Q: hi"], "chosen": [" good"], "rejected": [" bad"], "margin": [0.5], "x": [1]})
+    row = prepare_preference_dataset(ds, tok, max_length=64)[0]
+    assert set(row) == {"chosen_input_ids", "rejected_input_ids", "margin"}
+    assert row["chosen_input_ids"] == tok("Q: hi good")["input_ids"] + [eos]
+    assert row["rejected_input_ids"][-1] == eos and row["margin"] == 0.5
+
+    ds = Dataset.from_dict({"chosen": ["Q: hi good<|endoftext|>"], "rejected": ["Q: hi bad"]})
+    row = prepare_preference_dataset(ds, tok, max_length=64)[0]
+    assert row["chosen_input_ids"].count(eos) == 1, "EOS is not appended twice"
+    assert row["rejected_input_ids"][-1] == eos
+
+
+def test_preference_conversational_and_pretokenized(tok):
+    ds = Dataset.from_dict({
+        "prompt": [conv(("user", "Hi"))],
+        "chosen": [conv(("assistant", "Hello!"))],
+        "rejected": [conv(("assistant", "Go away"))],
+    })
+    row = prepare_preference_dataset(ds, tok, max_length=64)[0]
+    assert tok.decode(row["chosen_input_ids"]) == "user: Hi\nassistant: Hello!<|endoftext|>\n"
+    implicit = Dataset.from_dict({
+        "chosen": [conv(("user", "Hi"), ("assistant", "Hello!"))],
+        "rejected": [conv(("user", "Hi"), ("assistant", "Go away"))],
+    })
+    assert prepare_preference_dataset(implicit, tok, max_length=64)[0]["chosen_input_ids"] == row["chosen_input_ids"]
+
+    pre = Dataset.from_dict({"chosen_input_ids": [[1, 2, 3]], "rejected_input_ids": [[4, 5]]})
+    assert prepare_preference_dataset(pre, tok, max_length=64)[0] == {"chosen_input_ids": [1, 2, 3], "rejected_input_ids": [4, 5]}
+
+
+def test_preference_overflow_counts(tok, caplog):
+    ds = Dataset.from_dict({"chosen": ["short", "a much longer chosen answer here"], "rejected": ["no", "no"]})
+    with caplog.at_level(logging.WARNING, logger="posttrain.data"):
+        out = prepare_preference_dataset(ds, tok, max_length=4)
+    assert "1 of 2 preference pairs are longer than 4 tokens and were dropped" in caplog.text
+    assert len(out) == 1
+    out = prepare_preference_dataset(ds, tok, max_length=4, overflow="truncate")
+    assert len(out) == 2 and max(len(s) for s in out["chosen_input_ids"]) == 4
+
+
+def test_preference_bad_data(tok):
+    with pytest.raises(DataError, match=r"missing column\(s\) \['rejected'\].*available columns: \['chosen'\]"):
+        prepare_preference_dataset(Dataset.from_dict({"chosen": ["a"]}), tok, 8)
+    with pytest.raises(DataError, match=r"row 1, field 'chosen': is empty"):
+        prepare_preference_dataset(Dataset.from_dict({"chosen": ["a", ""], "rejected": ["b", "c"]}), tok, 8)
+    with pytest.raises(DataError, match=r"row 0, field 'rejected': has type int"):
+        prepare_preference_dataset(Dataset.from_dict({"chosen": ["a"], "rejected": [1]}), tok, 8)
+    with pytest.raises(DataError, match=r"row 0, field 'margin': must be a finite number"):
+        prepare_preference_dataset(Dataset.from_dict({"chosen": ["a"], "rejected": ["b"], "margin": [float("nan")]}), tok, 8)
+    with pytest.raises(DataError, match="every pair is longer"):
+        prepare_preference_dataset(Dataset.from_dict({"chosen": ["a b c d e f"], "rejected": ["b"]}), tok, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# SFT datasets
+# --------------------------------------------------------------------------------------------
+
+
+def test_sft_text_and_custom_field(tok):
+    eos = tok.eos_token_id
+    row = prepare_sft_dataset(Dataset.from_dict({"text": ["Hello world"]}), tok, 64)[0]
+    assert row["input_ids"] == tok("Hello world")["input_ids"] + [eos]
+    assert row["labels"] == row["input_ids"]
+    row = prepare_sft_dataset(Dataset.from_dict({"body": ["Hi<|endoftext|>"], "id": [1]}), tok, 64, dataset_text_field="body")[0]
+    assert set(row) == {"input_ids", "labels"} and row["input_ids"].count(eos) == 1
+
+
+def test_sft_prompt_completion(tok):
+    ds = Dataset.from_dict({"prompt": ["The capital of France is"], "completion": [" Paris."]})
+    row = prepare_sft_dataset(ds, tok, 64)[0]
+    assert tok.decode(row["input_ids"]) == "The capital of France is Paris.<|endoftext|>"
+    assert trained_text(tok, row) == " Paris.<|endoftext|>"
+    assert row["labels"][0] == IGNORE_INDEX
+    full = prepare_sft_dataset(ds, tok, 64, completion_only_loss=False)[0]
+    assert full["labels"] == full["input_ids"]
+
+    ds = Dataset.from_dict({"prompt": [conv(("user", "Hi"))], "completion": [conv(("assistant", "Hello!"))]})
+    row = prepare_sft_dataset(ds, tok, 64)[0]
+    assert tok.decode(row["input_ids"]) == "user: Hi\nassistant: Hello!<|endoftext|>\n"
+    assert trained_text(tok, row) == " Hello!<|endoftext|>\n"
+
+
+@pytest.mark.parametrize("template", ["tiny", "simple", "chatml"])
+def test_sft_messages_assistant_only_loss(tok, template):
+    if template == "simple":
+        tok.chat_template = None
+    elif template == "chatml":
+        tok.chat_template = CHATML
+    messages = conv(("system", "Be kind."), ("user", "Hi"), ("assistant", "Hello!"), ("user", "Bye"), ("assistant", "See you"))
+    ds = Dataset.from_dict({"messages": [messages]})
+    full = prepare_sft_dataset(ds, tok, 256)[0]
+    assert full["labels"] == full["input_ids"]
+    row = prepare_sft_dataset(ds, tok, 256, assistant_only_loss=True)[0]
+    assert row["input_ids"] == full["input_ids"]
+    trained = trained_text(tok, row)
+    assert "Hello!" in trained and "See you" in trained
+    assert "Hi" not in trained and "Bye" not in trained and "Be kind" not in trained
+    # Tokens of each assistant turn are contiguous runs of labels.
+    runs, inside = 0, False
+    for label in row["labels"]:
+        if label != IGNORE_INDEX and not inside:
+            runs += 1
+        inside = label != IGNORE_INDEX
+    assert runs == 2
+
+
+def test_sft_truncation_and_empty_rows(tok, caplog):
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = tok(text)["input_ids"] + [tok.eos_token_id]
+    ds = Dataset.from_dict({"text": [text, "Hi"]})
+    with caplog.at_level(logging.WARNING, logger="posttrain.data"):
+        out = prepare_sft_dataset(ds, tok, 5)
+    assert "1 of 2 rows are longer than 5 tokens and were truncated (keep_start)" in caplog.text
+    assert out[0]["input_ids"] == ids[:5]
+    assert prepare_sft_dataset(ds, tok, 5, truncation="keep_end")[0]["input_ids"] == ids[-5:]
+
+    # A prompt that fills max_length leaves nothing to train on: the row is dropped and counted.
+    pc = Dataset.from_dict({"prompt": [text, "Hi"], "completion": [" yes", " no"]})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="posttrain.data"):
+        out = prepare_sft_dataset(pc, tok, 5)
+    assert "1 of 2 rows have no token to train on" in caplog.text and len(out) == 1
+
+
+def test_sft_packing(tok):
+    texts = ["Hello world", "The sea is wide", "Thank you very much"]
+    plain = prepare_sft_dataset(Dataset.from_dict({"text": texts}), tok, 64)
+    stream = [t for seq in plain["input_ids"] for t in seq]
+    packed = prepare_sft_dataset(Dataset.from_dict({"text": texts}), tok, 4, packing=True)
+    assert all(len(seq) == 4 for seq in packed["input_ids"][:-1]) and 0 < len(packed["input_ids"][-1]) <= 4
+    assert [t for seq in packed["input_ids"] for t in seq] == stream
+    assert [t for seq in packed["labels"] for t in seq] == [t for seq in plain["labels"] for t in seq]
+
+
+def test_sft_bad_data(tok):
+    with pytest.raises(DataError, match=r"SFT needs 'text', 'messages' or 'prompt'\+'completion'.*available columns: \['prompt'\]"):
+        prepare_sft_dataset(Dataset.from_dict({"prompt": ["x"]}), tok, 8)
+    with pytest.raises(DataError, match="assistant_only_loss needs conversational data"):
+        prepare_sft_dataset(Dataset.from_dict({"text": ["x"]}), tok, 8, assistant_only_loss=True)
+    with pytest.raises(DataError, match=r"row 1, field 'text': is empty"):
+        prepare_sft_dataset(Dataset.from_dict({"text": ["x", ""]}), tok, 8)
+    with pytest.raises(DataError, match=r"row 0, field 'text': has type int"):
+        prepare_sft_dataset(Dataset.from_dict({"text": [4]}), tok, 8)
+    with pytest.raises(DataError, match=r"row 0, field 'messages': is a string"):
+        prepare_sft_dataset(Dataset.from_dict({"messages": ["hi"]}), tok, 8)
+    with pytest.raises(DataError, match=r"row 0, field 'messages': has no assistant message"):
+        prepare_sft_dataset(Dataset.from_dict({"messages": [conv(("user", "hi"))]}), tok, 8, assistant_only_loss=True)
+    with pytest.raises(DataError, match=r"row 0, field 'completion': one of prompt / completion is a conversation"):
+        prepare_sft_dataset(Dataset.from_dict({"prompt": [conv(("user", "hi"))], "completion": [conv(("assistant", "a"))]}).map(
+            lambda r: {"completion": "text"}, remove_columns="completion"), tok, 8)
+    with pytest.raises(DataError, match="the dataset is empty"):
+        prepare_sft_dataset(Dataset.from_dict({"text": []}), tok, 8)
+
+
+def test_sft_labels_without_offsets(tok, monkeypatch):
+    # Tokenizers without character offsets locate the completion by tokenizing the text before it.
+    ds = Dataset.from_dict({"prompt": ["The capital of France is"], "completion": [" Paris."]})
+    expected = prepare_sft_dataset(ds, tok, 64)[0]
+    monkeypatch.setattr(type(tok), "is_fast", property(lambda self: False))
+    assert prepare_sft_dataset(ds, tok, 64)[0] == expected
+
+
+def test_sft_template_that_rewrites_history_is_rejected(tok):
+    # Drops earlier assistant turns (as reasoning templates do): prefixes no longer match.
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
+        "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
+    )
+    ds = Dataset.from_dict({"messages": [conv(("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d"))]})
+    with pytest.raises(DataError, match=r"row 0, field 'messages': the chat template renders .* differently"):
+        prepare_sft_dataset(ds, tok, 64, assistant_only_loss=True)
+
+
+def test_tokenizer_that_appends_eos(tok):
+    # Tokenizers whose post-processor appends EOS (T5-style): prompts must not end with it, and
+    # SFT completions must train on it exactly once.
+    from tokenizers import processors
+
+    eos = tok.eos_token_id
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"$A {tok.eos_token}", special_tokens=[(tok.eos_token, eos)]
+    )
+    assert tok("Hi")["input_ids"][-1] == eos
+    prompt = prepare_prompt_dataset(Dataset.from_dict({"prompt": ["Hello world"]}), tok)[0]
+    assert prompt["input_ids"][-1] != eos
+    ds = Dataset.from_dict({"prompt": ["The capital of France is"], "completion": [" Paris."]})
+    row = prepare_sft_dataset(ds, tok, 64)[0]
+    assert row["input_ids"].count(eos) == 1 and row["labels"][-1] == eos
+    assert trained_text(tok, row) == " Paris.<|endoftext|>"
