@@ -822,9 +822,13 @@ def prepare_sft_dataset(
                 field="completion", fix="make both strings or both conversations",
             )
         if isinstance(prompt, str):
-            text = prompt + completion
-            spans = [(len(prompt), len(text))] if completion_only_loss else [(0, len(text))]
-            ids, mask = _trainable_tokens(tokenizer, text, spans, add_special_tokens=True)
+            # Prompt and completion are tokenized separately (as TRL does, and as the policy sees them
+            # at generation time), so a BPE merge across the boundary (a trailing space in the prompt
+            # joining the completion's first word) can never hide completion tokens from the loss.
+            (prompt_ids,) = _encode(tokenizer, [prompt], [False])
+            completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+            ids = list(prompt_ids) + list(completion_ids)
+            mask = [not completion_only_loss] * len(prompt_ids) + [True] * len(completion_ids)
             if eos_id is not None and (not ids or ids[-1] != eos_id):
                 ids, mask = ids + [eos_id], mask + [True]
             return ids, mask

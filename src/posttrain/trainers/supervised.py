@@ -1,0 +1,384 @@
+"""Mechanisms shared by the dataset-driven trainers (SFT and reward modelling).
+
+Each trainer file tells its own loop: collate a step's micro-batches, count what it trains on,
+backward `loss_sum / global_count` per micro-batch, step. What lives here is the plumbing around
+that loop, written once:
+
+- `BatchPlan`: which examples every optimizer step uses, as a pure function of the step number
+  and the seed. Resuming therefore needs only the step to find its data position, and the same
+  examples land in the same accumulated batch whatever the micro-batch size.
+- `SupervisedRun`: accelerator, optimizer and schedule (the online trainers' builders from
+  `common`), exact gradient accumulation, logging, evaluation and checkpoint cadence, resume
+  (weights, optimizer, schedule, RNG, counters, pending metrics) and the final save.
+- small collation helpers (right padding, attention masks from lengths).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from posttrain import checkpoint as ckpt
+from posttrain import distributed as dist
+from posttrain.configs import ConfigError, TrainingConfig
+from posttrain.tracking import MetricAccumulator, ProgressBar, Tracker
+from posttrain.trainers.common import build_optimizer, build_scheduler, no_sync_unless_last
+
+IGNORE_INDEX = -100
+
+
+# ---------------------------------------------------------------------------------------------
+# collation
+# ---------------------------------------------------------------------------------------------
+def pad_right(
+    sequences: Sequence[Sequence[int]], pad_value: int, pad_to_multiple_of: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad int sequences into a (B, T) tensor; returns (padded, lengths (B,)).
+
+    Masks are built from the lengths (ops.lengths_to_mask), never from `ids == pad`, because the
+    pad token may be the EOS token that ends every sequence (DESIGN.md, principle 4).
+    """
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+    width = max(int(lengths.max()), 1) if len(sequences) else 1
+    if pad_to_multiple_of:
+        width = math.ceil(width / pad_to_multiple_of) * pad_to_multiple_of
+    out = torch.full((len(sequences), width), pad_value, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        out[row, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
+    return out, lengths
+
+
+def rows(dataset: Any, indices: Sequence[int]) -> list[dict]:
+    return [dataset[int(i)] for i in indices]
+
+
+# ---------------------------------------------------------------------------------------------
+# which examples each step trains on
+# ---------------------------------------------------------------------------------------------
+class BatchPlan:
+    """The examples of every optimizer step, derived from (seed, step) alone.
+
+    Epoch e visits a permutation drawn from (seed, e), wrapped around to a multiple of the world
+    size (as torch's DistributedSampler pads) so every rank gets equally many examples. Global
+    micro-batch m holds permutation[m·B·W : (m+1)·B·W] and rank r takes every W-th of them; an
+    optimizer step takes `gradient_accumulation_steps` consecutive micro-batches (the last step of
+    an epoch may take fewer, and the epoch's last micro-batch may be smaller: exact loss
+    normalisation makes both harmless). Batch 1 × accumulation 4 and batch 4 × accumulation 1
+    therefore train step s on exactly the same examples.
+    """
+
+    def __init__(
+        self,
+        num_examples: int,
+        per_device_batch_size: int,
+        gradient_accumulation_steps: int,
+        *,
+        seed: int,
+        num_train_epochs: float,
+        max_steps: int = -1,
+        world_size: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        if num_examples < 1:
+            raise ConfigError("the training set is empty after preparation; check the data and max_length.")
+        self.num_examples = num_examples
+        self.batch_size = per_device_batch_size
+        self.accumulation = gradient_accumulation_steps
+        self.seed, self.world_size, self.rank, self.shuffle = seed, world_size, rank, shuffle
+        self.padded = math.ceil(num_examples / world_size) * world_size
+        self.global_micro = per_device_batch_size * world_size
+        self.micro_per_epoch = math.ceil(self.padded / self.global_micro)
+        self.steps_per_epoch = math.ceil(self.micro_per_epoch / gradient_accumulation_steps)
+        if max_steps > 0:
+            self.total_steps = max_steps
+        else:
+            self.total_steps = max(1, math.ceil(num_train_epochs * self.steps_per_epoch))
+        self._cached: tuple[int, list[int]] | None = None
+
+    def order(self, epoch: int) -> list[int]:
+        if self._cached is None or self._cached[0] != epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                perm = torch.randperm(self.num_examples, generator=g).tolist()
+            else:
+                perm = list(range(self.num_examples))
+            self._cached = (epoch, (perm * 2)[: self.padded] if self.padded > len(perm) else perm)
+        return self._cached[1]
+
+    def micro_batches(self, step: int) -> list[list[int]]:
+        """This rank's example indices for each micro-batch of optimizer step `step` (0-based)."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        order = self.order(epoch)
+        first = k * self.accumulation
+        last = min(first + self.accumulation, self.micro_per_epoch)
+        out = []
+        for m in range(first, last):
+            chunk = order[m * self.global_micro : (m + 1) * self.global_micro]
+            out.append(chunk[self.rank :: self.world_size])
+        return out
+
+    def epoch(self, steps_done: int) -> float:
+        """Fractional epochs completed after `steps_done` optimizer steps."""
+        return steps_done / self.steps_per_epoch
+
+
+def eval_shards(num_examples: int, batch_size: int, accelerator: Any) -> Iterator[tuple[list[int], torch.Tensor]]:
+    """This rank's eval batches as (indices, counts (B,) bool): every example is scored once.
+
+    Ranks get equally many batches (the list is wrapped to a multiple of the world size and the
+    repeats are flagged False), because under ZeRO-3 every forward is a collective that all ranks
+    must join.
+    """
+    world, rank = dist.world_size(accelerator), dist.process_index(accelerator)
+    padded = math.ceil(num_examples / world) * world
+    mine = list(range(rank, padded, world))
+    for start in range(0, len(mine), batch_size):
+        part = mine[start : start + batch_size]
+        yield [i % num_examples for i in part], torch.tensor([i < num_examples for i in part])
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------------
+def check_output_dir(config: TrainingConfig) -> None:
+    """Refuse to train into an output_dir that already holds a run, before any model loads."""
+    if config.resume_from_checkpoint or config.overwrite_output_dir:
+        return
+    if ckpt.has_output(config.output_dir):
+        raise ConfigError(
+            f"output_dir={config.output_dir!r} already holds a run (checkpoints, weights or metrics). "
+            "Pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to write over it, "
+            "or choose another --output_dir."
+        )
+
+
+def set_special_tokens(tokenizer: Any, eos_token: str | None, pad_token: str | None) -> Any:
+    """Apply the config's eos_token / pad_token (tokens that must already exist) and ensure a pad."""
+    from posttrain.models import ensure_pad_token
+
+    for name, token in (("eos_token", eos_token), ("pad_token", pad_token)):
+        if token is None:
+            continue
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == tokenizer.unk_token_id and token != tokenizer.unk_token:
+            raise ConfigError(f"{name}={token!r} is not a token of the tokenizer's vocabulary; pick an existing token.")
+        setattr(tokenizer, name, token)
+    return ensure_pad_token(tokenizer)
+
+
+class SupervisedRun:
+    """The environment of one dataset-driven training run (SFT or reward).
+
+    Gradient accumulation is done here rather than by accelerate: the trainer counts the trained
+    units (tokens, pairs) of the whole accumulated batch first, then each micro-batch backwards
+    `loss_sum / normaliser`, where normaliser = global count / world size (DDP averages gradients
+    over ranks). The update then equals one big batch's mean-loss gradient exactly, which per
+    micro-batch means (HF Trainer's default) do not give when micro-batches hold different counts.
+    """
+
+    def __init__(
+        self,
+        config: TrainingConfig,
+        model: nn.Module,
+        tokenizer: Any,
+        train_dataset: Any,
+        *,
+        accelerator: Any = None,
+        activation_offloading: bool = False,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.accelerator = accelerator or dist.build_accelerator(mixed_precision=config.mixed_precision)
+        self.world_size = dist.world_size(self.accelerator)
+        self.device = dist.device(self.accelerator)
+        self.is_main = dist.is_main(self.accelerator)
+        self.activation_offloading = activation_offloading
+        # Seeds dropout and anything else drawn from the global generators; a resume then
+        # overwrites these states with the checkpoint's.
+        dist.set_seed(config.seed)
+        self.train_dataset = train_dataset
+        self.plan = BatchPlan(
+            len(train_dataset), config.per_device_train_batch_size, config.gradient_accumulation_steps,
+            seed=config.seed, num_train_epochs=config.num_train_epochs, max_steps=config.max_steps,
+            world_size=self.world_size, rank=dist.process_index(self.accelerator),
+        )
+        self.global_step = 0
+        self.num_tokens = 0.0  # input tokens seen, all ranks (TRL's num_tokens)
+        self.metrics = MetricAccumulator()
+        self.tracker = Tracker(config.output_dir, config.report_to, config=config.to_dict(),
+                               run_name=config.run_name, is_main=self.is_main)
+
+        model.to(self.device)
+        if config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        optimizer = build_optimizer(model.parameters(), config)
+        scheduler = build_scheduler(optimizer, config, self.plan.total_steps)
+        resume_path = ckpt.resolve_checkpoint(config.output_dir, config.resume_from_checkpoint)
+        state: dict[str, Any] = {}
+        if resume_path is not None:
+            # Before prepare(): under ZeRO-3 / FSDP sharded parameters cannot take a full state dict.
+            state = ckpt.load_checkpoint(resume_path, models={"model": model}, optimizer=optimizer,
+                                         scheduler=scheduler, accelerator=None)
+        self._set_deepspeed_batch_size()
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.scheduler = scheduler
+        if resume_path is not None:
+            self.global_step = int(state["global_step"])
+            self.num_tokens = float(state.get("num_tokens", 0.0))
+            if self.is_main and state.get("pending_metrics"):
+                self.metrics.merge(state["pending_metrics"])
+            if self.is_main:
+                print(f"Resumed from {resume_path} at step {self.global_step}/{self.plan.total_steps}.")
+        self.last_logged: dict[str, float] | None = None
+
+    def _set_deepspeed_batch_size(self) -> None:
+        # DeepSpeed wants a micro-batch size at prepare() time; without a dataloader accelerate
+        # cannot infer it, so it is filled from the config (as TRL's online trainers do).
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if plugin is not None:
+            plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = self.config.per_device_train_batch_size
+            plugin.deepspeed_config["gradient_accumulation_steps"] = 1
+
+    # -- the training loop ------------------------------------------------------------------
+    def steps(self, collate: Callable[[list[dict]], dict]) -> Iterator[list[dict]]:
+        """Yield, for each remaining optimizer step, its collated micro-batches (on device).
+
+        The caller backwards every micro-batch and then calls `end_step`.
+        """
+        progress = ProgressBar(self.plan.total_steps, disable=not self.is_main, desc="steps")
+        progress.update(self.global_step)
+        try:
+            while self.global_step < self.plan.total_steps:
+                batches = [collate(rows(self.train_dataset, idx)) for idx in self.plan.micro_batches(self.global_step)]
+                yield [self.to_device(b) for b in batches]
+                progress.update(1)
+                if self.last_logged is not None:
+                    progress.set_postfix({k: v for k, v in self.last_logged.items() if k in ("loss", "lr")})
+        finally:
+            progress.close()
+
+    def to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    def global_counts(self, *local: float | torch.Tensor) -> list[float]:
+        """Sum per-rank counts over ranks (one all-reduce)."""
+        t = torch.tensor([float(x) for x in local], dtype=torch.float64 if self.device.type != "mps" else torch.float32,
+                         device=self.device)
+        return dist.reduce_sum(t, self.accelerator).tolist()
+
+    def normaliser(self, global_count: float) -> float:
+        """Divide a micro-batch's loss sum by this: DDP's average over ranks then gives Σ / N_global."""
+        return max(global_count, 1.0) / self.world_size
+
+    def micro_steps(self, batches: list[dict]) -> Iterator[tuple[int, dict]]:
+        """Enumerate micro-batches inside the right context: DDP sync only on the last one,
+        autocast for mixed precision, activations kept on the CPU when asked."""
+        for i, batch in enumerate(batches):
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(no_sync_unless_last(self.accelerator, self.model, i == len(batches) - 1))
+                stack.enter_context(self.autocast())
+                if self.activation_offloading:
+                    stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()))
+                yield i, batch
+
+    def autocast(self):
+        if self.config.mixed_precision == "no":
+            return contextlib.nullcontext()
+        return self.accelerator.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if not torch.isfinite(loss.detach()):
+            raise FloatingPointError(
+                f"the loss is {loss.item()} at step {self.global_step + 1}; lower the learning_rate, "
+                "check the data, or use bf16 instead of fp16."
+            )
+        self.accelerator.backward(loss)
+
+    def end_step(self, evaluate: Callable[[], dict[str, float]] | None = None) -> None:
+        """Clip, step optimizer and schedule, then log / evaluate / save when due."""
+        lr = self.scheduler.get_last_lr()[0]
+        max_norm = self.config.max_grad_norm or math.inf
+        grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        self.metrics.add_value("grad_norm", grad_norm)
+        step, last = self.global_step, self.global_step == self.plan.total_steps
+        if step % self.config.logging_steps == 0 or last:
+            self.log({"lr": lr})
+        if evaluate is not None and (last or (self.config.eval_steps and step % self.config.eval_steps == 0)):
+            evaluate()
+        if self.config.save_steps and step % self.config.save_steps == 0 and not last:
+            self.save_checkpoint()
+
+    def log(self, extra: dict[str, float]) -> dict[str, float]:
+        """Reduce the window's metrics across ranks (one all-reduce) and write them."""
+        values = self.metrics.reduce(self.accelerator)
+        self.metrics.reset()
+        self.num_tokens += values.pop("num_tokens", 0.0)
+        values.update(extra)
+        values["num_tokens"] = self.num_tokens
+        values["epoch"] = self.plan.epoch(self.global_step)
+        self.tracker.log(values, step=self.global_step)
+        self.last_logged = values
+        return values
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        state = {
+            "global_step": self.global_step,
+            "num_tokens": self.num_tokens,
+            # The metrics of a not-yet-logged window (main process's share), so a resumed run
+            # logs the same numbers as an uninterrupted one on a single process.
+            "pending_metrics": self.metrics.state(),
+            "data_epoch": self.global_step // self.plan.steps_per_epoch,
+            "time": time.time(),
+        }
+        ckpt.save_checkpoint(
+            self.config.output_dir, self.global_step, models={"model": self.model}, tokenizer=self.tokenizer,
+            config=self.config.to_dict(), optimizer=self.optimizer, scheduler=self.scheduler,
+            trainer_state=state, save_total_limit=self.config.save_total_limit, accelerator=self.accelerator,
+        )
+
+    def save_final(self, output_dir: str | None = None) -> None:
+        """The trained model at the top of output_dir, loadable with plain `from_pretrained`."""
+        ckpt.save_final(output_dir or self.config.output_dir, self.model, tokenizer=self.tokenizer,
+                        config=self.config.to_dict(), accelerator=self.accelerator)
+
+    def unwrapped(self) -> nn.Module:
+        return dist.unwrap(self.model, self.accelerator)
+
+    def close(self) -> None:
+        self.tracker.close()
+
+
+def resolve_model_and_tokenizer(
+    model: Any, processing_class: Any, config: TrainingConfig, *, kind: str, model_init_kwargs: dict | None
+) -> tuple[nn.Module, Any]:
+    """Accept a model object or a path / hub name (TRL's `model=` accepts both) and a tokenizer or None."""
+    from posttrain import models
+
+    tokenizer = processing_class
+    path = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+    if tokenizer is None:
+        if not path:
+            raise ConfigError("processing_class is required when the model was not loaded from a path.")
+        tokenizer = models.load_tokenizer(path, trust_remote_code=config.trust_remote_code)
+    tokenizer = set_special_tokens(tokenizer, getattr(config, "eos_token", None), getattr(config, "pad_token", None))
+    if isinstance(model, str):
+        kwargs = dict(model_init_kwargs or {})
+        dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", config.torch_dtype))
+        loader = models.load_policy if kind == "causal_lm" else models.load_reward_model
+        model = loader(model, dtype=dtype, trust_remote_code=config.trust_remote_code,
+                       disable_dropout=config.disable_dropout, tokenizer=tokenizer, **kwargs)
+    elif config.disable_dropout:
+        models.disable_dropout(model)
+    return model, tokenizer
