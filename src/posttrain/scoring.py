@@ -150,9 +150,20 @@ def batched_completion_values(value_model: torch.nn.Module, rollout: Rollout, *,
     )
 
 
+_SAME_TOKENIZER: dict[tuple[int, int], bool] = {}
+
+
 def _same_tokenizer(a: Any, b: Any) -> bool:
+    """Whether two tokenizers encode identically (cached per pair: vocabularies can be 150k entries)."""
     if a is b:
         return True
+    key = (id(a), id(b))
+    if key not in _SAME_TOKENIZER:
+        _SAME_TOKENIZER[key] = _compare_tokenizers(a, b)
+    return _SAME_TOKENIZER[key]
+
+
+def _compare_tokenizers(a: Any, b: Any) -> bool:
     return (
         a.get_vocab() == b.get_vocab()
         and a.all_special_tokens == b.all_special_tokens

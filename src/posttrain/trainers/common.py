@@ -168,12 +168,36 @@ def load_split(config: Any, split: str, required: bool = True) -> Any:
 
     if not config.dataset_name:
         raise ConfigError("dataset_name is not set: pass --dataset_name (a hub name, a saved folder or a data file).")
-    try:
-        return load_any_dataset(config.dataset_name, split=split, config_name=config.dataset_config)
-    except Exception:
-        if required:
-            raise
+    if not required and not has_split(config.dataset_name, split):
         return None
+    return load_any_dataset(config.dataset_name, split=split, config_name=config.dataset_config)
+
+
+def has_split(name_or_path: str, split: str) -> bool:
+    """Whether an optional split (e.g. the test split used for sample tables) exists. A single data
+    file holds only "train"; a saved DatasetDict folder lists its splits; for hub datasets we try to
+    load and treat only a missing split as absent — any other data error still stops the run."""
+    import os
+
+    from posttrain.data import DataError, load_any_dataset
+
+    path = os.path.expanduser(str(name_or_path))
+    if os.path.isfile(path):
+        return split.startswith("train")
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        import json
+
+        with open(os.path.join(path, "dataset_dict.json")) as f:
+            return split in json.load(f).get("splits", [])
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "dataset_info.json")):
+        return split.startswith("train")
+    try:
+        load_any_dataset(name_or_path, split=split)
+    except DataError as err:
+        if "no split" in str(err):
+            return False
+        raise
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,6 +205,13 @@ def load_split(config: Any, split: str, required: bool = True) -> Any:
 # ---------------------------------------------------------------------------------------------
 def import_callable(path: str) -> Callable:
     """Resolve "package.module:function" or "package.module.function" to the object."""
+    import os
+    import sys
+
+    # The console script does not put the working directory on sys.path (python -m does); reward
+    # modules next to the user's data are the common case, so look there too.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     module, sep, name = path.partition(":")
     if not sep:
         module, _, name = path.rpartition(".")

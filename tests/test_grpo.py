@@ -1,0 +1,167 @@
+"""GRPO trainer: command line with reward functions by import path, learning, group layout, beta = 0,
+global token-mean loss (micro-batching invariance), truncated-completion masking, config checks,
+2 processes == 1 process. The rollout / update machinery it shares with RLOO is tested in test_rloo.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+
+import pytest
+import torch
+from datasets import Dataset, DatasetDict
+
+import posttrain.advantages as adv
+import posttrain.trainers.grpo as grpo
+from posttrain import cli
+from posttrain.models import build_tiny_causal_lm
+from posttrain.trainers.grpo import GRPOTrainer
+from posttrain.trainers.grpo_config import GRPOConfig
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads; with other processes on the cores OpenMP's
+    barriers make two threads 10-20x slower than one. Restored after this module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def prompt_dataset(n: int = 32) -> Dataset:
+    return Dataset.from_dict({"prompt": [f"Prompt number {i} says" for i in range(n)], "number": list(range(n))})
+
+
+def letter_fraction(prompts, completions, **columns):
+    return [c.count("e") / len(c) if c else 0.0 for c in completions]
+
+
+def config(tmp_path, **overrides) -> GRPOConfig:
+    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4, total_episodes=16,
+                  response_length=6, learning_rate=1e-3, report_to=["none"], num_sample_generations=0, save_steps=0)
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_command_line_with_reward_functions_and_a_reward_model(tmp_path, monkeypatch, tiny_policy_dir, tiny_reward_model_dir):
+    module = tmp_path / "my_rewards.py"
+    module.write_text(textwrap.dedent('''
+        def letter_fraction(prompts, completions, number, **columns):
+            assert len(number) == len(completions)  # dataset columns arrive repeated per completion
+            return [c.count("e") / len(c) if c else 0.0 for c in completions]
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = tmp_path / "prompts"
+    DatasetDict({"train": prompt_dataset(), "test": prompt_dataset(4)}).save_to_disk(data)
+    out = tmp_path / "run"
+    argv = ["grpo", "--dataset_name", str(data), "--output_dir", str(out), "--model_name_or_path", str(tiny_policy_dir),
+            "--reward_model_path", str(tiny_reward_model_dir), "--reward_funcs", "my_rewards:letter_fraction",
+            "--reward_weights", "0.5", "2.0", "--num_generations", "4", "--per_device_train_batch_size", "8",
+            "--max_completion_length", "8", "--total_episodes", "16", "--learning_rate", "1e-3", "--report_to", "none",
+            "--num_sample_generations", "1"]
+    assert cli.main(argv) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    for record in records:
+        for name in ("objective/scores", "objective/kl", "objective/entropy", "loss/policy_avg", "loss/kl_avg",
+                     "policy/entropy_avg", "val/ratio", "val/num_eos_tokens", "frac_reward_zero_std", "lr", "episode", "eps"):
+            assert name in record and math.isfinite(record[name]), name
+        assert record["objective/entropy"] >= 0 and record["loss/kl_avg"] >= 0
+    assert (out / "samples.jsonl").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_learnable_reward_raises_scores(tmp_path, tiny_tokenizer):
+    cfg = config(tmp_path, per_device_train_batch_size=16, total_episodes=16 * 30, response_length=8, learning_rate=1e-2,
+                 beta=0.0, lr_scheduler_type="constant")
+    trainer = GRPOTrainer(build_tiny_causal_lm(tiny_tokenizer), letter_fraction, cfg, prompt_dataset(64),
+                          processing_class=tiny_tokenizer)
+    assert trainer.setup.ref_policy is None  # beta = 0: no reference model
+    trainer.train()
+    scores = [h["objective/scores"] for h in trainer.log_history]
+    assert len(scores) == 30 and "loss/kl_avg" not in trainer.log_history[-1]
+    assert sum(scores[-5:]) / 5 > sum(scores[:5]) / 5 + 0.08, scores
+
+
+def test_groups_are_the_completions_of_one_prompt(tmp_path, tiny_tokenizer):
+    """A reward that depends only on the prompt gives every group zero spread: the (P, G) grid built
+    from the k-block rollout layout really groups completions by prompt, and nothing is learned."""
+
+    def prompt_number(prompts, completions, number, **columns):
+        return [float(n) for n in number]
+
+    policy = build_tiny_causal_lm(tiny_tokenizer)
+    before = flat(policy).clone()
+    trainer = GRPOTrainer(policy, prompt_number, config(tmp_path, beta=0.0), prompt_dataset(), processing_class=tiny_tokenizer)
+    last = trainer.train()
+    assert last["frac_reward_zero_std"] == 1.0
+    assert torch.equal(before, flat(trainer.model))
+
+
+def test_loss_is_a_global_token_mean(tmp_path, tiny_tokenizer):
+    """Micro-batch 8 × accumulation 1 and micro-batch 2 × accumulation 4 give the same update."""
+    params = []
+    for micro, accumulation in ((8, 1), (2, 4)):
+        policy = build_tiny_causal_lm(tiny_tokenizer)
+        cfg = config(tmp_path / str(micro), per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+                     total_episodes=8, num_iterations=2, response_length=8)
+        optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
+        trainer = GRPOTrainer(policy, letter_fraction, cfg, prompt_dataset(), processing_class=tiny_tokenizer,
+                              ref_model=build_tiny_causal_lm(tiny_tokenizer, seed=3), optimizers=(optimizer, None))
+        trainer.train()
+        params.append(flat(trainer.model))
+    assert not torch.equal(params[0], flat(build_tiny_causal_lm(tiny_tokenizer)))
+    torch.testing.assert_close(params[1], params[0], rtol=0, atol=1e-6)
+
+
+def test_mask_truncated_completions(tmp_path, tiny_tokenizer, monkeypatch):
+    masks = []
+    original = grpo.ppo_policy_loss
+
+    def spy(logprobs, old_logprobs, advantages, mask, *args, **kwargs):
+        masks.append(mask.clone())
+        return original(logprobs, old_logprobs, advantages, mask, *args, **kwargs)
+
+    monkeypatch.setattr(grpo, "ppo_policy_loss", spy)
+    seen = []
+    original_group = adv.group_advantages
+    monkeypatch.setattr(adv, "group_advantages", lambda r, **kw: seen.append(r) or original_group(r, **kw))
+    cfg = config(tmp_path, mask_truncated_completions=True, response_length=3, total_episodes=8)
+    trainer = GRPOTrainer(build_tiny_causal_lm(tiny_tokenizer), letter_fraction, cfg, prompt_dataset(),
+                          processing_class=tiny_tokenizer)
+    last = trainer.train()
+    (mask,) = masks
+    # Random weights rarely emit EOS within 3 tokens: every completion is truncated, so no token is
+    # in the loss; the number of unmasked rows equals the number of completions that ended.
+    assert int(mask.any(-1).sum()) == int(last["val/num_eos_tokens"])
+    assert len(seen) == 1 and seen[0].shape == (2, 4)
+
+
+def test_config_checks():
+    assert GRPOConfig(max_completion_length=17).response_length == 17
+    assert GRPOConfig(response_length=9).max_completion_length == 9
+    with pytest.raises(ValueError, match="max_completion_length"):
+        GRPOConfig(response_length=9, max_completion_length=17)
+    with pytest.raises(ValueError, match="num_generations"):
+        GRPOConfig(num_generations=1)
+    with pytest.raises(ValueError, match="reward_weights has 1 entries for 2 rewards"):
+        GRPOConfig(reward_model_path="rm", reward_funcs=["m:f"], reward_weights=[1.0])
+    with pytest.raises(ValueError, match="epsilon_high"):
+        GRPOConfig(epsilon=0.2, epsilon_high=0.1)
+    cfg = GRPOConfig()
+    assert (cfg.num_generations, cfg.beta, cfg.epsilon, cfg.num_iterations, cfg.temperature, cfg.scale_rewards) == (
+        8, 0.05, 0.2, 1, 1.0, True)
+    with pytest.raises(ValueError, match="divisible"):
+        GRPOConfig(per_device_train_batch_size=6, num_generations=4).derive_sizes(1, 10)
+
+
+@pytest.mark.multiproc
+def test_two_processes_equal_one_process(tmp_path):
+    from test_rloo import run_dp_equivalence
+
+    run_dp_equivalence(tmp_path, "grpo")

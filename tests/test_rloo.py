@@ -1,0 +1,338 @@
+"""RLOO trainer: the seed's command lines, learning, exact first ratio, token-level KL in the
+trainer, metrics, resume == uninterrupted, 2 processes == 1 process.
+
+The leave-one-out numbers of the seed's `test_rloo_reward` live in test_advantages.py; here they
+are checked where the trainer uses them (the (k, num_prompts) layout of a real rollout).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset, DatasetDict
+
+import posttrain.advantages as adv
+import posttrain.trainers.rloo as rloo
+from posttrain import cli
+from posttrain.models import build_tiny_causal_lm
+from posttrain.trainers.rloo import RLOOTrainer
+from posttrain.trainers.rloo_config import RLOOConfig
+
+SEED_METRICS = [
+    "eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+    "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "val/clipfrac_avg",
+    "policy/entropy_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens", "lr", "episode",
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and when other processes share the cores
+    OpenMP's barriers make two threads 10-20x slower than one; restored after this module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def prompt_dataset(n: int = 64) -> Dataset:
+    return Dataset.from_dict({"prompt": [f"Prompt number {i} says" for i in range(n)]})
+
+
+def letter_fraction(prompts, completions, **columns):
+    """Learnable toy reward: the fraction of the completion's characters that are 'e'."""
+    return [c.count("e") / len(c) if c else 0.0 for c in completions]
+
+
+def config(tmp_path: Path, **overrides) -> RLOOConfig:
+    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                  rloo_k=2, num_ppo_epochs=1, total_episodes=8, response_length=6, learning_rate=1e-3,
+                  report_to=["none"], num_sample_generations=0, save_steps=0, temperature=1.0)
+    values.update(overrides)
+    return RLOOConfig(**values)
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+# -- the seed's command lines ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prompts_on_disk(tmp_path_factory) -> Path:
+    """A save_to_disk folder with the seed's split name, a train split (rloo_tldr) and a test split."""
+    path = tmp_path_factory.mktemp("prompts")
+    DatasetDict({"descriptiveness": prompt_dataset(64), "train": prompt_dataset(64), "test": prompt_dataset(8)}).save_to_disk(path)
+    return path
+
+
+def check_run_dir(out: Path, updates: int) -> list[dict]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == updates
+    for record in records:
+        for name in SEED_METRICS:
+            assert name in record and math.isfinite(record[name]), name
+        assert record["objective/entropy"] >= 0 and record["policy/entropy_avg"] >= 0
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out)  # plain transformers loads the result
+    return records
+
+
+def test_seed_minimal_command_runs(tmp_path, prompts_on_disk, tiny_policy_dir, tiny_reward_model_dir):
+    """Seed 001 "getting started" command, as written, with local paths and fewer episodes."""
+    out = tmp_path / "models" / "minimal" / "rloo"
+    argv = ["rloo", "--dataset_name", str(prompts_on_disk), "--dataset_train_split", "descriptiveness",
+            "--learning_rate", "3e-6", "--output_dir", str(out), "--per_device_train_batch_size", "64",
+            "--gradient_accumulation_steps", "1", "--total_episodes", "64", "--model_name_or_path", str(tiny_policy_dir),
+            "--reward_model_path", str(tiny_reward_model_dir), "--missing_eos_penalty", "1.0"]
+    assert cli.main(argv) == 0
+    (record,) = check_run_dir(out, updates=1)
+    assert record["episode"] == 64
+
+
+def test_seed_tldr_command_runs(tmp_path, prompts_on_disk, tiny_policy_dir, tiny_reward_model_dir):
+    """Seed 000/001 rloo_tldr benchmark flags (2 epochs × 2 minibatches × GA 8) on tiny models."""
+    out = tmp_path / "rloo_tldr"
+    argv = ["rloo", "--dataset_name", str(prompts_on_disk), "--output_dir", str(out), "--num_ppo_epochs", "2",
+            "--num_mini_batches", "2", "--learning_rate", "3e-6", "--per_device_train_batch_size", "8",
+            "--gradient_accumulation_steps", "8", "--total_episodes", "128", "--model_name_or_path", str(tiny_policy_dir),
+            "--sft_model_path", str(tiny_policy_dir), "--reward_model_path", str(tiny_reward_model_dir),
+            "--local_rollout_forward_batch_size", "16", "--missing_eos_penalty", "1.0", "--stop_token", "eos",
+            "--kl_coef", "0.03", "--num_sample_generations", "1"]
+    assert cli.main(argv) == 0
+    check_run_dir(out, updates=1)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples and {"query", "model response", "score"} <= set(samples[0])
+
+
+def test_missing_reward_is_a_clear_error(tmp_path, prompts_on_disk, tiny_policy_dir, capsys):
+    argv = ["rloo", "--dataset_name", str(prompts_on_disk), "--output_dir", str(tmp_path / "o"),
+            "--model_name_or_path", str(tiny_policy_dir), "--total_episodes", "64"]
+    assert cli.main(argv) == 2
+    assert "--reward_model_path" in capsys.readouterr().err
+
+
+# -- the algorithm in the trainer ------------------------------------------------------------------
+
+
+def test_learnable_reward_raises_scores(tmp_path, tiny_tokenizer):
+    cfg = config(tmp_path, per_device_train_batch_size=16, rloo_k=4, total_episodes=16 * 30, response_length=8,
+                 learning_rate=1e-2, kl_coef=0.0, lr_scheduler_type="constant")
+    trainer = RLOOTrainer(cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, letter_fraction, prompt_dataset())
+    trainer.train()
+    scores = [h["objective/scores"] for h in trainer.log_history]
+    assert len(scores) == 30
+    assert sum(scores[-5:]) / 5 > sum(scores[:5]) / 5 + 0.08, scores
+
+
+def test_first_minibatch_ratio_is_exactly_one(tmp_path, tiny_tokenizer, monkeypatch):
+    calls = []
+
+    def spy(logprobs, old_logprobs, *args, **kwargs):
+        calls.append((logprobs.detach().clone(), old_logprobs.clone()))
+        return adv_loss(logprobs, old_logprobs, *args, **kwargs)
+
+    adv_loss = rloo.ppo_policy_loss
+    monkeypatch.setattr(rloo, "ppo_policy_loss", spy)
+    # 2 epochs × 2 minibatches × 2 micro-batches per update; the first minibatch (2 micro-batches)
+    # runs before any optimizer step, so its ratio must be exactly 1.
+    def trl_style_reward(texts):  # TRL RLOO's one-argument reward callable: decoded query + response
+        assert all(t.startswith("Prompt number") for t in texts)
+        return [t.count("e") / len(t) for t in texts]
+
+    cfg = config(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_mini_batches=2,
+                 num_ppo_epochs=2, total_episodes=16)
+    RLOOTrainer(cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, trl_style_reward, prompt_dataset()).train()
+    assert len(calls) == 2 * 8
+    for update in range(2):
+        first = calls[update * 8 : update * 8 + 8]
+        assert all(torch.equal(new, old) for new, old in first[:2])
+        assert not all(torch.equal(new, old) for new, old in first[2:])
+
+
+def test_reinforce_case_skips_the_old_logprob_pass(tmp_path, tiny_tokenizer, tiny_reward_model, monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("one epoch and one minibatch must reuse the update forward")
+
+    class Recorder:
+        def __init__(self):
+            self.logs, self.ended = [], False
+
+        def on_log(self, args, state, control, logs=None):
+            self.logs.append(logs)
+
+        def on_train_end(self, args, state, control):
+            self.ended = True
+
+    monkeypatch.setattr(rloo, "old_policy_logprobs", fail)
+    recorder = Recorder()
+    # TRL's keyword names, `tokenizer=` (TRL <= 0.11) for processing_class, a reward model plus a function.
+    trainer = RLOOTrainer(config=config(tmp_path), tokenizer=tiny_tokenizer, policy=build_tiny_causal_lm(tiny_tokenizer),
+                          ref_policy=None, reward_model=[tiny_reward_model, letter_fraction], train_dataset=prompt_dataset(),
+                          callbacks=[recorder])
+    before = flat(trainer.policy).clone()
+    last = trainer.train()
+    assert last["val/ratio"] == 1.0 and last["policy/clipfrac_avg"] == 0.0
+    assert not torch.equal(before, flat(trainer.policy))
+    assert recorder.logs == trainer.log_history and recorder.ended
+
+
+def test_token_level_kl_in_the_trainer(tmp_path, tiny_tokenizer, monkeypatch):
+    """token_level_kl scatters the score onto each real completion's last token, and the resulting
+    per-sequence reward (hence the whole run) equals the sequence-level one."""
+    seen = []
+    original = adv.token_level_kl_rewards
+
+    def spy(scores, kl, mask, kl_coef):
+        seen.append((scores, kl, mask))
+        return original(scores, kl, mask, kl_coef)
+
+    monkeypatch.setattr(adv, "token_level_kl_rewards", spy)
+    policies = {}
+    for token_level in (True, False):
+        cfg = config(tmp_path / str(token_level), token_level_kl=token_level, kl_coef=0.1, total_episodes=16,
+                     num_ppo_epochs=2, response_length=8)
+        trainer = RLOOTrainer(cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer),
+                              build_tiny_causal_lm(tiny_tokenizer, seed=3), letter_fraction, prompt_dataset())
+        trainer.train()
+        policies[token_level] = (flat(trainer.policy), trainer.log_history)
+    assert len(seen) == 4  # one call per rollout batch (16 episodes / 4), only in the token-level run
+    for scores, kl, mask in seen:
+        assert torch.all(kl[~mask] == 0) and kl[mask].abs().sum() > 0
+        rewards, non_score = adv.kl_shaped_rewards(scores, kl, mask, 0.1)
+        lengths = mask.sum(-1)
+        last = rewards - non_score
+        rows = torch.arange(len(scores))
+        torch.testing.assert_close(last[rows, lengths - 1], scores)
+        assert torch.count_nonzero(last) == torch.count_nonzero(scores)
+    (tok_params, tok_log), (seq_params, seq_log) = policies[True], policies[False]
+    # Float summation order differs (Σ_t(score·onehot + kl) vs score + Σ_t kl); Adam's first steps
+    # amplify such last-bit differences on near-zero gradients to ~lr·1e-3.
+    torch.testing.assert_close(tok_params, seq_params, rtol=0, atol=1e-5)
+    for a, b in zip(tok_log, seq_log):
+        assert a["objective/rlhf_reward"] == pytest.approx(b["objective/rlhf_reward"], abs=1e-6)
+        assert a["objective/non_score_reward"] == pytest.approx(b["objective/non_score_reward"], abs=1e-6)
+
+
+def test_resume_equals_uninterrupted(tmp_path, tiny_tokenizer):
+    def trainer_for(out: Path, **kw) -> RLOOTrainer:
+        cfg = config(tmp_path, output_dir=str(out), total_episodes=32, num_ppo_epochs=2, num_mini_batches=2,
+                     per_device_train_batch_size=2, save_steps=2, normalize_advantage=True, whiten_rewards=True, **kw)
+        return RLOOTrainer(cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, letter_fraction, prompt_dataset())
+
+    full = trainer_for(tmp_path / "full")
+    full.train()
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copytree(tmp_path / "full" / "checkpoint-2", resumed_dir / "checkpoint-2")
+    resumed = trainer_for(resumed_dir, resume_from_checkpoint="latest")
+    resumed.train()
+    assert torch.equal(flat(full.policy), flat(resumed.policy))
+    assert len(full.log_history) == 8 and len(resumed.log_history) == 6  # 32 episodes, 4 per rollout batch
+    for a, b in zip(full.log_history[2:], resumed.log_history):
+        assert {k: v for k, v in a.items() if k != "eps"} == {k: v for k, v in b.items() if k != "eps"}
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="rloo_k"):
+        RLOOConfig(rloo_k=1)
+    with pytest.raises(ValueError, match="divisible"):
+        RLOOConfig(per_device_train_batch_size=3, rloo_k=2).derive_sizes(1, 10)
+    cfg = RLOOConfig()
+    assert (cfg.kl_coef, cfg.cliprange, cfg.rloo_k, cfg.num_ppo_epochs, cfg.temperature, cfg.token_level_kl) == (
+        0.05, 0.2, 2, 4, 0.7, False)
+    assert (cfg.reward_clip_range, cfg.normalize_reward, cfg.normalize_advantage, cfg.whiten_rewards) == (10.0, False, False, False)
+
+
+# -- 2 processes == 1 process ----------------------------------------------------------------------
+# Completions are made independent of how prompts are spread over ranks: each row is sampled on its
+# own, from a generator seeded by its prompt tokens and its sample index. Everything downstream
+# (scores, reference logprobs, leave-one-out advantages, the global loss normaliser, DDP's gradient
+# average, clipping, the optimizer step) is what the test compares. One process runs GA 2 with
+# micro-batch 4; two processes run GA 1 with micro-batch 4 each: the same global batch of 8.
+DP_SCRIPT = textwrap.dedent('''
+    import sys, torch
+    torch.set_num_threads(1)
+    sys.path.insert(0, sys.argv[3])
+    from test_rloo import dp_run
+    dp_run(sys.argv[1], sys.argv[2])
+''')
+
+
+def dp_run(algo: str, out_path: str) -> None:
+    import tempfile
+
+    import posttrain.trainers.rloo as shared
+    from posttrain.models import build_tiny_tokenizer
+    from posttrain.rollout import Rollout, generate
+
+    def per_row_generate(model, prompt_ids, prompt_mask, sampling, *, pad_token_id, batch_size=None, generator=None, **kw):
+        seen: dict[tuple, int] = {}
+        rows = []
+        for ids, mask in zip(prompt_ids, prompt_mask):
+            key = tuple(ids[mask.bool()].tolist())
+            seen[key] = seen.get(key, -1) + 1
+            seed = (sum((i + 1) * t for i, t in enumerate(key)) * 1009 + seen[key]) % (2**31)
+            g = torch.Generator(device=ids.device).manual_seed(seed)
+            rows.append(generate(model, ids[mask.bool()][None], mask[mask.bool()][None], sampling,
+                                 pad_token_id=pad_token_id, generator=g, **kw))
+        return Rollout.cat(rows)
+
+    shared.generate = per_row_generate
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tok = build_tiny_tokenizer()
+    policy = build_tiny_causal_lm(tok)
+    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, gradient_accumulation_steps=2 // world,
+                  total_episodes=8, response_length=6, report_to=["none"], num_sample_generations=0, save_steps=0,
+                  temperature=1.0, seed=7)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
+    if algo == "rloo":
+        cfg = RLOOConfig(**common, rloo_k=2, num_ppo_epochs=2, kl_coef=0.1, normalize_advantage=True)
+        trainer = RLOOTrainer(cfg, tok, policy, build_tiny_causal_lm(tok, seed=3), letter_fraction, prompt_dataset(),
+                              optimizers=(optimizer, None))
+        params = trainer.policy
+    else:
+        from posttrain.trainers.grpo import GRPOTrainer
+        from posttrain.trainers.grpo_config import GRPOConfig
+
+        cfg = GRPOConfig(**common, num_generations=2, num_iterations=2, beta=0.1)
+        trainer = GRPOTrainer(policy, letter_fraction, cfg, prompt_dataset(), processing_class=tok,
+                              ref_model=build_tiny_causal_lm(tok, seed=3), optimizers=(optimizer, None))
+        params = trainer.model
+    last = trainer.train()
+    if trainer.setup.run.is_main:
+        torch.save({"params": flat(params), "scores": last["objective/scores"]}, out_path)
+
+
+def run_dp_equivalence(tmp_path: Path, algo: str) -> None:
+    script = tmp_path / "dp.py"
+    script.write_text(DP_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    here = str(Path(__file__).parent)
+    subprocess.run([sys.executable, str(script), algo, str(tmp_path / "one.pt"), here], check=True, env=env, timeout=150)
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu", "--num_machines", "1",
+                "--mixed_precision", "no", "--dynamo_backend", "no"]
+    subprocess.run([*launcher, str(script), algo, str(tmp_path / "two.pt"), here], check=True, env=env, timeout=150)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    from posttrain.models import build_tiny_tokenizer
+
+    initial = flat(build_tiny_causal_lm(build_tiny_tokenizer()))
+    assert not torch.equal(one["params"], initial)
+    assert two["scores"] == pytest.approx(one["scores"], rel=1e-6)
+    torch.testing.assert_close(two["params"], one["params"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_two_processes_equal_one_process(tmp_path):
+    run_dp_equivalence(tmp_path, "rloo")
