@@ -255,6 +255,8 @@ MULTIPROC_SCRIPT = textwrap.dedent('''
     cfg = PPOConfig(num_ppo_epochs=2, learning_rate=1e-3, report_to="none", whiten_rewards=True, max_grad_norm=0.5)
     trainer = PPOTrainer(config=cfg, model=build_tiny_causal_lm(tok), tokenizer=tok)
     rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
+    import os
+    assert world == int(os.environ.get("WORLD_SIZE", "1")), "the launcher did not start a real process group"
     queries, responses, scores = step_data(tok, 8)
     n = 8 // world
     rows = slice(rank * n, (rank + 1) * n)
@@ -271,8 +273,10 @@ def test_two_processes_equal_one_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     here = str(Path(__file__).parent)
     subprocess.run([sys.executable, str(script), str(tmp_path / "one.pt"), here], check=True, env=env, timeout=120)
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu", "--num_machines", "1",
-                "--mixed_precision", "no", "--dynamo_backend", "no"]
+    # `accelerate launch --cpu --num_processes 2` starts a single process with accelerate 1.15;
+    # torchrun with ACCELERATE_USE_CPU gives accelerate a real 2-rank gloo group.
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    env = {**env, "ACCELERATE_USE_CPU": "true"}
     subprocess.run([*launcher, str(script), str(tmp_path / "two.pt"), here], check=True, env=env, timeout=120)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert two["kl"] == pytest.approx(one["kl"], rel=1e-5)

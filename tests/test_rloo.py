@@ -310,6 +310,7 @@ def dp_run(algo: str, out_path: str) -> None:
         trainer = GRPOTrainer(policy, letter_fraction, cfg, prompt_dataset(), processing_class=tok,
                               ref_model=build_tiny_causal_lm(tok, seed=3), optimizers=(optimizer, None))
         params = trainer.model
+    assert trainer.setup.run.world_size == world, "the launcher did not start a real process group"
     last = trainer.train()
     if trainer.setup.run.is_main:
         torch.save({"params": flat(params), "scores": last["objective/scores"]}, out_path)
@@ -321,8 +322,10 @@ def run_dp_equivalence(tmp_path: Path, algo: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     here = str(Path(__file__).parent)
     subprocess.run([sys.executable, str(script), algo, str(tmp_path / "one.pt"), here], check=True, env=env, timeout=150)
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu", "--num_machines", "1",
-                "--mixed_precision", "no", "--dynamo_backend", "no"]
+    # `accelerate launch --cpu --num_processes 2` starts a single process with accelerate 1.15;
+    # torchrun with ACCELERATE_USE_CPU gives accelerate a real 2-rank gloo group.
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    env = {**env, "ACCELERATE_USE_CPU": "true"}
     subprocess.run([*launcher, str(script), algo, str(tmp_path / "two.pt"), here], check=True, env=env, timeout=150)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     from posttrain.models import build_tiny_tokenizer

@@ -1,0 +1,29 @@
+"""Configuration of XPO (`posttrain xpo`, `XPOTrainer`): OnlineDPOConfig plus `alpha`.
+
+As in TRL's `XPOConfig` (trl-notes §6, seed 003). Each prompt yields one completion from the policy
+and one from the reference model; both count as episodes, so `per_device_train_batch_size` (which
+counts completions, see online_dpo_config) of 8 means 4 prompts per micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from posttrain.configs import ConfigError, _help
+from posttrain.trainers.online_dpo_config import OnlineDPOConfig, resolve_schedule
+
+
+@dataclass
+class XPOConfig(OnlineDPOConfig):
+    """Exploratory Preference Optimization (Xie et al. 2024)."""
+
+    alpha: list[float] = _help(
+        "Weight of the exploration term alpha·Σ log π(y_ref): one value, or one per epoch.",
+        default_factory=lambda: [1e-5],
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.alpha = resolve_schedule("alpha", self.alpha)
+        if any(a < 0 for a in self.alpha):
+            raise ConfigError(f"alpha={self.alpha} must be >= 0.")

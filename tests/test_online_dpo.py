@@ -1,0 +1,281 @@
+"""Online DPO: trainer-level formulas on hand-built tensors, masking, judge failures, learning with
+a judge, both dataset kinds, a reward model with its own tokenizer, resume == uninterrupted, CLI."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+
+from posttrain.configs import ConfigError
+from posttrain.judges import CallableJudge, win_rate
+from posttrain.models import build_tiny_causal_lm, build_tiny_reward_model, build_tiny_tokenizer
+from posttrain.rollout import Rollout
+from posttrain.tracking import MetricAccumulator
+from posttrain.trainers.online_dpo import (
+    OnlineDPOTrainer,
+    choose,
+    record_sequence_metrics,
+    reference_logps,
+    schedule_value,
+    valid_pair_loss,
+)
+from posttrain.trainers.online_dpo_config import OnlineDPOConfig
+
+WORDS = ["Hello world", "The quick brown fox", "What is the capital", "Once upon a time",
+         "Write a poem", "Numbers 1 2 3", "Thank you", "Good morning"]
+
+
+def standard_prompts(n: int = 16) -> Dataset:
+    return Dataset.from_dict({"prompt": [WORDS[i % len(WORDS)] for i in range(n)]})
+
+
+def conversational_prompts(n: int = 16) -> Dataset:
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": WORDS[i % len(WORDS)]}] for i in range(n)]})
+
+
+def shorter(prompt, completion) -> float:
+    """Judge score: fewer bytes is better — dense and learnable by a random tiny model."""
+    return -float(len(completion.encode()))
+
+
+def make_config(tmp_path, **overrides) -> OnlineDPOConfig:
+    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                  total_episodes=16, max_new_tokens=6, logging_steps=1, learning_rate=1e-3, report_to="none",
+                  save_steps=0, num_sample_generations=0, seed=0)
+    values.update(overrides)
+    return OnlineDPOConfig(**values)
+
+
+def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# --------------------------------------------------------------------------------------------
+# config
+# --------------------------------------------------------------------------------------------
+def test_config_aliases_schedules_and_errors():
+    c = OnlineDPOConfig(beta=0.2)
+    assert (c.max_new_tokens, c.response_length, c.beta, c.temperature, c.learning_rate) == (64, 64, [0.2], 0.9, 5e-7)
+    assert OnlineDPOConfig(response_length=7).max_new_tokens == 7
+    assert OnlineDPOConfig(max_new_tokens=7, response_length=7).response_length == 7
+    with pytest.raises(ConfigError, match="max_new_tokens=8 and response_length=9"):
+        OnlineDPOConfig(max_new_tokens=8, response_length=9)
+    with pytest.raises(ConfigError, match="loss_type"):
+        OnlineDPOConfig(loss_type="hinge")
+    with pytest.raises(ConfigError, match="max_length"):
+        OnlineDPOConfig(max_new_tokens=64, max_length=64)
+    with pytest.raises(ConfigError, match="beta"):
+        OnlineDPOConfig(beta=[0.1, 0.0])
+    # a per-epoch list; past its end the last value stays
+    assert [schedule_value([0.1, 0.2], e) for e in range(3)] == [0.1, 0.2, 0.2]
+
+
+def test_odd_micro_batch_rejected(tmp_path, tiny_tokenizer):
+    cfg = make_config(tmp_path, per_device_train_batch_size=3, gradient_accumulation_steps=2, total_episodes=12)
+    with pytest.raises(ConfigError, match="per_device_train_batch_size=3"):
+        OnlineDPOTrainer(build_tiny_causal_lm(tiny_tokenizer), judge=CallableJudge(shorter), args=cfg,
+                         processing_class=tiny_tokenizer, train_dataset=standard_prompts())
+
+
+# --------------------------------------------------------------------------------------------
+# formulas on hand-built tensors
+# --------------------------------------------------------------------------------------------
+def test_sequence_metrics_hand_computed():
+    # Per-completion sums: policy [-3, -5, -2, -4], reference [-4, -4, -2, -6] -> KL_seq = [1, -1, 0, 2].
+    policy = torch.tensor([-3.0, -5.0, -2.0, -4.0])
+    ref = torch.tensor([-4.0, -4.0, -2.0, -6.0])
+    scores = torch.tensor([1.0, 0.0, 2.0, 3.0])
+    m = MetricAccumulator()
+    record_sequence_metrics(m, policy, ref, beta=0.5, scores=scores)
+    out = m.reduce()
+    assert out["objective/kl"] == pytest.approx(0.5)  # mean [1, -1, 0, 2]
+    assert out["objective/entropy"] == pytest.approx(3.5)  # mean [3, 5, 2, 4]
+    assert out["objective/non_score_reward"] == pytest.approx(-0.25)  # -0.5 * 0.5
+    assert out["objective/rlhf_reward"] == pytest.approx(1.25)  # mean [0.5, 0.5, 2, 2]
+
+
+def test_pair_loss_selection_and_dropped_pairs():
+    # Pair 0: first wins; pair 1: second wins.
+    first = torch.tensor([-1.0, -3.0], requires_grad=True)
+    second = torch.tensor([-2.0, -1.0], requires_grad=True)
+    first_wins = torch.tensor([True, False])
+    ref_first, ref_second = torch.tensor([-1.5, -2.0]), torch.tensor([-2.0, -2.0])
+    ref_chosen, ref_rejected = choose(ref_first, ref_second, first_wins)
+    assert ref_chosen.tolist() == [-1.5, -2.0] and ref_rejected.tolist() == [-2.0, -2.0]
+
+    from posttrain.losses import dpo_loss
+
+    def loss_fn(kept, f, s):
+        chosen, rejected = choose(f, s, first_wins[kept])
+        return dpo_loss(chosen, rejected, ref_chosen[kept], ref_rejected[kept], 1.0, "sigmoid", float(len(kept)))
+
+    idx = torch.tensor([0, 1])
+    # chosen = [-1, -1], rejected = [-2, -3]; logits = (c - r) - (ref_c - ref_r) = [1 - 0.5, 2 - 0] = [0.5, 2]
+    loss, stats = valid_pair_loss(loss_fn, idx, first, second, torch.tensor([True, True]))
+    expected = (-torch.nn.functional.logsigmoid(torch.tensor(0.5)) - torch.nn.functional.logsigmoid(torch.tensor(2.0))) / 2
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
+    assert stats["rewards/chosen"].item() == pytest.approx((0.5 + 1.0) / 2)  # beta·(c − ref_c) = [0.5, 1]
+    assert stats["rewards/accuracies"].item() == 1.0
+    # Judge failed on pair 1: only pair 0 counts.
+    loss, stats = valid_pair_loss(loss_fn, idx, first, second, torch.tensor([True, False]))
+    assert loss.item() == pytest.approx(-torch.nn.functional.logsigmoid(torch.tensor(0.5)).item(), abs=1e-6)
+    assert stats["count"].item() == 1
+    # Every pair failed: a zero loss that still backpropagates (DDP needs the backward).
+    loss, stats = valid_pair_loss(loss_fn, idx, first, second, torch.tensor([False, False]))
+    loss.backward()
+    assert loss.item() == 0.0 and stats == {} and first.grad is not None and first.grad.abs().sum() == 0
+
+
+# --------------------------------------------------------------------------------------------
+# trainer runs
+# --------------------------------------------------------------------------------------------
+def test_padding_never_enters_reference_sums(tmp_path, tiny_tokenizer):
+    trainer = OnlineDPOTrainer(build_tiny_causal_lm(tiny_tokenizer), judge=CallableJudge(shorter), args=make_config(tmp_path),
+                               processing_class=tiny_tokenizer, train_dataset=standard_prompts())
+    prompt = torch.tensor([[5, 6, 7], [1, 8, 9]])
+    lengths = torch.tensor([4, 2])
+    completion = torch.tensor([[10, 11, 12, 13, 1, 1], [14, 15, 1, 1, 1, 1]])
+    mask = torch.arange(6)[None, :] < lengths[:, None]
+    rollout = Rollout(prompt, torch.tensor([[True] * 3, [False, True, True]]), completion, mask, lengths,
+                      torch.tensor([False, False]), None, None, pad_token_id=1)
+    garbage = copy.copy(rollout)
+    garbage.completion_ids = torch.where(mask, completion, torch.randint(20, 100, completion.shape))
+    clean = reference_logps(trainer.run, trainer.model, trainer.ref_model, rollout)
+    assert torch.equal(clean, reference_logps(trainer.run, trainer.model, trainer.ref_model, garbage))
+    # = the sum over the real tokens only, computed without any padding column
+    short = Rollout(prompt[1:, 1:], torch.ones(1, 2, dtype=torch.bool), completion[1:, :2], mask[1:, :2], lengths[1:],
+                    torch.tensor([False]), None, None, pad_token_id=1)
+    assert clean[1].item() == pytest.approx(reference_logps(trainer.run, trainer.model, trainer.ref_model, short).item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_first_update_policy_equals_reference(tmp_path, tiny_tokenizer, loss_type):
+    """At the first update π = π_ref, so every log-ratio is 0: loss/dpo = log 2 (sigmoid) or
+    (1/(2β))² = 25 for β = 0.1 (ipo), implicit rewards and KL are 0; and the parameters move."""
+    model = build_tiny_causal_lm(tiny_tokenizer)
+    before = params(model)
+    cfg = make_config(tmp_path, loss_type=loss_type, total_episodes=8, gradient_accumulation_steps=1, per_device_train_batch_size=8)
+    trainer = OnlineDPOTrainer(model, reward_funcs=[lambda prompts, completions, **kw: [float(len(c)) for c in completions]],
+                               args=cfg, processing_class=tiny_tokenizer, train_dataset=standard_prompts())
+    trainer.train()
+    log = trainer.log_history[0]
+    assert log["loss/dpo"] == pytest.approx(math.log(2) if loss_type == "sigmoid" else 25.0, rel=1e-4)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "objective/kl"):
+        assert abs(log[name]) < 1e-4, name
+    assert log["objective/entropy"] > 0 and log["objective/scores_margin"] >= 0
+    assert log["episode"] == 8 and log["beta"] == 0.1 and "lr" in log and "eps" in log
+    assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def test_judge_raises_win_rate_against_initial_policy(tmp_path, tiny_tokenizer):
+    from posttrain.evaluate import generate_completions
+
+    model = build_tiny_causal_lm(tiny_tokenizer)
+    initial = copy.deepcopy(model)
+    cfg = make_config(tmp_path, per_device_train_batch_size=16, gradient_accumulation_steps=1, total_episodes=16 * 20,
+                      max_new_tokens=8, learning_rate=3e-2, lr_scheduler_type="constant", temperature=1.0, logging_steps=5)
+    trainer = OnlineDPOTrainer(model, judge=CallableJudge(shorter, seed=0), args=cfg, processing_class=tiny_tokenizer,
+                               train_dataset=standard_prompts(32))
+    trainer.train()
+    prompts = [f"{w} {i}" for i in range(4) for w in WORDS]
+    trained = generate_completions(trainer.model, tiny_tokenizer, prompts, max_new_tokens=8, temperature=1.0, seed=1)
+    start = generate_completions(initial, tiny_tokenizer, prompts, max_new_tokens=8, temperature=1.0, seed=1)
+    result = win_rate(CallableJudge(shorter, seed=0).judge(prompts, [[a, b] for a, b in zip(trained, start)]))
+    assert result.ci_low > 0.5 and result.rate >= 0.8, str(result)
+
+
+def test_conversational_prompts_and_judge_failures(tmp_path, tiny_tokenizer):
+    """Failed judgements (-1) leave the loss and are counted; a batch where every pair failed takes no step."""
+    calls = []
+
+    def flaky(prompts, pairs):
+        calls.append(prompts)
+        return [-1 if i % 2 == 0 else 0 for i in range(len(pairs))] if len(calls) == 1 else [-1] * len(pairs)
+
+    model = build_tiny_causal_lm(tiny_tokenizer)
+    cfg = make_config(tmp_path, total_episodes=16, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    trainer = OnlineDPOTrainer(model, judge=CallableJudge(flaky, mode="pairwise"), args=cfg, processing_class=tiny_tokenizer,
+                               train_dataset=conversational_prompts())
+    trainer.train()
+    first, second = trainer.log_history
+    assert calls[0][0].startswith("user: ") and calls[0][0].endswith("assistant:")  # chat template applied
+    assert first["judge/failures"] == 2 and "rewards/chosen" in first
+    assert second["judge/failures"] == 4 and "rewards/chosen" not in second and "loss/dpo" not in second
+    assert trainer.state.optimizer_steps == 1
+    # KL covers every completion, judged or not; it is near 0 after one small step (not −Σ log π_ref)
+    assert abs(second["objective/kl"]) < 1.0 and second["objective/entropy"] > 10
+
+
+def test_reward_model_with_its_own_tokenizer_and_eos_penalty(tmp_path, tiny_tokenizer):
+    other = build_tiny_tokenizer(vocab_size=300)
+    other.padding_side = "right"
+    cfg = make_config(tmp_path, missing_eos_penalty=1.0, total_episodes=16)
+    trainer = OnlineDPOTrainer(build_tiny_causal_lm(tiny_tokenizer), reward_model=build_tiny_reward_model(other, seed=3),
+                               reward_processing_class=other, args=cfg, processing_class=tiny_tokenizer,
+                               train_dataset=standard_prompts())
+    trainer.train()
+    for log in trainer.log_history:
+        assert all(math.isfinite(v) for v in log.values())
+        assert log["objective/scores_margin"] >= 0  # chosen = higher score
+    # with a constant reward, scores = −penalty · (1 − contain_eos) exactly
+    cfg = make_config(tmp_path, missing_eos_penalty=1.0, total_episodes=8, output_dir=str(tmp_path / "eos"))
+    trainer = OnlineDPOTrainer(build_tiny_causal_lm(tiny_tokenizer),
+                               reward_funcs=lambda prompts, completions, **kw: [0.0] * len(completions),
+                               args=cfg, processing_class=tiny_tokenizer, train_dataset=standard_prompts())
+    trainer.train()
+    log = trainer.log_history[0]
+    assert log["objective/scores"] == pytest.approx(-(1 - log["val/contain_eos_token"]))
+
+
+def test_resume_equals_uninterrupted(tmp_path, tiny_tokenizer):
+    def train(out, resume=None):
+        cfg = make_config(tmp_path, output_dir=str(out), total_episodes=32, save_steps=2, resume_from_checkpoint=resume,
+                          beta=[0.1, 0.3])
+        trainer = OnlineDPOTrainer(build_tiny_causal_lm(tiny_tokenizer), judge=CallableJudge(shorter, seed=5), args=cfg,
+                                   processing_class=tiny_tokenizer, train_dataset=standard_prompts(8))
+        trainer.train()
+        return trainer
+
+    full = train(tmp_path / "a")
+    assert [log["beta"] for log in full.log_history] == [0.1, 0.1, 0.3, 0.3]  # 2 rollout batches per epoch
+    resumed = train(tmp_path / "b", resume=str(tmp_path / "a" / "checkpoint-2"))
+    assert resumed.state.update == 4 and len(resumed.log_history) == 2
+    for (k, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert resumed.log_history[-1] == {**full.log_history[-1], "eps": resumed.log_history[-1]["eps"]}
+
+
+def test_cli_online_dpo(tmp_path, tiny_policy_dir):
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.cli import main
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in WORDS))
+    out = tmp_path / "run"
+    code = main(["online-dpo", "--model_name_or_path", str(tiny_policy_dir), "--dataset_name", str(data), "--judge", "random:0",
+                 "--output_dir", str(out), "--per_device_train_batch_size", "4", "--total_episodes", "8",
+                 "--max_new_tokens", "4", "--learning_rate", "1e-3", "--logging_steps", "1", "--report_to", "none"])
+    assert code == 0
+    AutoModelForCausalLM.from_pretrained(out)
+    log = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert log["judge/failures"] == 0 and "loss/dpo" in log
+
+
+def test_non_finite_loss_skips_the_step(tmp_path, tiny_tokenizer):
+    model = build_tiny_causal_lm(tiny_tokenizer)
+    cfg = make_config(tmp_path, total_episodes=16, per_device_train_batch_size=8, gradient_accumulation_steps=1)
+    trainer = OnlineDPOTrainer(model, judge=CallableJudge(shorter), args=cfg, processing_class=tiny_tokenizer,
+                               train_dataset=standard_prompts(8))
+    with torch.no_grad():
+        trainer.model.lm_head.weight[:, 0] = float("nan")  # every log-softmax, hence every loss, is NaN
+    before = params(trainer.model)
+    trainer.train()
+    assert trainer.state.optimizer_steps == 0 and trainer.run.health.nonfinite_total == 2
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(v.isnan(), before[k].isnan()) and torch.equal(v.nan_to_num(), before[k].nan_to_num()), k
