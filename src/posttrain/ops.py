@@ -100,10 +100,11 @@ def selective_log_softmax(
     """log softmax(logits / temperature)[index] for each position, computed in chunks of rows.
 
     logits: (..., V) any float dtype; index: (...) token ids. Returns float32 (...).
-    Only a (chunk_tokens, V) float32 block (by default ~16 MiB) is alive at a time, so a (B, T, V) float32 log-softmax is
-    never built whole. Gradients flow through (used with grad in the policy update).
-    The same temperature must be used here as in sampling so train-time logprobs match rollout
-    logprobs ("N implementation details of RLHF with PPO", detail on temperature).
+    Only a (chunk_tokens, V) float32 block (by default ~16 MiB) is alive at a time, so a (B, T, V)
+    float32 log-softmax is never built whole. Gradients flow through (used with grad in the update).
+    It runs the same kernel as `logprobs_and_entropy`, so both give bitwise the same logprobs (a
+    PPO ratio of exactly 1 needs that). The same temperature must be used here as in sampling so
+    train-time logprobs match rollout logprobs ("N implementation details of RLHF with PPO").
     """
     flat, lead = _rows(logits)
     chunk_tokens = chunk_rows(flat.size(-1), chunk_tokens)
@@ -113,8 +114,8 @@ def selective_log_softmax(
         block = flat[start : start + chunk_tokens].float()
         if temperature != 1.0:
             block = block / temperature
-        picked = block.gather(-1, idx[start : start + chunk_tokens, None]).squeeze(-1)
-        out.append(picked - torch.logsumexp(block, dim=-1))
+        logp = F.log_softmax(block, dim=-1)
+        out.append(logp.gather(-1, idx[start : start + chunk_tokens, None]).squeeze(-1))
     if not out:
         return flat.new_zeros(lead, dtype=torch.float32)
     return torch.cat(out).reshape(lead)
@@ -143,8 +144,14 @@ def logprobs_and_entropy(
     index: torch.Tensor,
     temperature: float = 1.0,
     chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both selected-token logprobs and entropy from one chunked log-softmax pass (float32 each)."""
+    """Selected-token logprobs and entropy from one chunked log-softmax pass (float32 each).
+
+    The entropy is a diagnostic unless an entropy bonus is trained: with entropy_grad=False it is
+    computed from the detached log-softmax, so backward does not run through exp(logp)·logp over
+    the vocabulary (it is the same value either way).
+    """
     flat, lead = _rows(logits)
     chunk_tokens = chunk_rows(flat.size(-1), chunk_tokens)
     idx = index.reshape(-1)
@@ -155,7 +162,8 @@ def logprobs_and_entropy(
             block = block / temperature
         logp = F.log_softmax(block, dim=-1)
         lps.append(logp.gather(-1, idx[start : start + chunk_tokens, None]).squeeze(-1))
-        ents.append(-(logp.exp() * logp).sum(-1))
+        source = logp if entropy_grad else logp.detach()
+        ents.append(-(source.exp() * source).sum(-1))
     if not lps:
         z = flat.new_zeros(lead, dtype=torch.float32)
         return z, z.clone()

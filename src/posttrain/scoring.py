@@ -54,9 +54,12 @@ def _trimmed_inputs(rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch
 def _lm_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, P: int, T: int) -> torch.Tensor:
     """Logits (B, T, V) at positions P−1 … P+T−2, i.e. the ones predicting completion tokens 0 … T−1."""
     if accepts_logits_to_keep(model):
-        # T+1 keeps positions P−1 … P+T−1; the last one predicts past the completion and is dropped.
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=T + 1)
-        return out.logits[:, :T]
+        # An index tensor keeps exactly positions P−1 … P+T−2: the LM head never runs on prompt
+        # positions, and no extra row has to be sliced off (which would make backward zero-fill and
+        # copy a (B, T+1, V) gradient).
+        keep = torch.arange(P - 1, P - 1 + T, device=ids.device)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=keep)
+        return out.logits
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
     return out.logits[:, P - 1 : P - 1 + T]
 
@@ -66,12 +69,14 @@ def _pad_to(x: torch.Tensor, T: int) -> torch.Tensor:
 
 
 def completion_logprobs(
-    model: torch.nn.Module, rollout: Rollout, *, temperature: float = 1.0, with_entropy: bool = False
+    model: torch.nn.Module, rollout: Rollout, *, temperature: float = 1.0, with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature)[completion token], (B, T) float32, 0 off-mask; entropy too.
 
     Differentiable single forward (use it for the policy update). temperature must be the rollout's
     `SamplingConfig.logprob_temperature` so the result matches the recorded rollout logprobs.
+    entropy_grad: let gradients flow through the entropy (only for an entropy bonus in the loss).
     """
     rollout = rollout.to(_device(model))
     B, T = rollout.completion_ids.shape
@@ -80,7 +85,7 @@ def completion_logprobs(
     targets = rollout.completion_ids[:, :Tc]
     cmask = rollout.completion_mask[:, :Tc]
     if with_entropy:
-        logprobs, entropy = logprobs_and_entropy(logits, targets, temperature)
+        logprobs, entropy = logprobs_and_entropy(logits, targets, temperature, entropy_grad=entropy_grad)
         entropy = _pad_to(entropy.masked_fill(~cmask, 0.0), T)
     else:
         logprobs, entropy = selective_log_softmax(logits, targets, temperature), None

@@ -147,10 +147,12 @@ class PolicyAndValue(nn.Module):
     (TRL's PolicyAndValueWrapper). `critic=None` means the critic is a value head on the policy's
     trunk (`policy` is a models.CausalLMWithValueHead) and one trunk pass gives logits and values."""
 
-    def __init__(self, policy: nn.Module, critic: nn.Module | None = None) -> None:
+    def __init__(self, policy: nn.Module, critic: nn.Module | None = None, entropy_grad: bool = False) -> None:
         super().__init__()
         self.policy = policy
         self.critic = critic
+        # Backpropagate through the entropy only when an entropy bonus is part of the loss.
+        self.entropy_grad = entropy_grad
 
     @property
     def shared(self) -> bool:
@@ -164,19 +166,20 @@ class PolicyAndValue(nn.Module):
     def forward(self, rollout: Rollout, temperature: float, with_entropy: bool = True):
         """(logprobs (B, T), entropy (B, T) | None, values (B, T)) of the completion tokens, 0 off-mask."""
         if not self.shared:
-            logprobs, entropy = completion_logprobs(self.policy, rollout, temperature=temperature, with_entropy=with_entropy)
+            logprobs, entropy = completion_logprobs(self.policy, rollout, temperature=temperature, with_entropy=with_entropy,
+                                                    entropy_grad=self.entropy_grad)
             return logprobs, entropy, completion_values(self.critic, rollout)
         # Same positions as scoring.completion_logprobs / completion_values, from ONE trunk pass.
         T = rollout.completion_ids.size(1)
         ids, mask, positions, P, Tc = _trimmed_inputs(rollout)
         lm = self.policy.pretrained_model
-        keep = {"logits_to_keep": Tc + 1} if accepts_logits_to_keep(lm) else {}
+        keep = {"logits_to_keep": torch.arange(P - 1, P - 1 + Tc, device=ids.device)} if accepts_logits_to_keep(lm) else {}
         out = lm(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, output_hidden_states=True, **keep)
-        logits = out.logits[:, :Tc] if keep else out.logits[:, P - 1 : P - 1 + Tc]
+        logits = out.logits if keep else out.logits[:, P - 1 : P - 1 + Tc]
         values = self.policy.score(out.hidden_states[-1][:, P - 1 : P - 1 + Tc]).squeeze(-1).float()
         targets, cmask = rollout.completion_ids[:, :Tc], rollout.completion_mask[:, :Tc]
         if with_entropy:
-            logprobs, entropy = logprobs_and_entropy(logits, targets, temperature)
+            logprobs, entropy = logprobs_and_entropy(logits, targets, temperature, entropy_grad=self.entropy_grad)
             entropy = nn.functional.pad(entropy.masked_fill(~cmask, 0.0), (0, T - Tc))
         else:
             logprobs, entropy = selective_log_softmax(logits, targets, temperature), None
@@ -322,7 +325,7 @@ class PPOTrainer:
         for m in (model, value_model):
             if m is not None and cfg.disable_dropout:
                 disable_dropout(m)
-        wrapper = PolicyAndValue(model, value_model)
+        wrapper = PolicyAndValue(model, value_model, entropy_grad=bool(cfg.entropy_coef))
         optimizer, scheduler = optimizers
         optimizer = optimizer or build_optimizer(wrapper.parameters(), cfg)
         # One LR-schedule step per rollout batch, as TRL's on-policy trainers.
@@ -356,7 +359,7 @@ class PPOTrainer:
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.eval().requires_grad_(False).to(self.device)
-        wrapper = PolicyAndValue(vh)
+        wrapper = PolicyAndValue(vh, entropy_grad=bool(cfg.entropy_coef))
         optimizer = optimizer or build_optimizer(wrapper.parameters(), cfg)
         self.wrapper, self.optimizer = self.accelerator.prepare(wrapper, optimizer)
         self.model = dist.unwrap(self.wrapper, self.accelerator).policy
