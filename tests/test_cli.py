@@ -156,3 +156,14 @@ def test_importing_trainers_does_not_pull_optional_trackers():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_command_help_lists_all_its_fields(name):
+    from posttrain.configs import config_fields
+
+    config_cls = cli._load(COMMANDS[name].config)
+    text = cli.build_parser(name, config_cls).format_help()
+    missing = [f.name for f in config_fields(config_cls) if f.init and f"--{f.name}" not in text]
+    assert missing == []
+    assert "--config" in text
