@@ -167,3 +167,16 @@ def test_every_command_help_lists_all_its_fields(name):
     missing = [f.name for f in config_fields(config_cls) if f.init and f"--{f.name}" not in text]
     assert missing == []
     assert "--config" in text
+
+
+def failing_runner(config):
+    from posttrain.data import DataError
+
+    raise DataError("has no 'prompt' column", source="prompts.jsonl", field="prompt", fix="rename the column")
+
+
+def test_user_errors_are_one_line_with_exit_code_2(monkeypatch, capsys):
+    monkeypatch.setitem(COMMANDS, "failing", Command("posttrain.configs:OnPolicyConfig", "test_cli:failing_runner", "x"))
+    assert cli.main(["failing"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("posttrain failing: prompts.jsonl") and "Traceback" not in err

@@ -254,3 +254,12 @@ def test_tiny_reward_model_with_pad_equals_eos(tiny_tokenizer_pad_eos):
     ids, mask = batch(tiny_tokenizer_pad_eos, ["Hello world", "Hi"])
     with torch.no_grad():
         assert rm(ids, attention_mask=mask).logits.shape == (2, 1)
+
+
+def test_missing_local_model_folder_is_a_clear_error(tmp_path):
+    from posttrain.models import ModelNotFoundError, load_policy, load_reward_model, load_tokenizer
+
+    missing = str(tmp_path / "no-such-model")
+    for load in (load_tokenizer, load_policy, load_reward_model):
+        with pytest.raises(ModelNotFoundError, match="no such folder"):
+            load(missing)

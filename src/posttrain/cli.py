@@ -147,7 +147,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = parse_config(name, argv[1:])
     runner: Callable[[Any], int | None] = _load(cmd.runner)
-    return int(runner(config) or 0)
+    try:
+        return int(runner(config) or 0)
+    except Exception as err:
+        if not _is_user_error(err):
+            raise
+        print(f"posttrain {name}: {err}", file=sys.stderr)
+        return 2
+
+
+# Errors that describe a mistake in the user's flags, data, model paths or checkpoints: printed as
+# one line (the message names the field / file / row and the fix) instead of a traceback.
+_USER_ERRORS = (
+    ("posttrain.configs", "ConfigError"),
+    ("posttrain.data", "DataError"),
+    ("posttrain.models", "ModelNotFoundError"),
+    ("posttrain.checkpoint", "CheckpointError"),
+)
+
+
+def _is_user_error(err: BaseException) -> bool:
+    for module, name in _USER_ERRORS:
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(err, cls):
+            return True
+    return False
 
 
 if __name__ == "__main__":

@@ -137,6 +137,34 @@ def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerB
     return tokenizer
 
 
+class ModelNotFoundError(OSError):
+    """A model or tokenizer location that is neither a local folder nor a reachable hub name."""
+
+
+def _from_pretrained(loader: Any, name_or_path: str | os.PathLike, what: str, **kwargs: Any) -> Any:
+    """`loader.from_pretrained` with one clear message when the location is wrong.
+
+    A path that looks local (absolute, ./, ../, ~) and does not exist is reported as such instead of
+    transformers' "Repo id must be in the form ..." error; a hub name that cannot be fetched (no
+    network, private, misspelled) names the flag to fix.
+    """
+    location = str(name_or_path)
+    looks_local = location.startswith(("/", "./", "../", "~"))
+    if looks_local and not os.path.exists(os.path.expanduser(location)):
+        raise ModelNotFoundError(
+            f"{what} {location!r}: no such folder. Give a folder saved with save_pretrained or a hub model name."
+        )
+    try:
+        return loader.from_pretrained(os.path.expanduser(location), **kwargs)
+    except OSError as err:
+        if os.path.isdir(os.path.expanduser(location)):
+            raise
+        raise ModelNotFoundError(
+            f"{what} {location!r} could not be loaded: it is not a local folder and the hub did not provide it "
+            f"({str(err).splitlines()[0]}). Check the name, your network (HF_HUB_OFFLINE) and access rights."
+        ) from err
+
+
 def load_tokenizer(
     name_or_path: str | os.PathLike,
     padding_side: str = "left",
@@ -150,8 +178,8 @@ def load_tokenizer(
     """
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        str(name_or_path), trust_remote_code=trust_remote_code, revision=revision
+    tokenizer = _from_pretrained(
+        AutoTokenizer, name_or_path, "tokenizer", trust_remote_code=trust_remote_code, revision=revision
     )
     tokenizer.padding_side = padding_side
     return ensure_pad_token(tokenizer)
@@ -235,7 +263,7 @@ def load_policy(
         kwargs["attn_implementation"] = attn_implementation
     if revision is not None:
         kwargs["revision"] = revision
-    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    model = _from_pretrained(AutoModelForCausalLM, path, "model", **kwargs)
     _sync_vocab(model, tokenizer)
     return _finish(model, dropout_off=disable_dropout, gradient_checkpointing=gradient_checkpointing)
 
@@ -263,7 +291,7 @@ def _load_scalar_head_model(
         kwargs["attn_implementation"] = attn_implementation
     if revision is not None:
         kwargs["revision"] = revision
-    model = AutoModelForSequenceClassification.from_pretrained(str(path), **kwargs)
+    model = _from_pretrained(AutoModelForSequenceClassification, path, what, **kwargs)
     if model.config.num_labels != 1:
         raise ValueError(f"{what} {path} has num_labels={model.config.num_labels}; it must output one score")
     if tokenizer is None and pad_token_id is None and model.config.pad_token_id is None:
