@@ -42,7 +42,9 @@ Metrics (train(), one line per logging step; sums and counts reduced over ranks,
                             micro-batches, ranks); val/ratio_var = unbiased variance of the ratio
                             over those tokens; loss/value_avg = ½·max(...) without vf_coef
   val/num_eos_tokens        completions that ended with a stop token (sum over ranks)
-  lr, objective/kl_coef, episode, eps, epoch; also returns/*, val/mean, val/var, tokens/*,
+  lr, objective/kl_coef     the learning rate and KL coefficient β used for the logged batch
+                            (β before the adaptive controller's update, as step() reports it)
+  episode, eps, epoch; also returns/*, val/mean, val/var, tokens/*,
   policy/skipped_microbatches (ratio_threshold), policy/early_stopped.
 step() returns the classic names of trl-notes §2.4 (see STEP_STATS), computed the same way.
 
@@ -419,10 +421,15 @@ class PPOTrainer:
         out = (x - mean) * torch.rsqrt(var + 1e-8)
         return (out if shift_mean else out + mean).masked_fill(~mask.bool(), 0.0)
 
-    def _optimize(self, rollout: Rollout, scores: torch.Tensor, micro: int, accum: int, num_minibatches: int) -> None:
-        """Steps 2–5 of the module docstring on one (local) batch; metrics go to self.metrics."""
+    def _optimize(self, rollout: Rollout, scores: torch.Tensor, micro: int, accum: int, num_minibatches: int,
+                  loss_mask: torch.Tensor | None = None) -> None:
+        """Steps 2–5 of the module docstring on one (local) batch; metrics go to self.metrics.
+        loss_mask (B, T): the tokens trained on, KL-penalised and counted in the statistics, a subset
+        of rollout.completion_mask (step()'s response_masks); default the completion mask. The score
+        sits on its last True position (classic TRL `mask.nonzero()[-1]`)."""
         cfg, acc, M = self.args, self.accelerator, self.metrics
-        B, mask = len(rollout), rollout.completion_mask
+        B = len(rollout)
+        mask = rollout.completion_mask if loss_mask is None else loss_mask & rollout.completion_mask
         one_pass = cfg.num_ppo_epochs == 1 and num_minibatches == 1 and accum == 1 and cfg.kl_estimator != "full"
         perms = None if one_pass else [
             torch.randperm(B, generator=self.generator, device=self.generator.device).to(self.device) for _ in range(cfg.num_ppo_epochs)
@@ -448,7 +455,8 @@ class PPOTrainer:
         if cfg.use_score_scaling or cfg.score_clip is not None:
             gathered = dist.gather(scores, acc) if cfg.use_score_scaling else None
             scores = scale_scores(scores, self.running, cfg.use_score_scaling, cfg.use_score_norm, cfg.score_clip, stats_scores=gathered)
-        kl = kl_full if kl_full is not None else kl_penalty(old_logprobs, ref_logprobs, cfg.kl_estimator, mask)
+        # _full_kl masks by the completion mask only; tokens outside the loss mask carry no KL either.
+        kl = kl_full.masked_fill(~mask, 0.0) if kl_full is not None else kl_penalty(old_logprobs, ref_logprobs, cfg.kl_estimator, mask)
         rewards, non_score = kl_shaped_rewards(scores, kl, mask, self.kl_ctl.value)
         if cfg.whiten_rewards:
             rewards = self._whiten(rewards, mask, shift_mean=False)
@@ -586,11 +594,14 @@ class PPOTrainer:
                 rollout = self._rollout(batch["input_ids"], batch["attention_mask"], run.sampling)
                 with torch.no_grad():
                     scores = self._score(rollout, batch)
+                # The β that shapes this batch's rewards (as step() reports it), read before the
+                # adaptive controller moves it at the end of _optimize.
+                kl_coef = self.kl_ctl.value
                 self._optimize(rollout, scores, micro, accum, cfg.num_mini_batches)
                 lr = self.lr_scheduler.get_last_lr()[0]
                 self.lr_scheduler.step()
                 if run.should_log(update):
-                    logged = run.log(update, {"lr": lr, "objective/kl_coef": self.kl_ctl.value})
+                    logged = run.log(update, {"lr": lr, "objective/kl_coef": kl_coef})
                     for cb in self.callbacks:
                         if hasattr(cb, "on_log"):
                             cb.on_log(cfg, run.state, None, logs=logged)
@@ -672,18 +683,25 @@ class PPOTrainer:
             return (results[0][0], results[1][0]) if generate_ref_response else results[0][0]
         return (results[0], results[1]) if generate_ref_response else results[0]
 
-    def _step_rollout(self, queries, responses, response_masks) -> Rollout:
+    def _step_rollout(self, queries, responses, response_masks) -> tuple[Rollout, torch.Tensor | None]:
+        """(rollout, loss_mask). The rollout's completion_mask covers every response token: it is
+        also the attention mask, and a token left out of the loss (response_masks 0, e.g. a tool's
+        output) is still context for the tokens after it (classic TRL multiplies response_masks into
+        the loss mask only). loss_mask = completion_mask ∧ response_masks, None without masks."""
         prompt_ids, prompt_mask = self._left_pad(queries)
         lengths = torch.tensor([len(r) for r in responses], dtype=torch.long, device=self.device)
         T = int(lengths.max())
         ids = torch.full((len(responses), T), self.tokenizer.pad_token_id, dtype=torch.long, device=self.device)
         mask = torch.zeros(len(responses), T, dtype=torch.bool, device=self.device)
+        loss_mask = None if response_masks is None else torch.zeros_like(mask)
         for i, r in enumerate(responses):
             ids[i, : len(r)] = r.long().to(self.device)
-            mask[i, : len(r)] = True if response_masks is None else response_masks[i].bool().to(self.device)
+            mask[i, : len(r)] = True
+            if loss_mask is not None:
+                loss_mask[i, : len(r)] = torch.as_tensor(response_masks[i]).bool().to(self.device)
         eos = self.tokenizer.eos_token_id
         ended = torch.tensor([eos is not None and int(r[-1]) == eos for r in responses], device=self.device)
-        return Rollout(prompt_ids, prompt_mask, ids, mask, lengths, ended, None, None, self.tokenizer.pad_token_id)
+        return Rollout(prompt_ids, prompt_mask, ids, mask, lengths, ended, None, None, self.tokenizer.pad_token_id), loss_mask
 
     def step(self, queries: list[torch.Tensor], responses: list[torch.Tensor], scores: list[torch.Tensor],
              response_masks: list[torch.Tensor] | None = None) -> dict[str, float]:
@@ -710,6 +728,13 @@ class PPOTrainer:
                 raise ValueError(f"step(): queries[{i}] and responses[{i}] must be non-empty 1-D token tensors.")
             if response_masks is not None and (len(response_masks[i]) != len(r) or not bool(torch.as_tensor(response_masks[i]).any())):
                 raise ValueError(f"step(): response_masks[{i}] must have len(responses[{i}]) = {len(r)} entries, at least one 1.")
+        for i, s in enumerate(scores):
+            # One number per pair (classic TRL: 0-d or 1-element); taking element 0 of a longer
+            # tensor would silently train on the wrong reward.
+            t = torch.as_tensor(s)
+            if t.numel() != 1 or t.dim() > 1:
+                raise ValueError(f"step(): scores[{i}] must be a 0-d or 1-element tensor (one score per response), "
+                                 f"got shape {tuple(t.shape)}.")
         score_t = torch.tensor([float(torch.as_tensor(s).reshape(-1)[0]) for s in scores], dtype=torch.float32, device=self.device)
         if not bool(torch.isfinite(score_t).all()):
             raise ValueError(f"step(): scores must be finite, got {score_t.tolist()}.")
@@ -718,9 +743,10 @@ class PPOTrainer:
             raise ConfigError(f"step(): {n} rows must be divisible by mini_batch_size {micro} × gradient_accumulation_steps "
                               f"{cfg.gradient_accumulation_steps} (rows per optimizer step).")
         started, kl_coef = time.time(), self.kl_ctl.value
-        rollout = self._step_rollout(queries, responses, response_masks)
+        rollout, loss_mask = self._step_rollout(queries, responses, response_masks)
         self.metrics.reset()
-        self._optimize(rollout, score_t, micro, cfg.gradient_accumulation_steps, n // (micro * cfg.gradient_accumulation_steps))
+        self._optimize(rollout, score_t, micro, cfg.gradient_accumulation_steps, n // (micro * cfg.gradient_accumulation_steps),
+                       loss_mask=loss_mask)
         values = self.metrics.reduce(self.accelerator)
         self.metrics.reset()
         lr = self.optimizer.param_groups[0]["lr"]
