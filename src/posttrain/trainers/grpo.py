@@ -62,8 +62,10 @@ class GRPOTrainer:
 
     model: a causal LM or a path (loaded with models.load_policy). reward_funcs: a reward model
     (nn.Module or path), a text reward function `f(prompts, completions, **columns) -> list[float]`,
-    or a list of them, weighted by args.reward_weights. ref_model: the frozen reference (beta > 0);
-    None copies the initial policy. `accelerator=` shares an existing Accelerator.
+    or a list of them, weighted by args.reward_weights. A reward model path brings the tokenizer saved
+    with it (completions are re-tokenized when it differs) unless reward_processing_classes is given.
+    ref_model: the frozen reference (beta > 0); None copies the initial policy. `accelerator=` shares
+    an existing Accelerator.
     """
 
     def __init__(self, model: nn.Module | str, reward_funcs: Any = None, args: GRPOConfig | None = None,
@@ -81,10 +83,21 @@ class GRPOTrainer:
             processing_class = processing_class or load_tokenizer(model, trust_remote_code=args.trust_remote_code)
             model = load_policy(model, gradient_checkpointing=args.gradient_checkpointing, tokenizer=processing_class, **common)
         rewards = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        rewards = [load_reward_model(r, tokenizer=processing_class, **common) if isinstance(r, str) else r for r in rewards]
         if isinstance(reward_processing_classes, (list, tuple)):
             # One reward tokenizer is supported: the first one given for a reward model.
             reward_processing_classes = next((t for t in reward_processing_classes if t is not None), None)
+        if reward_processing_classes is None:
+            # A reward model given by path brings the tokenizer saved with it (as TRL GRPO and the CLI's
+            # load_parts do): scoring the policy's token ids with a model of another vocabulary is silently wrong.
+            for r in rewards:
+                if isinstance(r, str):
+                    try:
+                        reward_processing_classes = load_tokenizer(r, trust_remote_code=args.trust_remote_code)
+                    except (OSError, ValueError):
+                        pass  # no tokenizer saved with the reward model: it shares the policy's
+                    break
+        rewards = [load_reward_model(r, tokenizer=reward_processing_classes or processing_class, **common)
+                   if isinstance(r, str) else r for r in rewards]
         self.setup = TrainerSetup.create(
             args, processing_class, model, ref_model, rewards, train_dataset, eval_dataset,
             data_collator=data_collator, optimizers=optimizers, callbacks=callbacks,
