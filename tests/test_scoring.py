@@ -191,3 +191,21 @@ def test_reward_scores_match_hf_pooling_when_pad_is_distinct():
     with torch.no_grad():
         hf = rm(input_ids=r.sequence_ids, attention_mask=r.sequence_mask.long(), position_ids=r.position_ids).logits[:, 0]
     assert torch.allclose(ours, hf, atol=1e-5)
+
+
+def test_trl_grpo_style_reward_functions_get_keywords():
+    from posttrain.scoring import reward_function_scores
+
+    def trl_style(completions, **kwargs):  # TRL GRPO: prompts arrive as a keyword
+        return [float(len(c)) + (10.0 if kwargs["prompts"][i] == "b" else 0.0) for i, c in enumerate(completions)]
+
+    def with_solution(completions, solution, **kwargs):
+        return [1.0 if c == s else 0.0 for c, s in zip(completions, solution)]
+
+    def positional(p, c):
+        return [float(len(x)) for x in p]
+
+    prompts, completions = ["a", "b"], ["xy", "z"]
+    assert reward_function_scores([trl_style], prompts, completions).tolist() == [2.0, 11.0]
+    assert reward_function_scores([with_solution], prompts, completions, columns={"solution": ["xy", "q"]}).tolist() == [1.0, 0.0]
+    assert reward_function_scores([positional], prompts, completions).tolist() == [1.0, 1.0]

@@ -14,6 +14,7 @@ Index conventions (sequence = prompt (P, left-padded) + completion (T, right-pad
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -231,6 +232,18 @@ def reward_function_name(func: Callable[..., Any]) -> str:
     return getattr(func, "__name__", None) or type(func).__name__
 
 
+def _takes_keywords(func: Callable) -> bool:
+    """Whether `func` can be called as func(prompts=..., completions=..., **columns): it names a
+    `completions` parameter and either names `prompts` or takes **kwargs (TRL GRPO's convention)."""
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    named = {n for n, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return "completions" in named and ("prompts" in named or var_kw)
+
+
 def reward_function_matrix(
     funcs: RewardFunction | Sequence[RewardFunction],
     prompts: Sequence[Any],
@@ -240,9 +253,11 @@ def reward_function_matrix(
 ) -> torch.Tensor:
     """Each function's scores, (B, F) float32, validated.
 
-    Every function is called as f(prompts, completions, **columns) and must return B finite real
-    numbers; anything else (wrong length, None, NaN, inf, non-number) raises ValueError naming the
-    function and the first bad row. TRL's new PPO accepted only nn.Module reward models (TRL#2518).
+    Every function gets the prompts, the completions and the dataset columns and must return B
+    finite real numbers; anything else (wrong length, None, NaN, inf, non-number) raises ValueError
+    naming the function and the first bad row. TRL's new PPO accepted only nn.Module reward models
+    (TRL#2518). Functions written for TRL's GRPO (`def f(completions, **kwargs)`, prompts passed as a
+    keyword) are called with keywords; others positionally as f(prompts, completions, **columns).
     """
     funcs = [funcs] if callable(funcs) else list(funcs)
     if not funcs:
@@ -257,7 +272,10 @@ def reward_function_matrix(
     out = torch.empty(B, len(funcs), dtype=torch.float32)
     for j, func in enumerate(funcs):
         name = reward_function_name(func)
-        result = func(list(prompts), list(completions), **columns)
+        if _takes_keywords(func):
+            result = func(prompts=list(prompts), completions=list(completions), **columns)
+        else:
+            result = func(list(prompts), list(completions), **columns)
         if isinstance(result, torch.Tensor):
             result = result.detach().cpu().reshape(-1).tolist()
         try:
