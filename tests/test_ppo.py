@@ -321,3 +321,69 @@ def test_cli_trl_example_flags(tmp_path, tiny_policy_dir, tiny_reward_model_dir)
     assert (out / "model.safetensors").is_file() and (out / "value_model" / "model.safetensors").is_file()
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
     assert main(argv) == 2  # the finished run is not overwritten silently
+
+
+# train() on 2 ranks == 1 rank with the same global batch. Each rank samples with its own stream, so
+# (as in test_rloo) generation is made per-row deterministic: a row's tokens depend only on its
+# prompt. Then everything else — the rollout split across ranks, global whitening, the global token
+# normaliser, DDP's gradient average over policy and critic, clipping, the optimizer — is compared.
+TRAIN_DP_SCRIPT = textwrap.dedent('''
+    import sys, torch
+    torch.set_num_threads(1)
+    sys.path.insert(0, sys.argv[2])
+    from test_ppo import train_dp_run
+    train_dp_run(sys.argv[1])
+''')
+
+
+def ends_with_e(prompts, completions, **kw):
+    return [float(c.count("e")) for c in completions]
+
+
+def train_dp_run(out_path: str) -> None:
+    import os
+    import tempfile
+
+    import posttrain.trainers.ppo as ppo_module
+    from posttrain.models import build_tiny_tokenizer
+    from posttrain.rollout import Rollout, generate
+
+    def per_row_generate(model, prompt_ids, prompt_mask, sampling, *, pad_token_id, batch_size=None, generator=None, **kw):
+        rows = []
+        for ids, mask in zip(prompt_ids, prompt_mask):
+            key = ids[mask.bool()].tolist()
+            g = torch.Generator(device=ids.device).manual_seed(sum((i + 1) * t for i, t in enumerate(key)) % (2**31))
+            rows.append(generate(model, ids[mask.bool()][None], mask[mask.bool()][None], sampling,
+                                 pad_token_id=pad_token_id, generator=g, **kw))
+        return Rollout.cat(rows)
+
+    ppo_module.generate = per_row_generate
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tok = build_tiny_tokenizer()
+    cfg = PPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, gradient_accumulation_steps=2 // world,
+                    total_episodes=8, response_length=6, learning_rate=1e-3, report_to="none", num_sample_generations=0,
+                    save_steps=0, temperature=1.0, num_ppo_epochs=2, value_model_init="policy", seed=5)
+    trainer = PPOTrainer(args=cfg, processing_class=tok, model=build_tiny_causal_lm(tok),
+                         ref_model=build_tiny_causal_lm(tok, seed=3), reward_model=ends_with_e, train_dataset=prompt_dataset(8))
+    assert trainer.accelerator.num_processes == world, "the launcher did not start a real process group"
+    last = trainer.train()
+    if trainer.accelerator.is_main_process:
+        torch.save({"policy": flat(trainer.model), "critic": flat(trainer.value_model), "kl": last["objective/kl"],
+                    "initial": flat(build_tiny_causal_lm(tok))}, out_path)
+
+
+@pytest.mark.multiproc
+def test_train_on_two_processes_equals_one_process(tmp_path):
+    script = tmp_path / "train_dp.py"
+    script.write_text(TRAIN_DP_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    here = str(Path(__file__).parent)
+    subprocess.run([sys.executable, str(script), str(tmp_path / "one.pt"), here], check=True, env=env, timeout=150)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    subprocess.run([*launcher, str(script), str(tmp_path / "two.pt"), here], check=True,
+                   env={**env, "ACCELERATE_USE_CPU": "true"}, timeout=150)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert (one["policy"] - one["initial"]).abs().max() > 1e-4  # the update really moved the policy
+    assert two["kl"] == pytest.approx(one["kl"], rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(two["policy"], one["policy"], rtol=0, atol=2e-6)
+    torch.testing.assert_close(two["critic"], one["critic"], rtol=0, atol=2e-6)
