@@ -96,3 +96,8 @@ def test_to_dict_includes_derived_sizes():
     c = OnPolicyConfig(total_episodes=64, per_device_train_batch_size=8).derive_sizes(2)
     d = c.to_dict()
     assert d["batch_size"] == 16 and d["num_total_batches"] == 4 and d["learning_rate"] == 3e-6
+
+
+def test_truncated_sampling_warns_that_updates_are_off_policy():
+    with pytest.warns(UserWarning, match="off-policy"):
+        OnPolicyConfig(top_k=5)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,6 +200,13 @@ class OnPolicyConfig(TrainingConfig):
             raise ConfigError(f"temperature={self.temperature} must be >= 0 (0 = greedy).")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p={self.top_p} must be in (0, 1].")
+        if self.top_k > 0 or self.top_p < 1.0:
+            warnings.warn(
+                f"top_k={self.top_k} / top_p={self.top_p}: completions are sampled from a truncated distribution "
+                "while logprobs, ratios and KL use the full softmax (as training must), so updates are slightly "
+                "off-policy. TRL's online trainers force top_k=0, top_p=1.0.",
+                stacklevel=3,
+            )
         if self.prompt_overflow not in ("truncate_left", "drop"):
             raise ConfigError(f'prompt_overflow={self.prompt_overflow!r} must be "truncate_left" or "drop".')
         if self.total_episodes is not None and self.total_episodes < 1:
