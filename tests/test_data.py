@@ -421,7 +421,7 @@ def test_sft_packing(tok):
     texts = ["Hello world", "The sea is wide", "Thank you very much"]
     plain = prepare_sft_dataset(Dataset.from_dict({"text": texts}), tok, 64)
     stream = [t for seq in plain["input_ids"] for t in seq]
-    packed = prepare_sft_dataset(Dataset.from_dict({"text": texts}), tok, 4, packing=True)
+    packed = prepare_sft_dataset(Dataset.from_dict({"text": texts}), tok, 4, packing=True, packing_strategy="wrapped")
     assert all(len(seq) == 4 for seq in packed["input_ids"][:-1]) and 0 < len(packed["input_ids"][-1]) <= 4
     assert [t for seq in packed["input_ids"] for t in seq] == stream
     assert [t for seq in packed["labels"] for t in seq] == [t for seq in plain["labels"] for t in seq]

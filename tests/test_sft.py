@@ -107,9 +107,11 @@ def test_wrapped_packing_fills_max_length_rows(tmp_path, tiny_tokenizer):
                            packing=True, packing_strategy="wrapped", max_length=16, max_steps=1)
     lengths = [len(r["input_ids"]) for r in trainer.train_dataset]
     assert lengths[:-1] == [16] * (len(lengths) - 1) and sum(lengths) > 16 * 4
+    assert "position_ids" not in trainer.train_dataset.column_names  # wrapped: attention crosses examples
     trainer.train()
+    assert config(tmp_path, packing=True).packing_strategy == "bfd"  # TRL's default strategy
     with pytest.raises(ConfigError, match="packing_strategy"):
-        config(tmp_path, packing=True)
+        config(tmp_path, packing=True, packing_strategy="first_fit")
 
 
 def test_dft_loss_weights_tokens_by_probability(tmp_path, tiny_tokenizer):

@@ -16,6 +16,8 @@ because datasets' own errors (arrow casts, JSON parser) rarely say which line is
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import json
 import logging
 import math
@@ -45,6 +47,7 @@ FORMATS = ("prompt", "preference", "text", "messages", "prompt_completion", "tok
 _CONVERSATIONAL_KEYS = ("prompt", "chosen", "rejected", "completion", "messages")
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 _SOURCE_MARK = "posttrain source: "
+PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
 
 
 class DataError(ValueError):
@@ -748,6 +751,7 @@ def prepare_sft_dataset(
     assistant_only_loss: bool = False,
     truncation: str = "keep_start",
     packing: bool = False,
+    packing_strategy: str = "bfd",
     source: str | None = None,
 ) -> Dataset:
     """Tokenize SFT data → `input_ids` and `labels` (aligned with `input_ids`; -100 = no loss).
@@ -758,14 +762,27 @@ def prepare_sft_dataset(
     - messages: loss on every token, or with `assistant_only_loss` on assistant turns only. Assistant
       spans are found by rendering the conversation prefix by prefix (any template works).
     Rows longer than `max_length` keep their start ("keep_start") or end ("keep_end"); rows left
-    without any trained token are dropped; both counts are logged. With `packing`, rows are
-    concatenated (in batches of 1000) and cut into `max_length` blocks instead; attention then
-    crosses row boundaries within a block (each row ends with EOS), the usual "wrapped" packing.
+    without any trained token are dropped; both counts are logged.
+
+    With `packing`, rows become rows of at most `max_length` tokens holding several examples:
+    - "bfd" (TRL's default): overlong examples are truncated as above, then whole examples are
+      placed by best-fit decreasing (`best_fit_decreasing`). Each packed row also gets
+      `position_ids` restarting at 0 for every example and `seq_lengths` (the examples' lengths),
+      from which the SFT collator and forward keep examples from attending to each other.
+    - "bfd_split": like "bfd", but overlong examples are cut into `max_length` pieces (each piece
+      its own sequence) instead of truncated, so no token is thrown away.
+    - "wrapped": rows are concatenated (in batches of 1000) and cut into `max_length` blocks; no
+      `position_ids`, so attention crosses example boundaries within a block (each example ends
+      with EOS), the classic pre-training packing.
     """
     if truncation not in ("keep_start", "keep_end"):
         raise ValueError(f"truncation must be 'keep_start' or 'keep_end', got {truncation!r}")
+    if packing_strategy not in PACKING_STRATEGIES:
+        raise ValueError(f"packing_strategy must be one of {PACKING_STRATEGIES}, got {packing_strategy!r}")
     if packing and not max_length:
         raise ValueError("packing needs max_length (the block size)")
+    # Only "wrapped" and "bfd_split" keep every token of an overlong row.
+    truncate = not packing or packing_strategy == "bfd"
     source = _source_of(dataset, source)
     _require_rows(dataset, source)
     fmt = detect_format(dataset, dataset_text_field)
@@ -861,7 +878,7 @@ def prepare_sft_dataset(
                 ids, mask = messages_row(batch["messages"][k], row)
             else:
                 ids, mask = prompt_completion_row(batch["prompt"][k], batch["completion"][k], row)
-            truncated = not packing and max_length is not None and len(ids) > max_length
+            truncated = truncate and max_length is not None and len(ids) > max_length
             if truncated:
                 keep = slice(None, max_length) if truncation == "keep_start" else slice(-max_length, None)
                 ids, mask = ids[keep], mask[keep]
@@ -885,8 +902,16 @@ def prepare_sft_dataset(
                 fix="check completion_only_loss / assistant_only_loss and max_length",
             )
     out = out.remove_columns(["__truncated", "__empty"])
-    if packing:
+    if packing and packing_strategy == "wrapped":
         out = out.map(_pack(max_length), batched=True, batch_size=1000, desc="Packing")
+    elif packing:
+        n_rows = len(out)
+        out = out.with_format("arrow").map(
+            _pack_bfd_table, fn_kwargs={"capacity": max_length, "split": packing_strategy == "bfd_split"},
+            batched=True, batch_size=_BFD_BATCH_ROWS, remove_columns=out.column_names, desc="Packing (BFD)",
+        ).with_format(None)
+        logger.info("packed %d rows into %d rows of at most %d tokens (%s)", n_rows, len(out), max_length,
+                    packing_strategy)
     return out
 
 
@@ -900,3 +925,94 @@ def _pack(block: int) -> Callable[[dict[str, list]], dict[str, list]]:
         }
 
     return pack
+
+
+# Rows packed together per map batch: large enough that best-fit decreasing fills nearly every
+# row, small enough that the flattened token arrays of one batch stay a few hundred MB.
+_BFD_BATCH_ROWS = 20_000
+
+
+def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Group item indices into bins holding at most `capacity` (e.g. tokens), best-fit decreasing.
+
+    Items go longest first (equal lengths keep their order), each into the open bin whose free
+    space is the smallest that still fits it (ties: the oldest bin), else into a new bin; bins are
+    returned in creation order, each listing its items in placement order. Open bins are bucketed
+    by free space (a heap of bin numbers per value) and the distinct free-space values kept in a
+    sorted list of at most `capacity` entries, so each placement is a bisect plus a short-list
+    insert: 100k items take a fraction of a second, where scanning the bins would be quadratic.
+    """
+    import numpy as np
+
+    sizes = np.asarray(lengths, dtype=np.int64)
+    if sizes.size and int(sizes.max()) > capacity:
+        raise ValueError(f"an item of length {int(sizes.max())} exceeds the bin capacity {capacity}")
+    order = np.argsort(-sizes, kind="stable").tolist()
+    sizes_list = sizes.tolist()
+    bins: list[list[int]] = []
+    free_values: list[int] = []  # sorted distinct free spaces of bins that still have room
+    bins_with_free: dict[int, list[int]] = {}
+    for item in order:
+        size = sizes_list[item]
+        k = bisect.bisect_left(free_values, size)
+        if k < len(free_values):
+            free = free_values[k]
+            bucket = bins_with_free[free]
+            b = heapq.heappop(bucket)
+            if not bucket:
+                del bins_with_free[free]
+                del free_values[k]
+        else:
+            b, free = len(bins), capacity
+            bins.append([])
+        bins[b].append(item)
+        left = free - size
+        if left > 0:
+            bucket = bins_with_free.get(left)
+            if bucket is None:
+                bucket = bins_with_free[left] = []
+                bisect.insort(free_values, left)
+            heapq.heappush(bucket, b)
+    return bins
+
+
+def _pack_bfd_table(table: Any, capacity: int, split: bool) -> Any:
+    """One map batch (a pyarrow Table with `input_ids`, `labels`) → BFD-packed rows with
+    `position_ids` and `seq_lengths`. Tokens move as numpy gathers: no per-token Python."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    ids = table["input_ids"].combine_chunks()
+    labels = table["labels"].combine_chunks()
+    lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
+    starts = np.cumsum(lengths) - lengths  # first flat token of each row
+    if split:
+        # Overlong rows become ceil(n / capacity) pieces of `capacity` tokens (the last shorter).
+        counts = np.maximum(-(-lengths // capacity), 1)
+        row = np.repeat(np.arange(len(lengths)), counts)
+        k = np.arange(row.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        piece_start = starts[row] + k * capacity
+        piece_len = np.minimum(capacity, lengths[row] - k * capacity)
+    else:
+        piece_start, piece_len = starts, lengths
+    bins = best_fit_decreasing(piece_len, capacity)
+    order = np.fromiter((p for b in bins for p in b), dtype=np.int64, count=piece_len.size)
+    seq_len = piece_len[order]
+    seq_first = np.cumsum(seq_len) - seq_len  # first token of each sequence in the packed stream
+    within = np.arange(int(seq_len.sum())) - np.repeat(seq_first, seq_len)
+    take = pa.array(np.repeat(piece_start[order], seq_len) + within)
+    pieces_per_bin = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
+    piece_offsets = np.concatenate([[0], np.cumsum(pieces_per_bin)])
+    token_offsets = pa.array(np.concatenate([[0], np.cumsum(seq_len)])[piece_offsets], type=pa.int32())
+
+    def packed(values: Any) -> Any:
+        return pa.ListArray.from_arrays(token_offsets, values)
+
+    return pa.table({
+        "input_ids": packed(ids.flatten().take(take)),
+        "labels": packed(labels.flatten().take(take)),
+        "position_ids": packed(pa.array(within, type=pa.int32())),
+        "seq_lengths": pa.ListArray.from_arrays(pa.array(piece_offsets, type=pa.int32()),
+                                                pa.array(seq_len, type=pa.int32())),
+    })

@@ -14,6 +14,11 @@ every token of `text`; the completion of prompt-completion data (completion_only
 default for that format); every token of `messages`, or only the assistant turns with
 assistant_only_loss. Padding is never trained on: masks come from lengths.
 
+Packing ("bfd" / "bfd_split", data.prepare_sft_dataset) and padding_free put several sequences in
+one row. Their `position_ids` restart at 0 for each sequence; the forward turns them into a
+block-diagonal causal mask (sdpa / eager) or hands them to flash-attention's varlen path, and the
+first token of each sequence is no target, so every sequence's loss equals its loss alone.
+
 The loss is TRL's "chunked_nll" (trl-notes §8): the full (B, T, V) float32 logits never exist.
 The model runs once with `logits_to_keep=1`, the lm_head is applied only to the hidden states of
 trained positions, chunk by chunk, each chunk under activation checkpointing so its logits are
@@ -60,20 +65,87 @@ def _labels_of(row: dict) -> list[int]:
     return list(ids)
 
 
-class SFTCollator:
-    """Right-pads `input_ids` and `labels`; the attention mask comes from the lengths."""
+def _positions_of(row: dict) -> list[int]:
+    """Per-token positions restarting at 0 for every sequence of a row: `position_ids` of a
+    BFD-packed row, else built from its `seq_lengths`, else one sequence 0..n-1."""
+    if row.get("position_ids") is not None:
+        return list(row["position_ids"])
+    if row.get("seq_lengths") is not None:
+        return [p for n in row["seq_lengths"] for p in range(n)]
+    return list(range(len(row["input_ids"])))
 
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None) -> None:
-        self.pad_token_id, self.pad_to_multiple_of = pad_token_id, pad_to_multiple_of
+
+class SFTCollator:
+    """Right-pads `input_ids` and `labels`; the attention mask comes from the lengths.
+
+    Rows holding several sequences (BFD packing: `position_ids` / `seq_lengths`) and every
+    batch with `padding_free` also get `position_ids` (B, T) restarting at 0 for each sequence,
+    from which the forward builds attention that stays inside each sequence. `padding_free`
+    concatenates the micro-batch into a single row (B = 1; TRL's padding-free), so no pad token is
+    computed at all (unless pad_to_multiple_of asks for some). Padding positions count 0, 1, ...
+    as a sequence of their own, so they never join the last real sequence.
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, padding_free: bool = False) -> None:
+        self.pad_token_id, self.pad_to_multiple_of, self.padding_free = pad_token_id, pad_to_multiple_of, padding_free
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        input_ids, lengths = pad_right([e["input_ids"] for e in examples], self.pad_token_id, self.pad_to_multiple_of)
-        labels, _ = pad_right([_labels_of(e) for e in examples], IGNORE_INDEX, self.pad_to_multiple_of)
+        ids = [list(e["input_ids"]) for e in examples]
+        labels = [list(_labels_of(e)) for e in examples]
+        multi = self.padding_free or any(e.get("position_ids") is not None or e.get("seq_lengths") is not None
+                                         for e in examples)
+        if not multi:
+            input_ids, lengths = pad_right(ids, self.pad_token_id, self.pad_to_multiple_of)
+            padded_labels, _ = pad_right(labels, IGNORE_INDEX, self.pad_to_multiple_of)
+            return {
+                "input_ids": input_ids,  # (B, T)
+                "attention_mask": lengths_to_mask(lengths, input_ids.size(1)).long(),  # (B, T)
+                "labels": padded_labels,  # (B, T), −100 on untrained and padded positions
+            }
+        positions = [_positions_of(e) for e in examples]
+        if self.padding_free:
+            ids, labels, positions = ([[t for row in part for t in row]] for part in (ids, labels, positions))
+        input_ids, lengths = pad_right(ids, self.pad_token_id, self.pad_to_multiple_of)
+        padded_labels, _ = pad_right(labels, IGNORE_INDEX, self.pad_to_multiple_of)
+        width = input_ids.size(1)
+        position_ids = torch.arange(width).repeat(len(ids), 1)  # padding: a sequence of its own
+        for row, (pos, n) in enumerate(zip(positions, lengths.tolist())):
+            position_ids[row, :n] = torch.as_tensor(pos, dtype=torch.long)
+            position_ids[row, n:] -= n
+        # The first token of a sequence is predicted by nothing of its own sequence: without this
+        # it would be the target of the previous sequence's last token (labels are shifted in the loss).
+        padded_labels[position_ids == 0] = IGNORE_INDEX
         return {
-            "input_ids": input_ids,  # (B, T)
-            "attention_mask": lengths_to_mask(lengths, input_ids.size(1)).long(),  # (B, T)
-            "labels": labels,  # (B, T), −100 on untrained and padded positions
+            "input_ids": input_ids,  # (B, T); B = 1 with padding_free
+            "attention_mask": lengths_to_mask(lengths, width).long(),  # (B, T), real tokens (counts only)
+            "labels": padded_labels,  # (B, T)
+            "position_ids": position_ids,  # (B, T), 0 at the start of every sequence
         }
+
+
+def packed_attention_inputs(position_ids: torch.Tensor, attn_implementation: str | None,
+                            dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
+    """Model inputs that keep each packed sequence to itself, from `position_ids` (B, T) that
+    restart at 0 at every sequence start.
+
+    sdpa and eager get an explicit block-diagonal causal mask (B, 1, T, T), which transformers
+    passes through as is: boolean (True = attend) for sdpa, additive float (0 / dtype min) for eager,
+    which adds it to the scores. Memory grows as T², so long padding-free rows want flash
+    attention. Other implementations (flash-attention, flex) take no mask and only `position_ids`:
+    transformers then finds the sequence starts from the restarts itself (varlen kernels).
+    """
+    if attn_implementation not in ("sdpa", "eager"):
+        return {"attention_mask": None, "position_ids": position_ids}
+    seq = (position_ids == 0).cumsum(-1)  # (B, T): sequence index of every token
+    width = position_ids.size(1)
+    causal = torch.ones(width, width, dtype=torch.bool, device=position_ids.device).tril()
+    allowed = (seq[:, :, None] == seq[:, None, :]) & causal  # (B, T, T), query × key
+    if attn_implementation == "sdpa":
+        mask = allowed[:, None]
+    else:
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+    return {"attention_mask": mask, "position_ids": position_ids}
 
 
 def num_trained_tokens(batch: dict[str, torch.Tensor]) -> int:
@@ -117,7 +189,7 @@ class SFTTrainer:
             self._prepare(eval_dataset, args.packing if args.eval_packing is None else args.eval_packing, "eval_dataset")
             if eval_dataset is not None else None
         )
-        self.collator = SFTCollator(self.processing_class.pad_token_id, args.pad_to_multiple_of)
+        self.collator = SFTCollator(self.processing_class.pad_token_id, args.pad_to_multiple_of, args.padding_free)
         self.run = SupervisedRun(args, model, self.processing_class, self.train_dataset, accelerator=self.accelerator,
                                  activation_offloading=args.activation_offloading)
         self._forward_kwargs = _forward_kwargs(self.run.unwrapped(), args.router_aux_loss_coef)
@@ -141,7 +213,8 @@ class SFTTrainer:
                 dataset_text_field=self.args.dataset_text_field,
                 completion_only_loss=self.args.completion_only_loss,
                 assistant_only_loss=self.args.assistant_only_loss,
-                truncation=self.args.truncation_mode, packing=packing, source=source,
+                truncation=self.args.truncation_mode, packing=packing,
+                packing_strategy=self.args.packing_strategy, source=source,
             )
 
     # -- the loss ---------------------------------------------------------------------------
@@ -150,12 +223,18 @@ class SFTTrainer:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
         """(Σ of the per-token loss over trained tokens, not divided; statistics as sums over
         those tokens plus their `count`; the model's router aux loss or None)."""
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **self._forward_kwargs)
+        bare = dist.unwrap(model, self.accelerator)
+        if "position_ids" in batch:
+            attention = packed_attention_inputs(batch["position_ids"], bare.config._attn_implementation,
+                                                bare.get_input_embeddings().weight.dtype)
+        else:
+            attention = {"attention_mask": batch["attention_mask"]}
+        out = model(input_ids=batch["input_ids"], **attention, **self._forward_kwargs)
         hidden = out.hidden_states[-1][:, :-1]  # (B, T-1, H): position t predicts token t+1
+        # Packed rows: the collator already hid each sequence's first token from the loss.
         targets = batch["labels"][:, 1:]  # (B, T-1)
         trained = targets != IGNORE_INDEX
         h, y = hidden[trained], targets[trained]  # (N, H), (N,)
-        bare = dist.unwrap(model, self.accelerator)
         lm_head = bare.get_output_embeddings()
         softcap = getattr(bare.config, "final_logit_softcapping", None)
         # The 0-weighted logits keep every parameter in the graph when no token is trained here,
@@ -213,13 +292,16 @@ class SFTTrainer:
         model.eval()
         metrics = MetricAccumulator()
         for indices, counts in eval_shards(len(self.eval_dataset), self.args.per_device_eval_batch_size, self.accelerator):
-            batch = run.to_device(self.collator(rows(self.eval_dataset, indices)))
-            # Repeats that only keep ranks in step are not scored.
-            batch["labels"][~counts.to(batch["labels"].device)] = IGNORE_INDEX
+            examples = rows(self.eval_dataset, indices)
+            # Repeats that only keep ranks in step are not scored. Masked per example, before
+            # collation, because a padding-free batch is a single row.
+            examples = [e if keep else {**e, "labels": [IGNORE_INDEX] * len(e["input_ids"])}
+                        for e, keep in zip(examples, counts.tolist())]
+            batch = run.to_device(self.collator(examples))
             with run.autocast():
                 _, stats, _ = self.compute_loss(model, batch)
             self._add_metrics(metrics, stats, "eval_")
-            metrics.add_sum("eval_num_tokens", batch["attention_mask"][counts.to(batch["attention_mask"].device)].sum())
+            metrics.add_sum("eval_num_tokens", sum(len(e["input_ids"]) for e, keep in zip(examples, counts.tolist()) if keep))
         values = metrics.reduce(self.accelerator)
         run.tracker.log(values, step=run.global_step)
         model.train(was_training)

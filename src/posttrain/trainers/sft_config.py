@@ -14,7 +14,7 @@ from posttrain.configs import ConfigError, TrainingConfig, _help
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 LOSS_TYPES = ("nll", "chunked_nll", "dft")
-PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # TRL's names; only "wrapped" is implemented
+PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # TRL's names (same tuple as data.PACKING_STRATEGIES)
 
 
 def parse_json_field(name: str, value: Any) -> dict[str, Any] | None:
@@ -37,7 +37,11 @@ class SFTConfig(TrainingConfig):
     Differences from TRL, on purpose: `loss_type` "nll" and "chunked_nll" compute the same loss
     the same memory-light way (the lm_head only runs on trained tokens, in chunks), and gradient
     accumulation divides by the number of trained tokens of the whole accumulated batch, so
-    batch 1 × accumulation 4 gives the same update as batch 4 × accumulation 1.
+    batch 1 × accumulation 4 gives the same update as batch 4 × accumulation 1. "bfd" packing
+    keeps sequences apart with a block-diagonal attention mask under any attention implementation
+    (TRL turns padding-free batches on for it and warns unless the model uses flash attention);
+    `padding_free` stays the user's choice, because on sdpa / eager one long row costs more
+    attention memory than several padded ones.
     """
 
     learning_rate: float = _help("Initial AdamW learning rate.", default=2e-5)
@@ -71,16 +75,23 @@ class SFTConfig(TrainingConfig):
     truncation_mode: str = _help('Which end of an overlong example to keep: "keep_start" or "keep_end".', default="keep_start")
     shuffle_dataset: bool = _help("Shuffle the training set once before preparing it.", default=False)
     packing: bool = _help(
-        "Pack examples into max_length rows (needs packing_strategy wrapped: examples are concatenated, "
-        "each closed by EOS, and cut into blocks; attention crosses example boundaries within a block).",
+        "Pack several examples into each row of at most max_length tokens (see packing_strategy).",
         default=False,
     )
     packing_strategy: str = _help(
-        'Packing strategy: "wrapped" is supported; TRL\'s "bfd" / "bfd_split" (per-example attention, '
-        "needs padding-free flash attention) are not yet.",
+        '"bfd": best-fit decreasing; overlong examples truncated (truncation_mode), whole examples '
+        "packed into rows, each attending only to itself (position ids restart per example). "
+        '"bfd_split": the same, but overlong examples are split into max_length pieces instead of '
+        'truncated. "wrapped": examples concatenated and cut into max_length blocks; attention '
+        "crosses example boundaries within a block.",
         default="bfd",
     )
-    padding_free: bool = _help("Padding-free batches (not supported yet: must stay False).", default=False)
+    padding_free: bool = _help(
+        "Concatenate each micro-batch into one row with per-example position ids instead of padding "
+        "it; examples still attend only to themselves. Saves the padding compute; best with flash "
+        "attention (sdpa / eager build a row-length² mask).",
+        default=False,
+    )
     pad_to_multiple_of: int | None = _help("Pad every batch's length up to a multiple of this.", default=None)
     eval_packing: bool | None = _help("Pack the eval set (None: same as packing).", default=None)
     completion_only_loss: bool | None = _help(
@@ -116,15 +127,8 @@ class SFTConfig(TrainingConfig):
             raise ConfigError(f"loss_type={self.loss_type!r} must be one of {', '.join(LOSS_TYPES)}.")
         if self.packing_strategy not in PACKING_STRATEGIES:
             raise ConfigError(f"packing_strategy={self.packing_strategy!r} must be one of {', '.join(PACKING_STRATEGIES)}.")
-        if (self.packing or self.eval_packing) and self.packing_strategy != "wrapped":
-            raise ConfigError(
-                f"packing with packing_strategy={self.packing_strategy!r} is not supported yet; pass "
-                "--packing_strategy wrapped, or leave packing off (batches are right-padded and padding is never trained)."
-            )
         if (self.packing or self.eval_packing) and not self.max_length:
             raise ConfigError("packing needs max_length (the length of each packed row).")
-        if self.padding_free:
-            raise ConfigError("padding_free is not supported yet; leave it False (padding is never trained on).")
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
             raise ConfigError(f"pad_to_multiple_of={self.pad_to_multiple_of} must be >= 1 or None.")
         if self.loss_chunk_tokens < 1:
