@@ -457,7 +457,22 @@ def end_training(trainer: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 # the trainer
 # ---------------------------------------------------------------------------------------------
-class OnlineDPOTrainer:
+class PairTrainerAPI:
+    """The public accessors Online DPO and XPO share (set up by `init_trainer`)."""
+
+    train_dataset = property(lambda self: self.run.train_dataset)
+    eval_dataset = property(lambda self: self.run.eval_dataset)
+    state = property(lambda self: self.run.state)
+
+    def add_callback(self, callback: Any) -> None:
+        self.callbacks.append(callback)
+
+    def sample_completions(self, num_prompts: int) -> list[dict]:
+        return sample_completions(self.run, self.model, num_prompts, self.feedback)
+
+
+
+class OnlineDPOTrainer(PairTrainerAPI):
     """Online DPO with a reward model, reward functions or a pairwise judge (TRL's older API).
 
     `model` / `ref_model` may be modules or paths; `reward_model` a sequence-classification model
@@ -476,16 +491,6 @@ class OnlineDPOTrainer:
                      train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                      reward_processing_class=reward_processing_class, peft_config=peft_config, callbacks=callbacks,
                      optimizers=optimizers, reward_funcs=reward_funcs)
-
-    train_dataset = property(lambda self: self.run.train_dataset)
-    eval_dataset = property(lambda self: self.run.eval_dataset)
-    state = property(lambda self: self.run.state)
-
-    def add_callback(self, callback: Any) -> None:
-        self.callbacks.append(callback)
-
-    def sample_completions(self, num_prompts: int) -> list[dict]:
-        return sample_completions(self.run, self.model, num_prompts, self.feedback)
 
     def train(self) -> None:
         run, config = self.run, self.args

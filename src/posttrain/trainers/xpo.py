@@ -38,6 +38,7 @@ import torch
 
 from posttrain.losses import xpo_loss
 from posttrain.trainers.online_dpo import (
+    PairTrainerAPI,
     begin_training,
     choose,
     end_training,
@@ -50,7 +51,6 @@ from posttrain.trainers.online_dpo import (
     row_texts,
     run_trainer,
     sample,
-    sample_completions,
     schedule_value,
     train_on_pairs,
     truncate_prompts,
@@ -59,7 +59,7 @@ from posttrain.trainers.online_dpo import (
 from posttrain.trainers.xpo_config import XPOConfig
 
 
-class XPOTrainer:
+class XPOTrainer(PairTrainerAPI):
     """XPO with a reward model (or reward callables) or a pairwise judge; TRL's signature.
 
     `model` / `ref_model` may be modules or paths. With `peft_config` and no `ref_model` the
@@ -75,16 +75,6 @@ class XPOTrainer:
                      train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                      reward_processing_class=None, peft_config=peft_config, callbacks=callbacks,
                      optimizers=optimizers, reward_funcs=None)
-
-    train_dataset = property(lambda self: self.run.train_dataset)
-    eval_dataset = property(lambda self: self.run.eval_dataset)
-    state = property(lambda self: self.run.state)
-
-    def add_callback(self, callback: Any) -> None:
-        self.callbacks.append(callback)
-
-    def sample_completions(self, num_prompts: int) -> list[dict]:
-        return sample_completions(self.run, self.model, num_prompts, self.feedback)
 
     def train(self) -> None:
         run, config = self.run, self.args
