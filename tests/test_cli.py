@@ -180,3 +180,14 @@ def test_user_errors_are_one_line_with_exit_code_2(monkeypatch, capsys):
     assert cli.main(["failing"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("posttrain failing: prompts.jsonl") and "Traceback" not in err
+
+
+def oom_runner(config):
+    raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+
+def test_out_of_memory_suggests_smaller_batches(monkeypatch, capsys):
+    monkeypatch.setitem(COMMANDS, "oom", Command("posttrain.configs:OnPolicyConfig", "test_cli:oom_runner", "x"))
+    assert cli.main(["oom"]) == 1
+    err = capsys.readouterr().err
+    assert "out of memory" in err and "--per_device_train_batch_size" in err and "--gradient_accumulation_steps" in err

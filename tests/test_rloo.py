@@ -339,3 +339,42 @@ def run_dp_equivalence(tmp_path: Path, algo: str) -> None:
 @pytest.mark.multiproc
 def test_two_processes_equal_one_process(tmp_path):
     run_dp_equivalence(tmp_path, "rloo")
+
+
+def nan_loss_policy(tiny_tokenizer):
+    """A policy whose training loss is NaN: one NaN in the LM head makes every logit row NaN."""
+    policy = build_tiny_causal_lm(tiny_tokenizer)
+    with torch.no_grad():
+        policy.get_output_embeddings().weight[0, 0] = float("nan")
+    return policy
+
+
+@pytest.mark.parametrize("algo", ["rloo", "grpo"])
+def test_nonfinite_losses_skip_steps_then_stop_cleanly(tmp_path, tiny_tokenizer, algo):
+    from posttrain.health import TrainingDiverged
+    from posttrain.trainers.grpo import GRPOTrainer
+    from posttrain.trainers.grpo_config import GRPOConfig
+
+    def build(updates: int):
+        common = dict(output_dir=str(tmp_path / f"{algo}-{updates}"), per_device_train_batch_size=4,
+                      total_episodes=4 * updates, response_length=4, report_to="none", num_sample_generations=0,
+                      save_steps=0, logging_steps=1)
+        policy = nan_loss_policy(tiny_tokenizer)
+        if algo == "rloo":
+            return RLOOTrainer(RLOOConfig(**common, rloo_k=2, kl_coef=0.0, num_ppo_epochs=1), tiny_tokenizer, policy, None,
+                               letter_fraction, prompt_dataset()), policy
+        return GRPOTrainer(policy, letter_fraction, GRPOConfig(**common, num_generations=2, beta=0.0), prompt_dataset(),
+                           processing_class=tiny_tokenizer), policy
+
+    trainer, policy = build(updates=3)
+    before = flat(policy)
+    trainer.train()  # three NaN losses in a row: each step skipped, training goes on
+    after = flat(policy)
+    finite = torch.isfinite(before)
+    assert torch.equal(before[finite], after[finite])  # no optimizer step was taken
+    assert trainer.setup.run.health.nonfinite_total == 3
+    assert trainer.setup.run.state.optimizer_steps == 0
+
+    trainer, _ = build(updates=6)
+    with pytest.raises(TrainingDiverged, match="5 non-finite losses in a row"):
+        trainer.train()

@@ -150,10 +150,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(runner(config) or 0)
     except Exception as err:
-        if not _is_user_error(err):
-            raise
-        print(f"posttrain {name}: {err}", file=sys.stderr)
-        return 2
+        if _is_user_error(err):
+            print(f"posttrain {name}: {err}", file=sys.stderr)
+            return 2
+        from posttrain.health import OOM_HINT, is_oom
+
+        if is_oom(err):
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            print(f"posttrain {name}: {first}\n{OOM_HINT}", file=sys.stderr)
+            return 1
+        raise
 
 
 # Errors that describe a mistake in the user's flags, data, model paths or checkpoints: printed as

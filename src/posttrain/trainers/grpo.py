@@ -47,6 +47,7 @@ from torch import nn
 
 from posttrain import advantages as adv
 from posttrain import checkpoint as ckpt
+from posttrain.health import oom_advice
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError
 from posttrain.losses import ppo_policy_loss
@@ -114,7 +115,7 @@ class GRPOTrainer:
         """Run to total_episodes (resuming if asked); save the policy; return the last logged metrics."""
         s, config = self.setup, self.config
         run, metrics, G = s.run, s.run.metrics, config.num_generations
-        with ckpt.OutputDirGuard(config.output_dir, is_main=run.is_main):
+        with ckpt.OutputDirGuard(config.output_dir, is_main=run.is_main), oom_advice():
             s.resume()
             for update in run.updates():
                 # 1. rollout G completions per prompt (G blocks of P prompts) and score them

@@ -549,6 +549,7 @@ def _tokenizer_for(model: Any, config: OnlineDPOConfig) -> Any:
 def run_trainer(trainer_cls: type, config: OnlineDPOConfig) -> int:
     """`posttrain online-dpo` / `posttrain xpo`: load tokenizer and data, train, save."""
     from posttrain.checkpoint import OutputDirGuard
+    from posttrain.health import oom_advice
     from posttrain.trainers.supervised import check_output_dir
 
     check_output_dir(config)
@@ -559,7 +560,7 @@ def run_trainer(trainer_cls: type, config: OnlineDPOConfig) -> int:
     eval_dataset = load_split(config, config.dataset_test_split, required=False)
     trainer = trainer_cls(model=config.model_name_or_path, args=config, processing_class=tokenizer,
                           train_dataset=train_dataset, eval_dataset=eval_dataset)
-    with OutputDirGuard(config.output_dir, is_main=trainer.run.is_main):
+    with OutputDirGuard(config.output_dir, is_main=trainer.run.is_main), oom_advice():
         trainer.train()
     return 0
 

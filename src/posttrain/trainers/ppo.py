@@ -580,10 +580,11 @@ class PPOTrainer:
         if self.step_api:
             raise ConfigError("this trainer was built with config= for generate()/step(); build it with args= to train().")
         from posttrain import checkpoint as ckpt
+        from posttrain.health import oom_advice
 
         cfg, run = self.args, self.run
         logged: dict[str, float] = {}
-        with ckpt.OutputDirGuard(cfg.output_dir, is_main=run.is_main):
+        with ckpt.OutputDirGuard(cfg.output_dir, is_main=run.is_main), oom_advice():
             extra = run.maybe_resume(self._checkpoint_models(), self.optimizer, self.lr_scheduler)
             if extra:
                 self.kl_ctl.load_state_dict(extra["kl_ctl"])

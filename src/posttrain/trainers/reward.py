@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from posttrain import checkpoint as ckpt
+from posttrain.health import oom_advice
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError
 from posttrain.losses import bradley_terry_loss
@@ -182,7 +183,7 @@ class RewardTrainer:
     def train(self) -> dict[str, float]:
         """Train to max_steps / num_train_epochs, evaluate, save the final model; returns the last logged metrics."""
         run = self.run
-        with ckpt.OutputDirGuard(self.args.output_dir, is_main=run.is_main):
+        with ckpt.OutputDirGuard(self.args.output_dir, is_main=run.is_main), oom_advice():
             run.model.train()
             for batches in run.steps(self.collator):
                 (n_pairs,) = run.global_counts(sum(b["lengths"].numel() // 2 for b in batches))

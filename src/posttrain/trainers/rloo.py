@@ -71,6 +71,7 @@ from torch import nn
 
 from posttrain import advantages as adv
 from posttrain import checkpoint as ckpt
+from posttrain.health import oom_advice
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError, OnPolicyConfig
 from posttrain.losses import ppo_policy_loss
@@ -135,7 +136,7 @@ class RLOOTrainer:
         """Run to total_episodes (resuming if asked); save the policy; return the last logged metrics."""
         s, config = self.setup, self.config
         run, metrics, k = s.run, s.run.metrics, config.rloo_k
-        with ckpt.OutputDirGuard(config.output_dir, is_main=run.is_main):
+        with ckpt.OutputDirGuard(config.output_dir, is_main=run.is_main), oom_advice():
             s.resume()
             for update in run.updates():
                 # 1-2. rollout k completions per prompt (seed layout: k blocks of P prompts) and score them
@@ -317,6 +318,7 @@ def policy_update(run: OnlineRun, policy: nn.Module, optimizer: torch.optim.Opti
             rows = order[start : start + config.local_mini_batch_size]
             normalizer = global_normalizer(count(rows), acc)
             micro = list(micro_batches(rows, config.per_device_train_batch_size))
+            total = torch.zeros((), device=run.device)
             for i, micro_rows in enumerate(micro):
                 mb = rollout.select(micro_rows)
                 with no_sync_unless_last(acc, policy, i == len(micro) - 1):
@@ -325,9 +327,15 @@ def policy_update(run: OnlineRun, policy: nn.Module, optimizer: torch.optim.Opti
                     old = logprobs.detach() if old_logprobs is None else old_logprobs[micro_rows]
                     loss = loss_fn(micro_rows, mb, logprobs, old, normalizer)
                     acc.backward(loss)
+                total = total + loss.detach().float()
                 run.metrics.add_mean("policy/entropy_avg", entropy, mb.completion_mask)
-            clip_and_step(policy, optimizer, config, acc)
-            run.state.optimizer_steps += 1
+            # A NaN/inf loss skips this optimizer step (its gradients are dropped) and is counted by
+            # the health monitor; the loss is summed over ranks first so every rank decides the same.
+            if run.loss_is_finite(dist.reduce_sum(total, acc)):
+                clip_and_step(policy, optimizer, config, acc)
+                run.state.optimizer_steps += 1
+            else:
+                optimizer.zero_grad(set_to_none=True)
 
 
 @torch.no_grad()

@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from posttrain import checkpoint as ckpt
+from posttrain.health import oom_advice
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError
 from posttrain.losses import chunked_nll
@@ -256,7 +257,7 @@ class SFTTrainer:
     def train(self) -> dict[str, float]:
         """Train to max_steps / num_train_epochs, evaluate, save the final model; returns the last logged metrics."""
         run = self.run
-        with ckpt.OutputDirGuard(self.args.output_dir, is_main=run.is_main):
+        with ckpt.OutputDirGuard(self.args.output_dir, is_main=run.is_main), oom_advice():
             run.model.train()
             for batches in run.steps(self.collator):
                 (n_trained,) = run.global_counts(sum(num_trained_tokens(b) for b in batches))
