@@ -191,3 +191,10 @@ def test_out_of_memory_suggests_smaller_batches(monkeypatch, capsys):
     assert cli.main(["oom"]) == 1
     err = capsys.readouterr().err
     assert "out of memory" in err and "--per_device_train_batch_size" in err and "--gradient_accumulation_steps" in err
+
+
+def test_example_yaml_config_parses(fake_command):
+    example = Path(__file__).resolve().parents[1] / "examples" / "rloo_tldr.yaml"
+    config = cli.parse_config("rloo", ["--config", str(example), "--total_episodes", "64"])
+    assert (config.num_ppo_epochs, config.num_mini_batches, config.kl_coef, config.stop_token) == (2, 2, 0.03, "eos")
+    assert config.total_episodes == 64
