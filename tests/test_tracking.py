@@ -177,3 +177,20 @@ def test_progress_bar_counts_episodes():
     bar.set_postfix({"objective/kl": torch.tensor(0.01), "episode": 64})
     assert bar.n == 64
     bar.close()
+
+
+def test_console_line_keeps_the_headline_metrics_when_many_are_logged(tmp_path, capsys):
+    import json
+
+    from posttrain.tracking import CONSOLE_MAX, Tracker
+
+    many = {f"extra/m{i}": float(i) for i in range(CONSOLE_MAX)}
+    many.update({"objective/kl": 0.5, "val/ratio": 1.0})
+    tracker = Tracker(tmp_path, "none")
+    tracker.log(many, step=3)
+    tracker.close()
+    out = capsys.readouterr().out
+    assert "objective/kl 0.5" in out and "val/ratio 1" in out and "extra/m3" not in out
+    assert f"(+{CONSOLE_MAX} more in metrics.jsonl)" in " ".join(out.split())
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert record["extra/m3"] == 3.0 and len(record) == CONSOLE_MAX + 3  # everything is still written

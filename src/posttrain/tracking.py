@@ -247,6 +247,24 @@ def _format_number(value: Any) -> str:
     return f"{value:.4g}"
 
 
+# The console line shows these (when logged) so a step stays readable; every metric still goes to
+# metrics.jsonl, TensorBoard and W&B. Runs that log few metrics (<= CONSOLE_MAX) show them all.
+CONSOLE_KEYS = (
+    "loss", "eval_loss", "accuracy", "eval_accuracy", "mean_token_accuracy",
+    "objective/scores", "objective/rlhf_reward", "objective/kl", "objective/entropy", "objective/scores_margin",
+    "loss/policy_avg", "loss/value_avg", "loss/dpo", "loss/xpo", "rewards/accuracies", "val/ratio",
+    "policy/approxkl_avg", "policy/clipfrac_avg", "gold/score", "lr", "eps", "episode",
+)
+CONSOLE_MAX = 16
+
+
+def console_keys(values: Mapping[str, Any]) -> list[str]:
+    """The metric names printed on the console line, in logged order."""
+    if len(values) <= CONSOLE_MAX:
+        return list(values)
+    return [k for k in values if k in CONSOLE_KEYS]
+
+
 class Tracker:
     """Writes logged metrics to the console, `metrics.jsonl`, TensorBoard and W&B.
 
@@ -318,8 +336,11 @@ class Tracker:
         from rich.text import Text
 
         # Text, not markup: metric names and values may contain "[...]".
+        shown = console_keys(values)
         line = Text(f"step {step}", style="bold")
-        line.append("".join(f" | {k} {_format_number(v)}" for k, v in values.items()))
+        line.append("".join(f" | {k} {_format_number(values[k])}" for k in shown))
+        if len(shown) < len(values):
+            line.append(f" | (+{len(values) - len(shown)} more in metrics.jsonl)", style="dim")
         self._console.print(line, soft_wrap=True)
 
         writer = self._tb()
