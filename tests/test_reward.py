@@ -129,7 +129,7 @@ def test_learns_a_rule_to_90_percent_held_out_and_reloads(tmp_path, tiny_tokeniz
     assert final["eval_margin"] > 0 and final["eval_chosen_scores"] > final["eval_rejected_scores"]
     assert final["eval_min_reward"] <= final["eval_mean_reward"] <= final["eval_max_reward"]
     printed = capsys.readouterr().out
-    assert "chosen_last_scores (higher is better)" in printed and "rejected_last_scores (lower is better)" in printed
+    assert "chosen_last_scores (higher is better)" in printed and "reject_last_scores (lower is better)" in printed
     assert "acc (higher is better) : " in printed and "eval_pairs" in printed
     assert len((tmp_path / "run" / "samples.jsonl").read_text().splitlines()) == 3
 

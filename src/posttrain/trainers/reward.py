@@ -15,7 +15,7 @@ the EOS that ends every sequence, and transformers' own pooling (the rightmost n
 would then read the token before EOS (DESIGN.md principle 4; TRL #937 is the related bug of an
 unset pad id). Chosen and rejected go through ONE forward pass, as TRL's
 DataCollatorForPreference lays them out. Evaluation prints what DeepSpeed-Chat's step-2 eval
-prints (chosen_last_scores, rejected_last_scores, acc) plus the margin, and a table of pairs.
+prints (chosen_last_scores, reject_last_scores, acc) plus the margin, and a table of pairs.
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ class RewardTrainer:
         if run.is_main:
             print(
                 f"chosen_last_scores (higher is better) : {values['eval_chosen_scores']}, "
-                f"rejected_last_scores (lower is better) : {values['eval_rejected_scores']}, "
+                f"reject_last_scores (lower is better) : {values['eval_rejected_scores']}, "
                 f"acc (higher is better) : {values['eval_accuracy']}, "
                 f"margin (higher is better) : {values['eval_margin']}"
             )
