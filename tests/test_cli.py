@@ -198,3 +198,17 @@ def test_example_yaml_config_parses(fake_command):
     config = cli.parse_config("rloo", ["--config", str(example), "--total_episodes", "64"])
     assert (config.num_ppo_epochs, config.num_mini_batches, config.kl_coef, config.stop_token) == (2, 2, 0.03, "eos")
     assert config.total_episodes == 64
+
+
+def test_a_saved_run_config_can_be_passed_back_with_config(fake_command, tmp_path: Path):
+    import json
+
+    from posttrain.configs import OnPolicyConfig
+
+    saved = OnPolicyConfig(learning_rate=2e-5, total_episodes=64, per_device_train_batch_size=8).derive_sizes(1).to_dict()
+    path = tmp_path / "posttrain_config.json"
+    path.write_text(json.dumps(saved))
+    cli.main([fake_command, "--config", str(path), "--learning_rate", "1e-4"])
+    (config,) = CALLS
+    assert config.learning_rate == 1e-4 and config.total_episodes == 64 and config.per_device_train_batch_size == 8
+    assert config.batch_size is None  # derived sizes are recomputed by the trainer, not read back

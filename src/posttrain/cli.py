@@ -10,6 +10,7 @@ imported only when their command runs, so `posttrain --help` is quick.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import importlib
 import importlib.util
@@ -108,6 +109,10 @@ def parse_config(name: str, argv: list[str]) -> Any:
         if not isinstance(values, dict):
             raise SystemExit(f"posttrain {name}: --config {known.config} must hold a mapping of field: value.")
         dests = {action.dest for action in parser._actions}
+        # A saved posttrain_config.json (JSON is YAML) also holds the derived sizes; they are
+        # recomputed from the other fields, so they are skipped rather than rejected.
+        derived = {f.name for f in dataclasses.fields(config_cls) if f.metadata.get("derived")}
+        values = {k: v for k, v in values.items() if k not in derived}
         for key in values:
             if key not in dests:
                 raise SystemExit(
