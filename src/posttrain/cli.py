@@ -173,6 +173,7 @@ _USER_ERRORS = (
     ("posttrain.configs", "ConfigError"),
     ("posttrain.data", "DataError"),
     ("posttrain.models", "ModelNotFoundError"),
+    ("posttrain.models", "MissingDependencyError"),
     ("posttrain.checkpoint", "CheckpointError"),
 )
 

@@ -81,6 +81,22 @@ class TrainingConfig:
     )
     overwrite_output_dir: bool = _help("Allow writing into a non-empty output_dir that holds a finished run.", default=False)
     dataset_num_proc: int | None = _help("Processes for dataset preprocessing.", default=None)
+    # LoRA flags of TRL's ModelConfig (same names and defaults), turned into a peft.LoraConfig by
+    # posttrain.models.peft_config_from.
+    use_peft: bool = _help("Train LoRA adapters instead of the full model (needs `pip install posttrain[peft]`).", default=False)
+    lora_r: int = _help("LoRA rank.", default=16)
+    lora_alpha: int = _help("LoRA alpha (the update is scaled by lora_alpha / lora_r).", default=32)
+    lora_dropout: float = _help("Dropout on the LoRA input.", default=0.05)
+    lora_target_modules: list[str] | None = _help(
+        'Module names to adapt, e.g. q_proj v_proj, or "all-linear" (None: peft\'s default for the architecture).',
+        default=None,
+    )
+    lora_modules_to_save: list[str] | None = _help(
+        "Modules trained fully and saved with the adapter (e.g. a new head).", default=None
+    )
+    lora_task_type: str = _help(
+        'PEFT task type: "CAUSAL_LM" (the reward command uses "SEQ_CLS" for its score head).', default="CAUSAL_LM"
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.report_to, str):
@@ -104,6 +120,10 @@ class TrainingConfig:
         bad = [r for r in self.report_to if r not in valid_sinks]
         if bad:
             raise ConfigError(f"report_to has unknown sink(s) {bad}; valid: {sorted(valid_sinks)}.")
+        if self.use_peft and self.lora_r < 1:
+            raise ConfigError(f"lora_r={self.lora_r} must be >= 1.")
+        if self.use_peft and not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"lora_dropout={self.lora_dropout} must be within [0, 1).")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"save_total_limit={self.save_total_limit} must be >= 1 or None.")
 

@@ -358,6 +358,68 @@ def load_value_model(
 
 
 # --------------------------------------------------------------------------------------------
+# LoRA (PEFT)
+# --------------------------------------------------------------------------------------------
+
+PEFT_INSTALL_HINT = "LoRA training (--use_peft) needs the peft package: pip install posttrain[peft]"
+
+
+class MissingDependencyError(ImportError):
+    """An optional package a requested feature needs is not installed; the message says what to install."""
+
+
+def _import_peft() -> Any:
+    # peft is an optional extra; importing it lazily keeps `posttrain --help` and full fine-tuning
+    # free of it, and turns a bare ModuleNotFoundError into the install command.
+    try:
+        import peft
+    except ImportError as err:
+        raise MissingDependencyError(PEFT_INSTALL_HINT) from err
+    return peft
+
+
+def peft_config_from(config: Any, *, task_type: str | None = None) -> Any:
+    """A `peft.LoraConfig` from the TRL ModelConfig flags of `config` (use_peft, lora_*), or None
+    when `use_peft` is off. `task_type` overrides `config.lora_task_type` (the reward trainer needs
+    "SEQ_CLS")."""
+    if not getattr(config, "use_peft", False):
+        return None
+    peft = _import_peft()
+    targets = config.lora_target_modules
+    if targets is not None and len(targets) == 1 and targets[0] == "all-linear":
+        targets = "all-linear"  # peft recognises the shorthand only as a string, not inside a list
+    return peft.LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=targets,
+        modules_to_save=config.lora_modules_to_save,
+        task_type=task_type or config.lora_task_type,
+        bias="none",
+    )
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def apply_peft(model: nn.Module, peft_config: Any) -> nn.Module:
+    """`peft.get_peft_model(model, peft_config)`: only the adapter (and modules_to_save) train.
+
+    With a PEFT model the reference policy needs no copy: it is the same model with the adapter
+    disabled (`trainers.common.reference_policy`). A model that already carries an adapter is
+    refused, since a second one would silently stack on the first.
+    """
+    if peft_config is None:
+        return model
+    if is_peft_model(model):
+        from posttrain.configs import ConfigError
+
+        raise ConfigError("model is already a PEFT model and peft_config is also given; pass one of them.")
+    return _import_peft().get_peft_model(model, peft_config)
+
+
+# --------------------------------------------------------------------------------------------
 # Causal LM with a value head
 # --------------------------------------------------------------------------------------------
 

@@ -23,8 +23,31 @@ from posttrain import checkpoint as ckpt
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError, OnPolicyConfig
 from posttrain.health import HealthMonitor
-from posttrain.rollout import Rollout, SamplingConfig
+from posttrain.rollout import Rollout, SamplingConfig, generation_mode
 from posttrain.tracking import MetricAccumulator, ProgressBar, Tracker
+
+
+# ---------------------------------------------------------------------------------------------
+# the reference policy
+# ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def reference_policy(model: nn.Module, ref_model: nn.Module | None, accelerator: Any) -> Iterator[nn.Module]:
+    """The reference model in eval mode, or the PEFT policy with its adapter TRULY disabled.
+
+    Shared by Online DPO, XPO, RLOO and GRPO: with LoRA (`peft_config` / --use_peft) and no
+    reference model, the reference is the frozen base, i.e. the policy with its adapter off, so no
+    second copy of the weights is held. TRL's XPO generated "reference" completions with
+    `get_base_model()`, which in PEFT still runs the LoRA layers (peft#430, trl-notes §6), so they
+    came from the policy; `disable_adapter()` really switches the adapter off for logprobs and
+    generation alike.
+    """
+    if ref_model is not None:
+        with generation_mode(ref_model):
+            yield ref_model
+        return
+    policy = dist.unwrap(model, accelerator)
+    with policy.disable_adapter(), generation_mode(policy):
+        yield policy
 
 
 # ---------------------------------------------------------------------------------------------

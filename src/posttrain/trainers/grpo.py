@@ -65,15 +65,16 @@ class GRPOTrainer:
     (nn.Module or path), a text reward function `f(prompts, completions, **columns) -> list[float]`,
     or a list of them, weighted by args.reward_weights. A reward model path brings the tokenizer saved
     with it (completions are re-tokenized when it differs) unless reward_processing_classes is given.
-    ref_model: the frozen reference (beta > 0); None copies the initial policy. `accelerator=` shares
-    an existing Accelerator.
+    ref_model: the frozen reference (beta > 0); None copies the initial policy, or with `peft_config`
+    (a peft.LoraConfig: only the adapter trains) uses the policy with its adapter disabled.
+    `accelerator=` shares an existing Accelerator.
     """
 
     def __init__(self, model: nn.Module | str, reward_funcs: Any = None, args: GRPOConfig | None = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
                  reward_processing_classes: Any = None, callbacks: Sequence[Any] | None = None,
                  optimizers: tuple[Any, Any] = (None, None), *, ref_model: nn.Module | None = None,
-                 data_collator: Callable | None = None, accelerator: Any = None) -> None:
+                 data_collator: Callable | None = None, accelerator: Any = None, peft_config: Any = None) -> None:
         from posttrain.models import load_policy, load_reward_model, load_tokenizer
 
         if not isinstance(args, GRPOConfig):
@@ -103,7 +104,7 @@ class GRPOTrainer:
             args, processing_class, model, ref_model, rewards, train_dataset, eval_dataset,
             data_collator=data_collator, optimizers=optimizers, callbacks=callbacks,
             reward_processing_class=reward_processing_classes, accelerator=accelerator,
-            needs_reference=args.beta > 0, reward_weights=args.reward_weights,
+            needs_reference=args.beta > 0, reward_weights=args.reward_weights, peft_config=peft_config,
         )
         self.log_history: list[dict[str, float]] = self.setup.log_history
 
@@ -119,7 +120,8 @@ class GRPOTrainer:
             s.resume()
             for update in run.updates():
                 # 1. rollout G completions per prompt (G blocks of P prompts) and score them
-                exp = sample_and_score(run, s.policy, s.ref_policy, s.reward, run.next_batch(), G)
+                exp = sample_and_score(run, s.policy, s.ref_policy, s.reward, run.next_batch(), G,
+                                       adapter_reference=s.adapter_reference)
                 # 2. group-relative advantages on the explicit (num_prompts, G) grid
                 grid = exp.scores.view(G, exp.num_prompts).T  # (P, G)
                 advantages = adv.group_advantages(grid, scale_std=config.scale_rewards).T.reshape(-1)  # (B,) block layout
@@ -166,4 +168,5 @@ def run(config: GRPOConfig) -> int:
     return run_from_config("grpo", config, lambda parts: GRPOTrainer(
         parts.policy, parts.rewards, config, parts.train_dataset, parts.eval_dataset, parts.tokenizer,
         reward_processing_classes=parts.reward_tokenizer, ref_model=parts.reference, accelerator=parts.accelerator,
+        peft_config=parts.peft_config,
     ), needs_reference=config.beta > 0)

@@ -42,10 +42,9 @@ micro-batches, logging steps and ranks (MetricAccumulator).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +66,7 @@ from posttrain.trainers.common import (
     import_callable,
     load_split,
     no_sync_unless_last,
+    reference_policy,
 )
 from posttrain.trainers.online_dpo_config import OnlineDPOConfig
 
@@ -94,38 +94,14 @@ def prepare_models(model: Any, ref_model: Any, tokenizer: Any, config: OnlineDPO
     if model is None:
         raise ConfigError("model is required: pass a causal LM or its path (--model_name_or_path).")
     model = load(model)
-    is_peft = hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
-    if peft_config is not None:
-        if is_peft:
-            raise ConfigError("model is already a PEFT model and peft_config is also given; pass one of them.")
-        from peft import get_peft_model
-
-        model = get_peft_model(model, peft_config)
-        is_peft = True
-    if ref_model is None and not is_peft:
+    model = models.apply_peft(model, peft_config)
+    if ref_model is None and not models.is_peft_model(model):
         ref_model = copy.deepcopy(model)
     if ref_model is not None:
         ref_model = load(ref_model).eval().requires_grad_(False)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, ref_model
-
-
-@contextlib.contextmanager
-def reference_policy(model: nn.Module, ref_model: nn.Module | None, accelerator: Any) -> Iterator[nn.Module]:
-    """The reference model in eval mode, or the PEFT policy with its adapter TRULY disabled.
-
-    TRL's XPO generated "reference" completions with `get_base_model()`, which in PEFT still runs
-    the LoRA layers (peft#430, trl-notes §6), so they came from the policy; `disable_adapter()`
-    really switches the adapter off for logprobs and generation alike.
-    """
-    if ref_model is not None:
-        with generation_mode(ref_model):
-            yield ref_model
-        return
-    policy = dist.unwrap(model, accelerator)
-    with policy.disable_adapter(), generation_mode(policy):
-        yield policy
 
 
 # ---------------------------------------------------------------------------------------------
@@ -550,6 +526,7 @@ def run_trainer(trainer_cls: type, config: OnlineDPOConfig) -> int:
     """`posttrain online-dpo` / `posttrain xpo`: load tokenizer and data, train, save."""
     from posttrain.checkpoint import OutputDirGuard
     from posttrain.health import oom_advice
+    from posttrain.models import peft_config_from
     from posttrain.trainers.supervised import check_output_dir
 
     check_output_dir(config)
@@ -558,8 +535,10 @@ def run_trainer(trainer_cls: type, config: OnlineDPOConfig) -> int:
     tokenizer = _tokenizer_for(config.model_name_or_path, config)
     train_dataset = load_split(config, config.dataset_train_split)
     eval_dataset = load_split(config, config.dataset_test_split, required=False)
+    # With --use_peft and no reference model, the reference is the base with the adapter disabled.
     trainer = trainer_cls(model=config.model_name_or_path, args=config, processing_class=tokenizer,
-                          train_dataset=train_dataset, eval_dataset=eval_dataset)
+                          train_dataset=train_dataset, eval_dataset=eval_dataset,
+                          peft_config=peft_config_from(config))
     with OutputDirGuard(config.output_dir, is_main=trainer.run.is_main), oom_advice():
         trainer.train()
     return 0

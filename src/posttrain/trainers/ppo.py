@@ -86,7 +86,7 @@ from posttrain.advantages import (
 from posttrain.configs import ConfigError
 from posttrain.health import HealthMonitor
 from posttrain.losses import entropy_bonus, ppo_policy_loss, ppo_value_loss
-from posttrain.models import CausalLMWithValueHead, disable_dropout
+from posttrain.models import CausalLMWithValueHead, apply_peft, disable_dropout
 from posttrain.ops import logprobs_and_entropy, selective_log_softmax
 from posttrain.rollout import Rollout, SamplingConfig, accepts_logits_to_keep, decode_completions, generate, generation_mode
 from posttrain.scoring import (
@@ -314,9 +314,7 @@ class PPOTrainer:
         if ref_model is None and peft_config is None:
             ref_model = copy.deepcopy(lm)
         if peft_config is not None:
-            from peft import get_peft_model
-
-            lm = get_peft_model(lm, peft_config)
+            lm = apply_peft(lm, peft_config)
             if isinstance(model, CausalLMWithValueHead):
                 model.pretrained_model = lm
             else:
@@ -791,7 +789,7 @@ def run(config: PPOConfig) -> int:
     """`posttrain ppo`: load tokenizer, policy, reference, reward and data from the config, train, save."""
     from posttrain import checkpoint as ckpt
     from posttrain.data import DataError
-    from posttrain.models import load_policy, load_reward_model, load_tokenizer
+    from posttrain.models import load_policy, load_reward_model, load_tokenizer, peft_config_from
     from posttrain.trainers.common import import_callable, load_split
     from posttrain.trainers.supervised import check_output_dir
 
@@ -816,7 +814,10 @@ def run(config: PPOConfig) -> int:
             reward_tokenizer = load_tokenizer(config.reward_model_path, trust_remote_code=config.trust_remote_code)
             rewards.insert(0, load_reward_model(config.reward_model_path, dtype=config.torch_dtype,
                                                 trust_remote_code=config.trust_remote_code, tokenizer=reward_tokenizer))
-        trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy(), ref_model=policy(),
+        peft_config = peft_config_from(config)
+        # With LoRA the reference is the base model with the adapter disabled: no second copy is loaded.
+        trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy(),
+                             ref_model=None if peft_config is not None else policy(), peft_config=peft_config,
                              reward_model=rewards if len(rewards) > 1 else rewards[0], train_dataset=train_dataset,
                              eval_dataset=eval_dataset, reward_processing_class=reward_tokenizer)
         trainer.train()

@@ -20,6 +20,7 @@ prints (chosen_last_scores, reject_last_scores, acc) plus the margin, and a tabl
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
@@ -31,6 +32,7 @@ from posttrain.health import oom_advice
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError
 from posttrain.losses import bradley_terry_loss
+from posttrain.models import apply_peft
 from posttrain.ops import lengths_to_mask
 from posttrain.tracking import MetricAccumulator
 from posttrain.trainers.reward_config import RewardConfig
@@ -88,7 +90,8 @@ class RewardTrainer:
     """TRL-compatible reward-model trainer (no transformers.Trainer underneath).
 
     model: an `AutoModelForSequenceClassification` with num_labels=1, or its path / hub name (a
-    causal LM path gets a fresh score head). Datasets: preference pairs, `chosen` / `rejected`
+    causal LM path gets a fresh score head). peft_config: a peft.LoraConfig to train LoRA adapters
+    plus the score head only (task type SEQ_CLS is enforced). Datasets: preference pairs, `chosen` / `rejected`
     with an implicit prompt (recommended) or an explicit `prompt` column, plain text or
     conversations, optional `margin`; or pre-tokenized `chosen_input_ids` / `rejected_input_ids`.
     """
@@ -102,6 +105,7 @@ class RewardTrainer:
         processing_class: Any = None,
         *,
         accelerator: Any = None,
+        peft_config: Any = None,
     ) -> None:
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
@@ -119,6 +123,12 @@ class RewardTrainer:
         # TRL #937: without pad_token_id transformers' head cannot batch and, when it can, scores
         # the wrong token; saved with the model so plain transformers reads it back.
         model.config.pad_token_id = self.processing_class.pad_token_id
+        if peft_config is not None and peft_config.task_type != "SEQ_CLS":
+            # Only peft's SEQ_CLS model trains and saves the (new) score head alongside the adapter
+            # (it adds `score` / `classifier` to modules_to_save); any other task type would leave
+            # the head frozen at its random initialisation.
+            peft_config = dataclasses.replace(peft_config, task_type="SEQ_CLS")
+        model = apply_peft(model, peft_config)
         if args.chat_template_path is not None:
             from posttrain.trainers.sft import _apply_chat_template_path
 
@@ -275,6 +285,7 @@ class RewardTrainer:
 def run(config: RewardConfig) -> int:
     """`posttrain reward`: load tokenizer, model and data from the config, train, save. Exit code."""
     from posttrain.data import DataError
+    from posttrain.models import peft_config_from
     from posttrain.trainers.common import load_split
 
     try:
@@ -283,7 +294,8 @@ def run(config: RewardConfig) -> int:
             raise ConfigError("model_name_or_path is not set: pass --model_name_or_path (a folder or a hub name).")
         train_dataset = load_split(config, config.dataset_train_split)
         eval_dataset = load_split(config, config.dataset_test_split, required=False)
-        trainer = RewardTrainer(config.model_name_or_path, args=config, train_dataset=train_dataset, eval_dataset=eval_dataset)
+        trainer = RewardTrainer(config.model_name_or_path, args=config, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                                peft_config=peft_config_from(config, task_type="SEQ_CLS"))
         trainer.train()
     except (ConfigError, DataError, ckpt.CheckpointError) as err:
         print(f"posttrain reward: {err}", file=sys.stderr)

@@ -89,6 +89,7 @@ from posttrain.trainers.common import (
     load_split,
     micro_batches,
     no_sync_unless_last,
+    reference_policy,
 )
 from posttrain.trainers.rloo_config import RLOOConfig
 
@@ -101,7 +102,8 @@ class RLOOTrainer:
     reward_model: a sequence-classification reward model (nn.Module), a text reward function
     `f(prompts, completions, **columns) -> list[float]`, TRL's one-argument form `f(texts) -> list[float]`
     (texts = prompt + completion, special tokens skipped; trl#2612), or a list of them (summed). ref_policy:
-    the frozen reference; None with kl_coef > 0 uses a frozen copy of the initial policy.
+    the frozen reference; None with kl_coef > 0 uses a frozen copy of the initial policy, or with
+    `peft_config` (a peft.LoraConfig: only the adapter trains) the policy with its adapter disabled.
     `tokenizer=` is accepted for `processing_class` (TRL ≤ 0.11), `reward_processing_class=` when the
     reward model has its own tokenizer (texts are re-tokenized), `accelerator=` to share one.
     Callbacks: objects with `on_log(config, state, control, logs=...)` and/or
@@ -112,7 +114,8 @@ class RLOOTrainer:
                  ref_policy: nn.Module | None = None, reward_model: Any = None, train_dataset: Any = None,
                  data_collator: Callable | None = None, eval_dataset: Any = None,
                  optimizers: tuple[Any, Any] = (None, None), callbacks: Sequence[Any] | None = None, *,
-                 tokenizer: Any = None, reward_processing_class: Any = None, accelerator: Any = None) -> None:
+                 tokenizer: Any = None, reward_processing_class: Any = None, accelerator: Any = None,
+                 peft_config: Any = None) -> None:
         if not isinstance(config, RLOOConfig):
             raise ConfigError(f"config must be an RLOOConfig, got {type(config).__name__}.")
         self.config = config
@@ -124,7 +127,7 @@ class RLOOTrainer:
             config, processing_class if processing_class is not None else tokenizer, policy, ref_policy,
             reward_model, train_dataset, eval_dataset, data_collator=data_collator, optimizers=optimizers,
             callbacks=callbacks, reward_processing_class=reward_processing_class, accelerator=accelerator,
-            needs_reference=config.kl_coef > 0,
+            needs_reference=config.kl_coef > 0, peft_config=peft_config,
         )
         self.log_history: list[dict[str, float]] = self.setup.log_history
 
@@ -140,7 +143,8 @@ class RLOOTrainer:
             s.resume()
             for update in run.updates():
                 # 1-2. rollout k completions per prompt (seed layout: k blocks of P prompts) and score them
-                exp = sample_and_score(run, s.policy, s.ref_policy, s.reward, run.next_batch(), k)
+                exp = sample_and_score(run, s.policy, s.ref_policy, s.reward, run.next_batch(), k,
+                                       adapter_reference=s.adapter_reference)
                 mask = exp.rollout.completion_mask
                 scores = exp.scores
                 if config.normalize_reward:
@@ -212,6 +216,7 @@ def run(config: RLOOConfig) -> int:
     return run_from_config("rloo", config, lambda parts: RLOOTrainer(
         config, parts.tokenizer, parts.policy, parts.reference, parts.rewards, parts.train_dataset,
         eval_dataset=parts.eval_dataset, reward_processing_class=parts.reward_tokenizer, accelerator=parts.accelerator,
+        peft_config=parts.peft_config,
     ), needs_reference=True)
 
 
@@ -234,8 +239,9 @@ class Experience:
 
 @torch.no_grad()
 def sample_and_score(run: OnlineRun, policy: nn.Module, ref_policy: nn.Module | None, reward: RewardSource,
-                     batch: dict, k: int) -> Experience:
-    """Generate k completions per prompt, score them, and take the reference logprobs.
+                     batch: dict, k: int, *, adapter_reference: bool = False) -> Experience:
+    """Generate k completions per prompt, score them, and take the reference logprobs (from
+    ref_policy, or with `adapter_reference` from the PEFT policy with its adapter disabled).
 
     Prompts are repeated as k blocks (TRL's `queries.repeat(rloo_k, 1)`), so `scores.view(k, P)` is
     the (sample, prompt) grid. Logs objective/scores, objective/entropy, objective/kl,
@@ -252,10 +258,10 @@ def sample_and_score(run: OnlineRun, policy: nn.Module, ref_policy: nn.Module | 
     scores = score(run, reward, rollout, batch, k)
     mask = rollout.completion_mask
     ref_logprobs = kl = None
-    if ref_policy is not None:
-        with run.autocast():
+    if ref_policy is not None or adapter_reference:
+        with reference_policy(policy, ref_policy, run.accelerator) as ref, run.autocast():
             ref_logprobs, _ = batched_completion_logprobs(
-                ref_policy, rollout, batch_size=config.local_rollout_forward_batch_size,
+                ref, rollout, batch_size=config.local_rollout_forward_batch_size,
                 temperature=run.sampling.logprob_temperature,
             )
         kl = adv.kl_penalty(rollout.logprobs, ref_logprobs, "k1", mask)
@@ -364,13 +370,16 @@ class TrainerSetup:
     scheduler: Any
     callbacks: list[Any]
     log_history: list[dict[str, float]]
+    # True when the reference is the PEFT policy with its adapter disabled (ref_policy is then None).
+    adapter_reference: bool = False
 
     @classmethod
     def create(cls, config: OnPolicyConfig, tokenizer: Any, policy: nn.Module | None, ref_policy: nn.Module | None,
                reward: Any, train_dataset: Any, eval_dataset: Any, *, data_collator: Callable | None,
                optimizers: tuple[Any, Any], callbacks: Sequence[Any] | None, reward_processing_class: Any,
-               accelerator: Any, needs_reference: bool, reward_weights: Sequence[float] | None = None) -> TrainerSetup:
-        from posttrain.models import disable_dropout
+               accelerator: Any, needs_reference: bool, reward_weights: Sequence[float] | None = None,
+               peft_config: Any = None) -> TrainerSetup:
+        from posttrain.models import apply_peft, disable_dropout, is_peft_model
 
         if tokenizer is None:
             raise ConfigError("processing_class (the policy's tokenizer) is required.")
@@ -384,7 +393,10 @@ class TrainerSetup:
         run = OnlineRun(config, tokenizer, train_dataset, eval_dataset, accelerator=accelerator)
         if data_collator is not None:
             run.collate = run.prompts.collate = data_collator
-        if needs_reference and ref_policy is None:
+        # Wrapped before dropout is disabled below, so the LoRA dropout is switched off with the rest.
+        policy = apply_peft(policy, peft_config)
+        adapter_reference = needs_reference and ref_policy is None and is_peft_model(policy)
+        if needs_reference and ref_policy is None and not adapter_reference:
             ref_policy = copy.deepcopy(policy)  # the initial policy, frozen
         if config.disable_dropout:
             for model in (policy, ref_policy):
@@ -407,7 +419,7 @@ class TrainerSetup:
             # Stepped once per rollout batch, as TRL's on-policy trainers do.
             scheduler = build_scheduler(optimizer, config, num_training_steps=config.num_total_batches)
         policy, optimizer = run.accelerator.prepare(policy, optimizer)
-        return cls(run, policy, ref_policy, source, optimizer, scheduler, list(callbacks or []), [])
+        return cls(run, policy, ref_policy, source, optimizer, scheduler, list(callbacks or []), [], adapter_reference)
 
     def resume(self) -> None:
         self.run.maybe_resume({"policy": self.policy}, self.optimizer, self.scheduler)
@@ -471,6 +483,7 @@ class LoadedParts:
     train_dataset: Any
     eval_dataset: Any
     accelerator: Any
+    peft_config: Any = None  # a peft.LoraConfig with --use_peft
 
 
 def load_parts(config: OnPolicyConfig, needs_reference: bool) -> LoadedParts:
@@ -478,13 +491,16 @@ def load_parts(config: OnPolicyConfig, needs_reference: bool) -> LoadedParts:
     reward model from reward_model_path and/or reward functions from reward_funcs, prompts from
     dataset_name / dataset_train_split (+ dataset_test_split for sample tables when it exists).
     Cheap checks (paths set, reward functions importable, data readable) run before any model loads."""
-    from posttrain.models import load_policy, load_reward_model, load_tokenizer
+    from posttrain.models import load_policy, load_reward_model, load_tokenizer, peft_config_from
 
     if not config.sft_model_path:
         raise ConfigError("no policy: pass --model_name_or_path (or --sft_model_path), a folder or a hub name.")
     if not config.reward_model_path and not config.reward_funcs:
         raise ConfigError("no reward: pass --reward_model_path (a reward model) and/or --reward_funcs (module:function ...).")
     funcs = [import_callable(path) for path in config.reward_funcs or []]
+    peft_config = peft_config_from(config)
+    # With LoRA the reference is the base model with the adapter disabled: no copy is loaded.
+    needs_reference = needs_reference and peft_config is None
     train_dataset = load_split(config, config.dataset_train_split)
     eval_dataset = load_split(config, config.dataset_test_split, required=False)
     accelerator = dist.build_accelerator(mixed_precision=config.mixed_precision)
@@ -501,7 +517,8 @@ def load_parts(config: OnPolicyConfig, needs_reference: bool) -> LoadedParts:
             reward_tokenizer = None  # no tokenizer saved with the reward model: it shares the policy's
         rewards.append(load_reward_model(config.reward_model_path, tokenizer=reward_tokenizer or tokenizer, **common))
     rewards.extend(funcs)
-    return LoadedParts(tokenizer, policy, reference, rewards, reward_tokenizer, train_dataset, eval_dataset, accelerator)
+    return LoadedParts(tokenizer, policy, reference, rewards, reward_tokenizer, train_dataset, eval_dataset, accelerator,
+                       peft_config)
 
 
 def run_from_config(command: str, config: OnPolicyConfig, build: Callable[[LoadedParts], Any], needs_reference: bool) -> int:

@@ -40,6 +40,7 @@ from posttrain.health import oom_advice
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError
 from posttrain.losses import chunked_nll
+from posttrain.models import apply_peft
 from posttrain.ops import entropy_from_logits, lengths_to_mask, selective_log_softmax
 from posttrain.tracking import MetricAccumulator
 from posttrain.trainers.sft_config import SFTConfig
@@ -157,7 +158,8 @@ def num_trained_tokens(batch: dict[str, torch.Tensor]) -> int:
 class SFTTrainer:
     """TRL-compatible supervised fine-tuning trainer (no transformers.Trainer underneath).
 
-    model: a causal LM or its path / hub name. train_dataset / eval_dataset: `datasets.Dataset`
+    model: a causal LM or its path / hub name. peft_config: a peft.LoraConfig to train LoRA adapters
+    only (the saved model is then the adapter; merge with `merge_and_unload`). train_dataset / eval_dataset: `datasets.Dataset`
     in text (`dataset_text_field`), `messages` or prompt-completion format, or pre-tokenized
     (`input_ids`, optional `labels` / `completion_mask`) with dataset_kwargs skip_prepare_dataset.
     """
@@ -171,6 +173,7 @@ class SFTTrainer:
         processing_class: Any = None,
         *,
         accelerator: Any = None,
+        peft_config: Any = None,
     ) -> None:
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
@@ -184,6 +187,7 @@ class SFTTrainer:
         model, self.processing_class = resolve_model_and_tokenizer(
             model, processing_class, args, kind="causal_lm", model_init_kwargs=args.model_init_kwargs
         )
+        model = apply_peft(model, peft_config)
         _apply_chat_template_path(self.processing_class, args.chat_template_path)
         self.train_dataset = self._prepare(train_dataset, args.packing, "train_dataset")
         self.eval_dataset = (
@@ -366,6 +370,7 @@ def _apply_chat_template_path(tokenizer: Any, path: str | None) -> None:
 def run(config: SFTConfig) -> int:
     """`posttrain sft`: load tokenizer, model and data from the config, train, save. Exit code."""
     from posttrain.data import DataError
+    from posttrain.models import peft_config_from
     from posttrain.trainers.common import load_split
 
     try:
@@ -374,7 +379,8 @@ def run(config: SFTConfig) -> int:
             raise ConfigError("model_name_or_path is not set: pass --model_name_or_path (a folder or a hub name).")
         train_dataset = load_split(config, config.dataset_train_split)
         eval_dataset = load_split(config, config.dataset_test_split, required=False)
-        trainer = SFTTrainer(config.model_name_or_path, args=config, train_dataset=train_dataset, eval_dataset=eval_dataset)
+        trainer = SFTTrainer(config.model_name_or_path, args=config, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                             peft_config=peft_config_from(config))
         trainer.train()
     except (ConfigError, DataError, ckpt.CheckpointError) as err:
         print(f"posttrain sft: {err}", file=sys.stderr)
