@@ -66,3 +66,13 @@ def test_set_seed_is_reproducible():
 def test_bad_mixed_precision_is_a_clear_error():
     with pytest.raises(ValueError, match="mixed_precision='fp8'"):
         distributed.build_accelerator(mixed_precision="fp8", cpu=True)
+
+
+def test_shutdown_without_a_process_group_is_a_no_op():
+    import torch.distributed
+
+    from posttrain.distributed import shutdown
+
+    assert not torch.distributed.is_initialized()
+    shutdown()
+    assert not torch.distributed.is_initialized()

@@ -263,6 +263,8 @@ MULTIPROC_SCRIPT = textwrap.dedent('''
     stats = trainer.step(queries[rows], responses[rows], scores[rows])
     if rank == 0:
         torch.save({"params": flat(trainer.model), "kl": stats["objective/kl"]}, sys.argv[1])
+    from posttrain.distributed import shutdown
+    shutdown()
 ''')
 
 
@@ -333,6 +335,8 @@ TRAIN_DP_SCRIPT = textwrap.dedent('''
     sys.path.insert(0, sys.argv[2])
     from test_ppo import train_dp_run
     train_dp_run(sys.argv[1])
+    from posttrain.distributed import shutdown
+    shutdown()
 ''')
 
 

@@ -267,6 +267,8 @@ DP_SCRIPT = textwrap.dedent('''
     sys.path.insert(0, sys.argv[3])
     from test_rloo import dp_run
     dp_run(sys.argv[1], sys.argv[2])
+    from posttrain.distributed import shutdown
+    shutdown()
 ''')
 
 

@@ -153,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(name, argv[1:])
     runner: Callable[[Any], int | None] = _load(cmd.runner)
     try:
-        return int(runner(config) or 0)
+        code = int(runner(config) or 0)
+        _shutdown_distributed()
+        return code
     except Exception as err:
         if _is_user_error(err):
             print(f"posttrain {name}: {err}", file=sys.stderr)
@@ -165,6 +167,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"posttrain {name}: {first}\n{OOM_HINT}", file=sys.stderr)
             return 1
         raise
+
+
+def _shutdown_distributed() -> None:
+    """Tear down a process group the command started (only if torch was loaded at all)."""
+    if "torch" in sys.modules:
+        from posttrain.distributed import shutdown
+
+        shutdown()
 
 
 # Errors that describe a mistake in the user's flags, data, model paths or checkpoints: printed as

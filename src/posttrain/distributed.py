@@ -162,3 +162,17 @@ def main_process_first(accelerator: Accelerator | None) -> Iterator[None]:
         return
     with accelerator.main_process_first():
         yield
+
+
+def shutdown() -> None:
+    """Wait for every rank, then tear the process group down, if one was started.
+
+    Exiting with a live gloo/NCCL group lets one rank's background threads be killed mid-flight
+    ("terminate called without an active exception", SIGABRT), which the launcher reports as a
+    failed run. The CLI calls this after every command; scripts that build trainers themselves
+    under torchrun / accelerate launch should call it before exiting.
+    """
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
