@@ -13,6 +13,7 @@ torch loads.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import warnings
@@ -285,6 +286,49 @@ class OnPolicyConfig(TrainingConfig):
         if self.num_sample_generations <= 0:
             return 0
         return max(1, self.num_total_batches // self.num_sample_generations)
+
+
+def parse_json_field(name: str, value: Any) -> dict[str, Any] | None:
+    """A dict-valued field given as JSON text on the command line (HfArgumentParser passes a str)."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{name}={value!r} is not valid JSON ({err}); write it like '{{\"key\": 1}}'.") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{name}={value!r} must be a JSON object, e.g. '{{\"key\": 1}}'.")
+    return parsed
+
+
+@dataclass
+class SupervisedConfig(TrainingConfig):
+    """Fields SFT and reward-model training share (TRL's SFTConfig / RewardConfig)."""
+
+    model_init_kwargs: dict[str, Any] | str | None = _help(
+        'Extra keyword arguments for from_pretrained, as JSON on the command line (e.g. \'{"attn_implementation": "sdpa"}\').',
+        default=None,
+    )
+    chat_template_path: str | None = _help(
+        "A Jinja chat-template file, or a tokenizer folder whose template is used, for conversational data.",
+        default=None,
+    )
+    eos_token: str | None = _help(
+        "End-of-sequence token appended to plain-text examples (default: the tokenizer's). Must already exist in the vocabulary.",
+        default=None,
+    )
+    pad_token: str | None = _help(
+        "Padding token (default: the tokenizer's pad, else unk, else eos). Must already exist in the vocabulary.",
+        default=None,
+    )
+    pad_to_multiple_of: int | None = _help("Pad every batch's length up to a multiple of this.", default=None)
+    activation_offloading: bool = _help("Keep activations saved for backward in CPU memory instead of the GPU.", default=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.model_init_kwargs = parse_json_field("model_init_kwargs", self.model_init_kwargs)
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            raise ConfigError(f"pad_to_multiple_of={self.pad_to_multiple_of} must be >= 1 or None.")
 
 
 def config_fields(cls: type) -> list[dataclasses.Field]:

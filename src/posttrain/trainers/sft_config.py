@@ -6,32 +6,18 @@ code written for TRL port unchanged. Standard library only: validation runs befo
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.configs import ConfigError, TrainingConfig, _help
+from posttrain.configs import ConfigError, SupervisedConfig, _help, parse_json_field
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 LOSS_TYPES = ("nll", "chunked_nll", "dft")
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # TRL's names (same tuple as data.PACKING_STRATEGIES)
 
 
-def parse_json_field(name: str, value: Any) -> dict[str, Any] | None:
-    """A dict-valued field given as JSON text on the command line (HfArgumentParser passes a str)."""
-    if value is None or isinstance(value, dict):
-        return value
-    try:
-        parsed = json.loads(value)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"{name}={value!r} is not valid JSON ({err}); write it like '{{\"key\": 1}}'.") from None
-    if not isinstance(parsed, dict):
-        raise ConfigError(f"{name}={value!r} must be a JSON object, e.g. '{{\"key\": 1}}'.")
-    return parsed
-
-
 @dataclass
-class SFTConfig(TrainingConfig):
+class SFTConfig(SupervisedConfig):
     """Supervised fine-tuning on language-modelling (`text` / `messages`) or prompt-completion data.
 
     Differences from TRL, on purpose: `loss_type` "nll" and "chunked_nll" compute the same loss
@@ -49,26 +35,10 @@ class SFTConfig(TrainingConfig):
         "Turn off dropout in the model. Off by default for SFT, as in TRL (the model's own dropout applies).",
         default=False,
     )
-    model_init_kwargs: dict[str, Any] | str | None = _help(
-        'Extra keyword arguments for from_pretrained, as JSON on the command line (e.g. \'{"attn_implementation": "sdpa"}\').',
-        default=None,
-    )
-    chat_template_path: str | None = _help(
-        "A Jinja chat-template file, or a tokenizer folder whose template is used, for conversational data.",
-        default=None,
-    )
     dataset_text_field: str = _help("Column holding the text of language-modelling data.", default="text")
     dataset_kwargs: dict[str, Any] | str | None = _help(
         'Dataset preparation options as JSON; {"skip_prepare_dataset": true} trains on a dataset that '
         "already has input_ids (and optionally completion_mask / assistant_masks).",
-        default=None,
-    )
-    eos_token: str | None = _help(
-        "End-of-sequence token appended to every example (default: the tokenizer's). Must already exist in the vocabulary.",
-        default=None,
-    )
-    pad_token: str | None = _help(
-        "Padding token (default: the tokenizer's pad, else unk, else eos). Must already exist in the vocabulary.",
         default=None,
     )
     max_length: int | None = _help("Truncate every example to this many tokens (None: no limit).", default=1024)
@@ -92,7 +62,6 @@ class SFTConfig(TrainingConfig):
         "attention (sdpa / eager build a row-length² mask).",
         default=False,
     )
-    pad_to_multiple_of: int | None = _help("Pad every batch's length up to a multiple of this.", default=None)
     eval_packing: bool | None = _help("Pack the eval set (None: same as packing).", default=None)
     completion_only_loss: bool | None = _help(
         "Train only on completion tokens of prompt-completion data (None: yes for prompt-completion data).",
@@ -109,7 +78,6 @@ class SFTConfig(TrainingConfig):
     router_aux_loss_coef: float = _help(
         "Weight of the router load-balancing loss for mixture-of-experts models that report one.", default=0.001
     )
-    activation_offloading: bool = _help("Keep activations saved for backward in CPU memory instead of the GPU.", default=False)
     loss_chunk_tokens: int = _help(
         "Trained tokens per chunk of the lm_head + cross-entropy (bounds the float32 logits held at once).",
         default=1024,
@@ -117,7 +85,6 @@ class SFTConfig(TrainingConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.model_init_kwargs = parse_json_field("model_init_kwargs", self.model_init_kwargs)
         self.dataset_kwargs = parse_json_field("dataset_kwargs", self.dataset_kwargs)
         if self.max_length is not None and self.max_length < 2:
             raise ConfigError(f"max_length={self.max_length} must be >= 2 (one input and one target token) or None.")
@@ -129,8 +96,6 @@ class SFTConfig(TrainingConfig):
             raise ConfigError(f"packing_strategy={self.packing_strategy!r} must be one of {', '.join(PACKING_STRATEGIES)}.")
         if (self.packing or self.eval_packing) and not self.max_length:
             raise ConfigError("packing needs max_length (the length of each packed row).")
-        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
-            raise ConfigError(f"pad_to_multiple_of={self.pad_to_multiple_of} must be >= 1 or None.")
         if self.loss_chunk_tokens < 1:
             raise ConfigError(f"loss_chunk_tokens={self.loss_chunk_tokens} must be >= 1.")
         if self.router_aux_loss_coef < 0:
