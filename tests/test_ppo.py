@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from posttrain.configs import ConfigError
-from posttrain.models import CausalLMWithValueHead, build_tiny_causal_lm, build_tiny_reward_model
+from posttrain.models import CausalLMWithValueHead, build_tiny_causal_lm
 from posttrain.trainers.ppo import PPOTrainer
 from posttrain.trainers.ppo_config import PPOConfig
 

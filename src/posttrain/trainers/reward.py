@@ -38,10 +38,10 @@ from posttrain.tracking import MetricAccumulator
 from posttrain.trainers.reward_config import RewardConfig
 from posttrain.trainers.supervised import (
     SupervisedRun,
+    begin_supervised,
     check_output_dir,
     eval_shards,
     pad_right,
-    resolve_model_and_tokenizer,
     rows,
 )
 
@@ -107,17 +107,10 @@ class RewardTrainer:
         accelerator: Any = None,
         peft_config: Any = None,
     ) -> None:
-        if args is None:
-            name = model if isinstance(model, str) else type(model).__name__
-            args = RewardConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-Reward")
-        if train_dataset is None:
-            raise ConfigError("train_dataset is required (or --dataset_name on the command line).")
-        check_output_dir(args)
-        self.args = args
-        self.accelerator = accelerator or dist.build_accelerator(mixed_precision=args.mixed_precision)
-        model, self.processing_class = resolve_model_and_tokenizer(
-            model, processing_class, args, kind="reward", model_init_kwargs=args.model_init_kwargs
+        args, self.accelerator, model, self.processing_class = begin_supervised(
+            model, args, RewardConfig, "Reward", train_dataset, processing_class, accelerator, kind="reward"
         )
+        self.args = args
         if getattr(model.config, "num_labels", 1) != 1:
             raise ConfigError(f"the reward model has num_labels={model.config.num_labels}; it must output one score (num_labels=1).")
         # TRL #937: without pad_token_id transformers' head cannot batch and, when it can, scores
@@ -129,10 +122,6 @@ class RewardTrainer:
             # the head frozen at its random initialisation.
             peft_config = dataclasses.replace(peft_config, task_type="SEQ_CLS")
         model = apply_peft(model, peft_config)
-        if args.chat_template_path is not None:
-            from posttrain.trainers.sft import _apply_chat_template_path
-
-            _apply_chat_template_path(self.processing_class, args.chat_template_path)
         self.train_dataset = self._prepare(train_dataset, "train_dataset")
         self.eval_dataset = self._prepare(eval_dataset, "eval_dataset") if eval_dataset is not None else None
         self.collator = PreferenceCollator(self.processing_class.pad_token_id, args.pad_to_multiple_of)

@@ -7,7 +7,6 @@ Standard library only: validation runs before torch loads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from posttrain.configs import ConfigError, SupervisedConfig, _help
 

@@ -47,10 +47,10 @@ from posttrain.trainers.sft_config import SFTConfig
 from posttrain.trainers.supervised import (
     IGNORE_INDEX,
     SupervisedRun,
+    begin_supervised,
     check_output_dir,
     eval_shards,
     pad_right,
-    resolve_model_and_tokenizer,
     rows,
 )
 
@@ -175,20 +175,11 @@ class SFTTrainer:
         accelerator: Any = None,
         peft_config: Any = None,
     ) -> None:
-        if args is None:
-            name = model if isinstance(model, str) else type(model).__name__
-            args = SFTConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-SFT")
-        if train_dataset is None:
-            raise ConfigError("train_dataset is required (or --dataset_name on the command line).")
-        check_output_dir(args)
-        self.args = args
-        # Created first so dataset preparation can run on the main process first.
-        self.accelerator = accelerator or dist.build_accelerator(mixed_precision=args.mixed_precision)
-        model, self.processing_class = resolve_model_and_tokenizer(
-            model, processing_class, args, kind="causal_lm", model_init_kwargs=args.model_init_kwargs
+        args, self.accelerator, model, self.processing_class = begin_supervised(
+            model, args, SFTConfig, "SFT", train_dataset, processing_class, accelerator, kind="causal_lm"
         )
+        self.args = args
         model = apply_peft(model, peft_config)
-        _apply_chat_template_path(self.processing_class, args.chat_template_path)
         self.train_dataset = self._prepare(train_dataset, args.packing, "train_dataset")
         self.eval_dataset = (
             self._prepare(eval_dataset, args.packing if args.eval_packing is None else args.eval_packing, "eval_dataset")
@@ -348,23 +339,6 @@ def _forward_kwargs(model: nn.Module, router_aux_loss_coef: float) -> dict[str, 
     if router_aux_loss_coef and hasattr(model.config, "output_router_logits") and "output_router_logits" in params:
         kwargs["output_router_logits"] = True
     return kwargs
-
-
-def _apply_chat_template_path(tokenizer: Any, path: str | None) -> None:
-    """chat_template_path: a Jinja file, or a tokenizer folder / hub name whose template is used."""
-    if path is None:
-        return
-    from pathlib import Path
-
-    if Path(path).is_file():
-        tokenizer.chat_template = Path(path).read_text(encoding="utf-8")
-        return
-    from transformers import AutoTokenizer
-
-    template = AutoTokenizer.from_pretrained(path).chat_template
-    if template is None:
-        raise ConfigError(f"chat_template_path={path!r}: that tokenizer has no chat template.")
-    tokenizer.chat_template = template
 
 
 def run(config: SFTConfig) -> int:

@@ -382,3 +382,39 @@ def resolve_model_and_tokenizer(
     elif config.disable_dropout:
         models.disable_dropout(model)
     return model, tokenizer
+
+
+def apply_chat_template_path(tokenizer: Any, path: str | None) -> None:
+    """chat_template_path: a Jinja file, or a tokenizer folder / hub name whose template is used."""
+    if path is None:
+        return
+    from pathlib import Path
+
+    if Path(path).is_file():
+        tokenizer.chat_template = Path(path).read_text(encoding="utf-8")
+        return
+    from transformers import AutoTokenizer
+
+    template = AutoTokenizer.from_pretrained(path).chat_template
+    if template is None:
+        raise ConfigError(f"chat_template_path={path!r}: that tokenizer has no chat template.")
+    tokenizer.chat_template = template
+
+
+def begin_supervised(model: Any, args: Any, config_cls: type, suffix: str, train_dataset: Any,
+                     processing_class: Any, accelerator: Any, *, kind: str) -> tuple[Any, Any, Any, Any]:
+    """The common start of SFTTrainer / RewardTrainer: a default config named after the model,
+    checks that need no model (train_dataset given, output_dir free), the accelerator (created
+    before dataset preparation so that runs on the main process first), model + tokenizer, and the
+    chat template. Returns (args, accelerator, model, tokenizer)."""
+    if args is None:
+        name = model if isinstance(model, str) else type(model).__name__
+        args = config_cls(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-{suffix}")
+    if train_dataset is None:
+        raise ConfigError("train_dataset is required (or --dataset_name on the command line).")
+    check_output_dir(args)
+    accelerator = accelerator or dist.build_accelerator(mixed_precision=args.mixed_precision)
+    model, tokenizer = resolve_model_and_tokenizer(model, processing_class, args, kind=kind,
+                                                   model_init_kwargs=args.model_init_kwargs)
+    apply_chat_template_path(tokenizer, args.chat_template_path)
+    return args, accelerator, model, tokenizer
