@@ -350,16 +350,7 @@ def train_dp_run(out_path: str) -> None:
 
     import posttrain.trainers.ppo as ppo_module
     from posttrain.models import build_tiny_tokenizer
-    from posttrain.rollout import Rollout, generate
-
-    def per_row_generate(model, prompt_ids, prompt_mask, sampling, *, pad_token_id, batch_size=None, generator=None, **kw):
-        rows = []
-        for ids, mask in zip(prompt_ids, prompt_mask):
-            key = ids[mask.bool()].tolist()
-            g = torch.Generator(device=ids.device).manual_seed(sum((i + 1) * t for i, t in enumerate(key)) % (2**31))
-            rows.append(generate(model, ids[mask.bool()][None], mask[mask.bool()][None], sampling,
-                                 pad_token_id=pad_token_id, generator=g, **kw))
-        return Rollout.cat(rows)
+    from helpers import per_row_generate
 
     ppo_module.generate = per_row_generate
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -389,5 +380,7 @@ def test_train_on_two_processes_equals_one_process(tmp_path):
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert (one["policy"] - one["initial"]).abs().max() > 1e-4  # the update really moved the policy
     assert two["kl"] == pytest.approx(one["kl"], rel=1e-5, abs=1e-7)
-    torch.testing.assert_close(two["policy"], one["policy"], rtol=0, atol=2e-6)
-    torch.testing.assert_close(two["critic"], one["critic"], rtol=0, atol=2e-6)
+    # Adam turns float-reduction-order noise on near-zero gradients into steps far above it, so the
+    # bound is 1e-5: a wrong split or a missing gradient average shows up at lr scale (1e-3).
+    torch.testing.assert_close(two["policy"], one["policy"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(two["critic"], one["critic"], rtol=0, atol=1e-5)

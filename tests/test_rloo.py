@@ -277,19 +277,7 @@ def dp_run(algo: str, out_path: str) -> None:
 
     import posttrain.trainers.rloo as shared
     from posttrain.models import build_tiny_tokenizer
-    from posttrain.rollout import Rollout, generate
-
-    def per_row_generate(model, prompt_ids, prompt_mask, sampling, *, pad_token_id, batch_size=None, generator=None, **kw):
-        seen: dict[tuple, int] = {}
-        rows = []
-        for ids, mask in zip(prompt_ids, prompt_mask):
-            key = tuple(ids[mask.bool()].tolist())
-            seen[key] = seen.get(key, -1) + 1
-            seed = (sum((i + 1) * t for i, t in enumerate(key)) * 1009 + seen[key]) % (2**31)
-            g = torch.Generator(device=ids.device).manual_seed(seed)
-            rows.append(generate(model, ids[mask.bool()][None], mask[mask.bool()][None], sampling,
-                                 pad_token_id=pad_token_id, generator=g, **kw))
-        return Rollout.cat(rows)
+    from helpers import per_row_generate
 
     shared.generate = per_row_generate
     world = int(os.environ.get("WORLD_SIZE", "1"))
