@@ -514,6 +514,20 @@ def _overflow_note(count: int, total: int, what: str) -> None:
         logger.warning("%d of %d %s", count, total, what)
 
 
+def _resolve_overflow(out: Any, total: int, drop: bool, what: str, kept: str, empty: DataError) -> Any:
+    """Drop (or keep, already cut) the rows flagged in the `__overlong` column, print how many, and
+    raise `empty` if dropping left nothing; returns the dataset without the flag column."""
+    n_over = sum(out["__overlong"])
+    if n_over and drop:
+        out = out.filter(lambda flags: [not f for f in flags], input_columns="__overlong", batched=True)
+        _overflow_note(n_over, total, f"{what} and were dropped")
+        if len(out) == 0:
+            raise empty
+    else:
+        _overflow_note(n_over, total, f"{what} and were {kept}")
+    return out.remove_columns("__overlong")
+
+
 # --------------------------------------------------------------------------------------------
 # Prompt datasets (online RL)
 # --------------------------------------------------------------------------------------------
@@ -575,18 +589,12 @@ def prepare_prompt_dataset(
         return {"input_ids": ids, "prompt": texts, "__overlong": overlong}
 
     out = dataset.map(encode, batched=True, with_indices=True, desc="Tokenizing prompts")
-    n_over = sum(out["__overlong"])
-    if n_over and overflow == "drop":
-        out = out.filter(lambda flags: [not f for f in flags], input_columns="__overlong", batched=True)
-        _overflow_note(n_over, len(dataset), f"prompts are longer than {max_prompt_length} tokens and were dropped")
-        if len(out) == 0:
-            raise DataError(
-                f"every prompt is longer than max_prompt_length={max_prompt_length}", source=source,
-                field=prompt_column, fix="raise max_prompt_length or use overflow='truncate_left'",
-            )
-    else:
-        _overflow_note(n_over, len(dataset), f"prompts are longer than {max_prompt_length} tokens and were truncated from the left")
-    out = out.remove_columns("__overlong")
+    out = _resolve_overflow(
+        out, len(dataset), overflow == "drop", f"prompts are longer than {max_prompt_length} tokens",
+        "truncated from the left",
+        DataError(f"every prompt is longer than max_prompt_length={max_prompt_length}", source=source,
+                  field=prompt_column, fix="raise max_prompt_length or use overflow='truncate_left'"),
+    )
     if prompt_column != "prompt" and prompt_column in out.column_names:
         out = out.remove_columns(prompt_column)
     return out
@@ -713,18 +721,11 @@ def prepare_preference_dataset(
         return out
 
     out = dataset.map(encode, batched=True, with_indices=True, remove_columns=columns, desc="Tokenizing pairs")
-    n_over = sum(out["__overlong"])
-    if n_over and overflow == "drop":
-        out = out.filter(lambda flags: [not f for f in flags], input_columns="__overlong", batched=True)
-        _overflow_note(n_over, len(dataset), f"preference pairs are longer than {max_length} tokens and were dropped")
-        if len(out) == 0:
-            raise DataError(
-                f"every pair is longer than max_length={max_length}", source=source,
-                fix="raise max_length or use overflow='truncate'",
-            )
-    else:
-        _overflow_note(n_over, len(dataset), f"preference pairs are longer than {max_length} tokens and were truncated")
-    return out.remove_columns("__overlong")
+    return _resolve_overflow(
+        out, len(dataset), overflow == "drop", f"preference pairs are longer than {max_length} tokens", "truncated",
+        DataError(f"every pair is longer than max_length={max_length}", source=source,
+                  fix="raise max_length or use overflow='truncate'"),
+    )
 
 
 def _check_number(value: Any, source: str, row: int, field: str) -> float:
