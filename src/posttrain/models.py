@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from posttrain.compat import dtype_kwargs
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -88,9 +90,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
     try:
         return _DTYPES[dtype.lower()]
     except KeyError:
-        raise ValueError(
-            f"unknown dtype {dtype!r}; use one of: auto, {', '.join(sorted(_DTYPES))}"
-        ) from None
+        raise ValueError(f"unknown dtype {dtype!r}; use one of: auto, {', '.join(sorted(_DTYPES))}") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,9 +101,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
 def _pick_pad_token(tokenizer: PreTrainedTokenizerBase) -> str | None:
     """An existing token to pad with: a special token named like a pad token, else unk, else eos."""
     specials = {
-        tok.content
-        for tok in getattr(tokenizer, "added_tokens_decoder", {}).values()
-        if getattr(tok, "special", False)
+        tok.content for tok in getattr(tokenizer, "added_tokens_decoder", {}).values() if getattr(tok, "special", False)
     }
     specials.update(getattr(tokenizer, "all_special_tokens", []))
     pad_like = sorted(t for t in specials if "pad" in t.lower())
@@ -258,7 +256,7 @@ def load_policy(
     """Load a causal LM (hub name or folder). With `tokenizer`, pad/eos ids go into the config."""
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {"dtype": resolve_dtype(dtype), "trust_remote_code": trust_remote_code}
+    kwargs: dict[str, Any] = {**dtype_kwargs(resolve_dtype(dtype)), "trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     if revision is not None:
@@ -283,7 +281,7 @@ def _load_scalar_head_model(
     from transformers import AutoModelForSequenceClassification
 
     kwargs: dict[str, Any] = {
-        "dtype": resolve_dtype(dtype),
+        **dtype_kwargs(resolve_dtype(dtype)),
         "trust_remote_code": trust_remote_code,
         "num_labels": 1,
     }
@@ -329,8 +327,16 @@ def load_reward_model(
     saved in `path` (TRL #937: an unset pad id makes the head score the wrong token).
     """
     return _load_scalar_head_model(
-        path, "reward model", dtype, trust_remote_code, disable_dropout, gradient_checkpointing,
-        tokenizer, pad_token_id, attn_implementation, revision,
+        path,
+        "reward model",
+        dtype,
+        trust_remote_code,
+        disable_dropout,
+        gradient_checkpointing,
+        tokenizer,
+        pad_token_id,
+        attn_implementation,
+        revision,
     )
 
 
@@ -352,8 +358,16 @@ def load_value_model(
     `score` head is freshly initialised (transformers logs which weights are new).
     """
     return _load_scalar_head_model(
-        path, "value model", dtype, trust_remote_code, disable_dropout, gradient_checkpointing,
-        tokenizer, pad_token_id, attn_implementation, revision,
+        path,
+        "value model",
+        dtype,
+        trust_remote_code,
+        disable_dropout,
+        gradient_checkpointing,
+        tokenizer,
+        pad_token_id,
+        attn_implementation,
+        revision,
     )
 
 
@@ -522,8 +536,12 @@ class CausalLMWithValueHead(nn.Module):
         from safetensors.torch import load_file
 
         lm = load_policy(
-            path, dtype=dtype, trust_remote_code=trust_remote_code, disable_dropout=disable_dropout,
-            gradient_checkpointing=gradient_checkpointing, **kwargs,
+            path,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            disable_dropout=disable_dropout,
+            gradient_checkpointing=gradient_checkpointing,
+            **kwargs,
         )
         model = cls(lm)
         head_file = Path(path) / VALUE_HEAD_FILE
@@ -633,7 +651,7 @@ def _build_tiny(
     # A private RNG fork: building a model must not move the caller's global random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = auto_cls.from_config(config, dtype=torch.float32)
+        model = auto_cls.from_config(config, **dtype_kwargs(torch.float32))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -660,7 +678,14 @@ def build_tiny_causal_lm(
     model and tokenizer are saved there (loadable with plain `from_pretrained`).
     """
     return _build_tiny(
-        "AutoModelForCausalLM", tokenizer, arch, hidden_size, num_layers, num_heads, seed, save_dir,
+        "AutoModelForCausalLM",
+        tokenizer,
+        arch,
+        hidden_size,
+        num_layers,
+        num_heads,
+        seed,
+        save_dir,
         config_overrides,
     )
 
@@ -678,6 +703,13 @@ def build_tiny_reward_model(
 ) -> PreTrainedModel:
     """A randomly initialised sequence-classification model, `num_labels=1`, `pad_token_id` set."""
     return _build_tiny(
-        "AutoModelForSequenceClassification", tokenizer, arch, hidden_size, num_layers, num_heads, seed,
-        save_dir, {"num_labels": 1, **config_overrides},
+        "AutoModelForSequenceClassification",
+        tokenizer,
+        arch,
+        hidden_size,
+        num_layers,
+        num_heads,
+        seed,
+        save_dir,
+        {"num_labels": 1, **config_overrides},
     )

@@ -83,12 +83,20 @@ from posttrain.advantages import (
     whiten_advantages,
     whiten_rewards,
 )
+from posttrain.compat import dtype_kwargs
 from posttrain.configs import ConfigError
 from posttrain.health import HealthMonitor
 from posttrain.losses import entropy_bonus, ppo_policy_loss, ppo_value_loss
 from posttrain.models import CausalLMWithValueHead, apply_peft, disable_dropout
 from posttrain.ops import logprobs_and_entropy, selective_log_softmax
-from posttrain.rollout import Rollout, SamplingConfig, accepts_logits_to_keep, decode_completions, generate, generation_mode
+from posttrain.rollout import (
+    Rollout,
+    SamplingConfig,
+    accepts_logits_to_keep,
+    decode_completions,
+    generate,
+    generation_mode,
+)
 from posttrain.scoring import (
     _lm_logits,
     _trimmed_inputs,
@@ -141,7 +149,16 @@ STEP_STATS = {
     "tokens/responses_len_mean": "tokens/responses_len_mean",
 }
 # Keyword arguments of the classic generate() that the rollout engine understands.
-_GENERATION_KWARGS = {"max_new_tokens", "temperature", "top_k", "top_p", "do_sample", "eos_token_id", "pad_token_id", "min_length"}
+_GENERATION_KWARGS = {
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "do_sample",
+    "eos_token_id",
+    "pad_token_id",
+    "min_length",
+}
 
 
 class PolicyAndValue(nn.Module):
@@ -168,15 +185,25 @@ class PolicyAndValue(nn.Module):
     def forward(self, rollout: Rollout, temperature: float, with_entropy: bool = True):
         """(logprobs (B, T), entropy (B, T) | None, values (B, T)) of the completion tokens, 0 off-mask."""
         if not self.shared:
-            logprobs, entropy = completion_logprobs(self.policy, rollout, temperature=temperature, with_entropy=with_entropy,
-                                                    entropy_grad=self.entropy_grad)
+            logprobs, entropy = completion_logprobs(
+                self.policy, rollout, temperature=temperature, with_entropy=with_entropy, entropy_grad=self.entropy_grad
+            )
             return logprobs, entropy, completion_values(self.critic, rollout)
         # Same positions as scoring.completion_logprobs / completion_values, from ONE trunk pass.
         T = rollout.completion_ids.size(1)
         ids, mask, positions, P, Tc = _trimmed_inputs(rollout)
         lm = self.policy.pretrained_model
-        keep = {"logits_to_keep": torch.arange(P - 1, P - 1 + Tc, device=ids.device)} if accepts_logits_to_keep(lm) else {}
-        out = lm(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, output_hidden_states=True, **keep)
+        keep = (
+            {"logits_to_keep": torch.arange(P - 1, P - 1 + Tc, device=ids.device)} if accepts_logits_to_keep(lm) else {}
+        )
+        out = lm(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=False,
+            output_hidden_states=True,
+            **keep,
+        )
         logits = out.logits if keep else out.logits[:, P - 1 : P - 1 + Tc]
         values = self.policy.score(out.hidden_states[-1][:, P - 1 : P - 1 + Tc]).squeeze(-1).float()
         targets, cmask = rollout.completion_ids[:, :Tc], rollout.completion_mask[:, :Tc]
@@ -195,7 +222,7 @@ def _critic_from_policy(policy: nn.Module) -> nn.Module:
 
     config = copy.deepcopy(policy.config)
     config.num_labels = 1
-    critic = AutoModelForSequenceClassification.from_config(config, dtype=next(policy.parameters()).dtype)
+    critic = AutoModelForSequenceClassification.from_config(config, **dtype_kwargs(next(policy.parameters()).dtype))
     critic.base_model.load_state_dict(policy.base_model.state_dict())
     return critic
 
@@ -206,7 +233,9 @@ def _share_layers(model: nn.Module, ref: nn.Module, num_shared_layers: int) -> N
     base, ref_base = model.base_model, ref.base_model
     blocks = next((name for name, m in base.named_children() if isinstance(m, nn.ModuleList)), None)
     if blocks is None or num_shared_layers > len(getattr(base, blocks)):
-        raise ConfigError(f"num_shared_layers={num_shared_layers}: the model has no list of that many transformer blocks to share.")
+        raise ConfigError(
+            f"num_shared_layers={num_shared_layers}: the model has no list of that many transformer blocks to share."
+        )
     for name, module in base.named_children():
         if name == blocks:
             for i in range(num_shared_layers):
@@ -239,17 +268,39 @@ class PPOTrainer:
     data.PromptCollator (masks from lengths).
     """
 
-    def __init__(self, args: PPOConfig | None = None, processing_class: Any = None, model: nn.Module | None = None,
-                 ref_model: nn.Module | None = None, reward_model: Any = None, train_dataset: Any = None,
-                 value_model: nn.Module | None = None, data_collator: Callable | None = None, eval_dataset: Any = None,
-                 optimizers: tuple[Any, Any] = (None, None), callbacks: list | None = None, peft_config: Any = None,
-                 *, config: PPOConfig | None = None, tokenizer: Any = None, dataset: Any = None, optimizer: Any = None,
-                 num_shared_layers: int | None = None, lr_scheduler: Any = None, reward_processing_class: Any = None) -> None:
+    def __init__(
+        self,
+        args: PPOConfig | None = None,
+        processing_class: Any = None,
+        model: nn.Module | None = None,
+        ref_model: nn.Module | None = None,
+        reward_model: Any = None,
+        train_dataset: Any = None,
+        value_model: nn.Module | None = None,
+        data_collator: Callable | None = None,
+        eval_dataset: Any = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        callbacks: list | None = None,
+        peft_config: Any = None,
+        *,
+        config: PPOConfig | None = None,
+        tokenizer: Any = None,
+        dataset: Any = None,
+        optimizer: Any = None,
+        num_shared_layers: int | None = None,
+        lr_scheduler: Any = None,
+        reward_processing_class: Any = None,
+    ) -> None:
         if isinstance(processing_class, nn.Module):
             # Classic positional call: (config, model, ref_model, tokenizer, dataset, optimizer,
             # data_collator, num_shared_layers, lr_scheduler).
             config, model, ref_model, tokenizer, dataset = args, processing_class, model, ref_model, reward_model
-            optimizer, data_collator, num_shared_layers, lr_scheduler = train_dataset, value_model, data_collator, eval_dataset
+            optimizer, data_collator, num_shared_layers, lr_scheduler = (
+                train_dataset,
+                value_model,
+                data_collator,
+                eval_dataset,
+            )
             args = processing_class = reward_model = train_dataset = value_model = eval_dataset = None
         if args is not None and config is not None:
             raise ConfigError("pass either args= (train() API) or config= (generate()/step() API), not both.")
@@ -268,43 +319,86 @@ class PPOTrainer:
         self.callbacks = list(callbacks or [])
         self.running = RunningMoments()
         cfg = self.args
-        self.kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.target, cfg.horizon) if cfg.adap_kl_ctrl else FixedKLController(cfg.kl_coef)
+        self.kl_ctl = (
+            AdaptiveKLController(cfg.kl_coef, cfg.target, cfg.horizon)
+            if cfg.adap_kl_ctrl
+            else FixedKLController(cfg.kl_coef)
+        )
         self.step_api = config is not None
         if self.step_api:
             self._init_step_api(model, ref_model, dataset, optimizer, data_collator, num_shared_layers, lr_scheduler)
         else:
             if data_collator is not None:
-                warnings.warn("PPOTrainer ignores data_collator: prompts are left-padded by data.PromptCollator.", stacklevel=2)
-            self._init_train_api(model, ref_model, reward_model, train_dataset, value_model, eval_dataset, optimizers,
-                                 peft_config, reward_processing_class)
+                warnings.warn(
+                    "PPOTrainer ignores data_collator: prompts are left-padded by data.PromptCollator.", stacklevel=2
+                )
+            self._init_train_api(
+                model,
+                ref_model,
+                reward_model,
+                train_dataset,
+                value_model,
+                eval_dataset,
+                optimizers,
+                peft_config,
+                reward_processing_class,
+            )
 
     # -- construction -------------------------------------------------------------------------------
-    def _init_train_api(self, model, ref_model, reward_model, train_dataset, value_model, eval_dataset, optimizers,
-                        peft_config, reward_processing_class) -> None:
+    def _init_train_api(
+        self,
+        model,
+        ref_model,
+        reward_model,
+        train_dataset,
+        value_model,
+        eval_dataset,
+        optimizers,
+        peft_config,
+        reward_processing_class,
+    ) -> None:
         cfg = self.args
         self.run = OnlineRun(cfg, self.tokenizer, train_dataset, eval_dataset)
         self.accelerator, self.device = self.run.accelerator, self.run.device
         self.metrics, self.health, self.generator = self.run.metrics, self.run.health, self.run.generator
         self.temperature = self.run.sampling.logprob_temperature
-        self.reward = reward_model if isinstance(reward_model, RewardSource) else RewardSource(
-            reward_model, policy_tokenizer=self.tokenizer, reward_tokenizer=reward_processing_class,
-            batch_size=cfg.local_rollout_forward_batch_size, missing_eos_penalty=cfg.missing_eos_penalty,
+        self.reward = (
+            reward_model
+            if isinstance(reward_model, RewardSource)
+            else RewardSource(
+                reward_model,
+                policy_tokenizer=self.tokenizer,
+                reward_tokenizer=reward_processing_class,
+                batch_size=cfg.local_rollout_forward_batch_size,
+                missing_eos_penalty=cfg.missing_eos_penalty,
+            )
         )
         for rm in self.reward.models:
             rm.eval().requires_grad_(False).to(self.device)
-        init = cfg.value_model_init or ("head" if isinstance(model, CausalLMWithValueHead) else "reward" if self.reward.models else "policy")
+        init = cfg.value_model_init or (
+            "head" if isinstance(model, CausalLMWithValueHead) else "reward" if self.reward.models else "policy"
+        )
         if value_model is None and cfg.value_model_path:
             from posttrain.models import load_value_model
 
             value_model = load_value_model(cfg.value_model_path, dtype=cfg.torch_dtype, tokenizer=self.tokenizer)
         if value_model is not None and init == "head":
-            raise ConfigError('value_model was given and value_model_init="head": a value head needs no separate value model.')
+            raise ConfigError(
+                'value_model was given and value_model_init="head": a value head needs no separate value model.'
+            )
         if value_model is None and init == "reward":
             if not self.reward.models:
-                raise ConfigError('value_model_init="reward" needs a reward model; use "policy" or "head" with reward functions.')
-            if reward_processing_class is not None and reward_processing_class.get_vocab() != self.tokenizer.get_vocab():
-                raise ConfigError('value_model_init="reward": the reward model has its own tokenizer, so a critic copied from it '
-                                  'cannot read policy tokens; use value_model_init="policy" or "head".')
+                raise ConfigError(
+                    'value_model_init="reward" needs a reward model; use "policy" or "head" with reward functions.'
+                )
+            if (
+                reward_processing_class is not None
+                and reward_processing_class.get_vocab() != self.tokenizer.get_vocab()
+            ):
+                raise ConfigError(
+                    'value_model_init="reward": the reward model has its own tokenizer, so a critic copied from it '
+                    'cannot read policy tokens; use value_model_init="policy" or "head".'
+                )
             value_model = copy.deepcopy(self.reward.models[0]).requires_grad_(True)
         if value_model is None and init == "policy":
             value_model = _critic_from_policy(model)
@@ -334,14 +428,18 @@ class PPOTrainer:
         self.model = dist.unwrap(self.wrapper, self.accelerator).policy
         self.value_model = dist.unwrap(self.wrapper, self.accelerator).critic
 
-    def _init_step_api(self, model, ref_model, dataset, optimizer, data_collator, num_shared_layers, lr_scheduler) -> None:
+    def _init_step_api(
+        self, model, ref_model, dataset, optimizer, data_collator, num_shared_layers, lr_scheduler
+    ) -> None:
         cfg = self.args
         self.run = None
         self.accelerator = dist.build_accelerator(mixed_precision=cfg.mixed_precision)
         dist.set_seed(cfg.seed)
         self.device = dist.device(self.accelerator)
         self.metrics, self.health = MetricAccumulator(), HealthMonitor(enabled=dist.is_main(self.accelerator))
-        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed + 7919 * dist.process_index(self.accelerator))
+        self.generator = torch.Generator(device=self.device).manual_seed(
+            cfg.seed + 7919 * dist.process_index(self.accelerator)
+        )
         self.temperature = 1.0  # the classic step() scores logprobs at temperature 1
         self.tracker: Tracker | None = None
         self.current_step = 0
@@ -355,7 +453,9 @@ class PPOTrainer:
             if num_shared_layers:
                 _share_layers(vh.pretrained_model, ref_model, num_shared_layers)
         elif num_shared_layers is not None:
-            raise ConfigError("num_shared_layers applies only when the trainer creates the reference model (ref_model=None).")
+            raise ConfigError(
+                "num_shared_layers applies only when the trainer creates the reference model (ref_model=None)."
+            )
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.eval().requires_grad_(False).to(self.device)
@@ -369,7 +469,11 @@ class PPOTrainer:
         if dataset is not None:
             # Classic default batch size 128 when batch_size is unset (trl-notes §2.2).
             self.dataloader = torch.utils.data.DataLoader(
-                dataset, batch_size=cfg.step_batch_size or 128, shuffle=True, collate_fn=self.data_collator, drop_last=True
+                dataset,
+                batch_size=cfg.step_batch_size or 128,
+                shuffle=True,
+                collate_fn=self.data_collator,
+                drop_last=True,
             )
 
     # -- the pieces of one PPO update -------------------------------------------------------------
@@ -419,8 +523,15 @@ class PPOTrainer:
         out = (x - mean) * torch.rsqrt(var + 1e-8)
         return (out if shift_mean else out + mean).masked_fill(~mask.bool(), 0.0)
 
-    def _optimize(self, rollout: Rollout, scores: torch.Tensor, micro: int, accum: int, num_minibatches: int,
-                  loss_mask: torch.Tensor | None = None) -> None:
+    def _optimize(
+        self,
+        rollout: Rollout,
+        scores: torch.Tensor,
+        micro: int,
+        accum: int,
+        num_minibatches: int,
+        loss_mask: torch.Tensor | None = None,
+    ) -> None:
         """Steps 2–5 of the module docstring on one (local) batch; metrics go to self.metrics.
         loss_mask (B, T): the tokens trained on, KL-penalised and counted in the statistics, a subset
         of rollout.completion_mask (step()'s response_masks); default the completion mask. The score
@@ -429,9 +540,14 @@ class PPOTrainer:
         B = len(rollout)
         mask = rollout.completion_mask if loss_mask is None else loss_mask & rollout.completion_mask
         one_pass = cfg.num_ppo_epochs == 1 and num_minibatches == 1 and accum == 1 and cfg.kl_estimator != "full"
-        perms = None if one_pass else [
-            torch.randperm(B, generator=self.generator, device=self.generator.device).to(self.device) for _ in range(cfg.num_ppo_epochs)
-        ]
+        perms = (
+            None
+            if one_pass
+            else [
+                torch.randperm(B, generator=self.generator, device=self.generator.device).to(self.device)
+                for _ in range(cfg.num_ppo_epochs)
+            ]
+        )
         self.wrapper.train()
         with torch.no_grad(), self._autocast():
             ref_logprobs = self._ref_logprobs(rollout)
@@ -452,9 +568,15 @@ class PPOTrainer:
         raw_scores = scores
         if cfg.use_score_scaling or cfg.score_clip is not None:
             gathered = dist.gather(scores, acc) if cfg.use_score_scaling else None
-            scores = scale_scores(scores, self.running, cfg.use_score_scaling, cfg.use_score_norm, cfg.score_clip, stats_scores=gathered)
+            scores = scale_scores(
+                scores, self.running, cfg.use_score_scaling, cfg.use_score_norm, cfg.score_clip, stats_scores=gathered
+            )
         # _full_kl masks by the completion mask only; tokens outside the loss mask carry no KL either.
-        kl = kl_full.masked_fill(~mask, 0.0) if kl_full is not None else kl_penalty(old_logprobs, ref_logprobs, cfg.kl_estimator, mask)
+        kl = (
+            kl_full.masked_fill(~mask, 0.0)
+            if kl_full is not None
+            else kl_penalty(old_logprobs, ref_logprobs, cfg.kl_estimator, mask)
+        )
         rewards, non_score = kl_shaped_rewards(scores, kl, mask, self.kl_ctl.value)
         if cfg.whiten_rewards:
             rewards = self._whiten(rewards, mask, shift_mean=False)
@@ -498,7 +620,9 @@ class PPOTrainer:
                             with self._autocast():
                                 out = self.wrapper(rollout.select(rows), self.temperature)
                         m = mask[rows]
-                        loss, pg = self._loss(out, m, old_logprobs[rows], old_values[rows], advantages[rows], returns[rows], normalizer)
+                        loss, pg = self._loss(
+                            out, m, old_logprobs[rows], old_values[rows], advantages[rows], returns[rows], normalizer
+                        )
                         acc.backward(loss)
                     total = total + loss.detach()
                     policykl = policykl + torch.stack([pg["policykl"] * pg["count"], pg["count"]])
@@ -536,10 +660,16 @@ class PPOTrainer:
         skip = pg["ratio_mean"] > cfg.ratio_threshold
         loss = torch.where(skip, loss * 0.0, loss)
         n = pg["count"]
-        for name, key, stats in (("policy/approxkl_avg", "approxkl", pg), ("policy/policykl_avg", "policykl", pg),
-                                 ("policy/clipfrac_avg", "clipfrac", pg), ("loss/policy_avg", "pg_loss", pg),
-                                 ("loss/value_avg", "vf_loss", vf), ("val/clipfrac_avg", "vf_clipfrac", vf),
-                                 ("val/vpred", "vpred", vf), ("val/error", "value_error", vf)):
+        for name, key, stats in (
+            ("policy/approxkl_avg", "approxkl", pg),
+            ("policy/policykl_avg", "policykl", pg),
+            ("policy/clipfrac_avg", "clipfrac", pg),
+            ("loss/policy_avg", "pg_loss", pg),
+            ("loss/value_avg", "vf_loss", vf),
+            ("val/clipfrac_avg", "vf_clipfrac", vf),
+            ("val/vpred", "vpred", vf),
+            ("val/error", "value_error", vf),
+        ):
             M.add(name, stats[key] * n, n)
         M.add("loss/total_avg", (pg["pg_loss"] + cfg.vf_coef * vf["vf_loss"]) * n, n)
         M.add_mean("policy/entropy_avg", entropy, m)
@@ -563,9 +693,16 @@ class PPOTrainer:
     def _rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig) -> Rollout:
         with dist.unwrap_for_generation(self.wrapper, self.accelerator, self.args.ds3_gather_for_generation) as w:
             with generation_mode(w.lm), self._autocast():
-                return generate(w.lm, prompt_ids, prompt_mask, sampling, pad_token_id=self.tokenizer.pad_token_id,
-                                batch_size=self.args.local_rollout_forward_batch_size, generator=self.generator,
-                                return_logprobs=False)
+                return generate(
+                    w.lm,
+                    prompt_ids,
+                    prompt_mask,
+                    sampling,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    batch_size=self.args.local_rollout_forward_batch_size,
+                    generator=self.generator,
+                    return_logprobs=False,
+                )
 
     def _score(self, rollout: Rollout, batch: dict) -> torch.Tensor:
         columns = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "prompt")}
@@ -576,7 +713,9 @@ class PPOTrainer:
     def train(self) -> dict[str, float]:
         """Run the whole training (resuming if asked) and save; returns the last logged metrics."""
         if self.step_api:
-            raise ConfigError("this trainer was built with config= for generate()/step(); build it with args= to train().")
+            raise ConfigError(
+                "this trainer was built with config= for generate()/step(); build it with args= to train()."
+            )
         from posttrain import checkpoint as ckpt
         from posttrain.health import oom_advice
 
@@ -618,8 +757,12 @@ class PPOTrainer:
         """The (query, model response, score) table of one eval batch, greedy decoding."""
         run = self.run
         batch = run.eval_prompts(self.args.per_device_eval_batch_size)
-        greedy = SamplingConfig(max_new_tokens=self.args.response_length, temperature=0.0, do_sample=False,
-                                stop_token_ids=run.sampling.stop_token_ids)
+        greedy = SamplingConfig(
+            max_new_tokens=self.args.response_length,
+            temperature=0.0,
+            do_sample=False,
+            stop_token_ids=run.sampling.stop_token_ids,
+        )
         rollout = self._rollout(batch["input_ids"], batch["attention_mask"], greedy)
         with torch.no_grad():
             scores = self._score(rollout, batch).tolist()
@@ -639,8 +782,11 @@ class PPOTrainer:
         stops = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
         return SamplingConfig(
             max_new_tokens=max_new_tokens or kwargs.get("max_new_tokens") or self.args.response_length,
-            temperature=float(kwargs.get("temperature", 1.0)), top_k=int(kwargs.get("top_k", 0) or 0),
-            top_p=float(kwargs.get("top_p", 1.0)), do_sample=bool(kwargs.get("do_sample", True)), stop_token_ids=stops,
+            temperature=float(kwargs.get("temperature", 1.0)),
+            top_k=int(kwargs.get("top_k", 0) or 0),
+            top_p=float(kwargs.get("top_p", 1.0)),
+            do_sample=bool(kwargs.get("do_sample", True)),
+            stop_token_ids=stops,
         )
 
     def _left_pad(self, queries: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -648,13 +794,19 @@ class PPOTrainer:
         ids = torch.full((len(queries), width), self.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros(len(queries), width, dtype=torch.bool)
         for i, q in enumerate(queries):
-            ids[i, width - len(q):], mask[i, width - len(q):] = q.long().cpu(), True
+            ids[i, width - len(q) :], mask[i, width - len(q) :] = q.long().cpu(), True
         return ids.to(self.device), mask.to(self.device)
 
     @torch.no_grad()
-    def generate(self, query_tensor: torch.Tensor | list[torch.Tensor], length_sampler: Callable | None = None,
-                 batch_size: int = 4, return_prompt: bool = True, generate_ref_response: bool = False,
-                 **generation_kwargs: Any):
+    def generate(
+        self,
+        query_tensor: torch.Tensor | list[torch.Tensor],
+        length_sampler: Callable | None = None,
+        batch_size: int = 4,
+        return_prompt: bool = True,
+        generate_ref_response: bool = False,
+        **generation_kwargs: Any,
+    ):
         """Sample responses (classic API): a 1-D query tensor gives a (1, L) tensor; a list gives a
         list of 1-D tensors without padding, each cut after its stop token (kept). With
         `generate_ref_response=True` the reference model's responses are returned too.
@@ -663,7 +815,9 @@ class PPOTrainer:
         draws max_new_tokens per batch."""
         single = isinstance(query_tensor, torch.Tensor)
         if single and query_tensor.dim() != 1:
-            raise ValueError(f"generate() takes a 1-D query tensor or a list of them, got shape {tuple(query_tensor.shape)}.")
+            raise ValueError(
+                f"generate() takes a 1-D query tensor or a list of them, got shape {tuple(query_tensor.shape)}."
+            )
         queries = [query_tensor] if single else list(query_tensor)
         models = [self._lm()] + ([self.ref_model or self._lm()] if generate_ref_response else [])
         results: list[list[torch.Tensor]] = [[] for _ in models]
@@ -674,7 +828,9 @@ class PPOTrainer:
             for k, model in enumerate(models):
                 ctx = model.disable_adapter() if k == 1 and self.ref_model is None else contextlib.nullcontext()
                 with generation_mode(model), ctx, self._autocast():
-                    r = generate(model, ids, mask, sampling, pad_token_id=self.tokenizer.pad_token_id, generator=self.generator)
+                    r = generate(
+                        model, ids, mask, sampling, pad_token_id=self.tokenizer.pad_token_id, generator=self.generator
+                    )
                 for q, c, n in zip(part, r.completion_ids, r.completion_lengths.tolist()):
                     results[k].append(torch.cat([q.to(c.device).long(), c[:n]]) if return_prompt else c[:n])
         if single:
@@ -700,10 +856,17 @@ class PPOTrainer:
                 loss_mask[i, : len(r)] = torch.as_tensor(response_masks[i]).bool().to(self.device)
         eos = self.tokenizer.eos_token_id
         ended = torch.tensor([eos is not None and int(r[-1]) == eos for r in responses], device=self.device)
-        return Rollout(prompt_ids, prompt_mask, ids, mask, lengths, ended, None, None, self.tokenizer.pad_token_id), loss_mask
+        return Rollout(
+            prompt_ids, prompt_mask, ids, mask, lengths, ended, None, None, self.tokenizer.pad_token_id
+        ), loss_mask
 
-    def step(self, queries: list[torch.Tensor], responses: list[torch.Tensor], scores: list[torch.Tensor],
-             response_masks: list[torch.Tensor] | None = None) -> dict[str, float]:
+    def step(
+        self,
+        queries: list[torch.Tensor],
+        responses: list[torch.Tensor],
+        scores: list[torch.Tensor],
+        response_masks: list[torch.Tensor] | None = None,
+    ) -> dict[str, float]:
         """One PPO optimisation on (query, response, score) triples from any source (classic API).
 
         Lists of 1-D token tensors (ragged), one score per pair (0-d / 1-element tensor or number),
@@ -712,40 +875,69 @@ class PPOTrainer:
         statistics named in trl-notes §2.4, reduced over all processes."""
         cfg = self.args
         if not self.step_api:
-            raise ConfigError("step() is the classic API: build the trainer with config= (train() runs the whole loop).")
+            raise ConfigError(
+                "step() is the classic API: build the trainer with config= (train() runs the whole loop)."
+            )
         n = len(queries)
         for name, value in (("queries", queries), ("responses", responses), ("scores", scores)) + (
             (("response_masks", response_masks),) if response_masks is not None else ()
         ):
             if not isinstance(value, (list, tuple)) or len(value) != n:
-                raise ValueError(f"step(): {name} must be a list of {n} tensors (one per query), got {type(value).__name__} "
-                                 f"of length {len(value) if hasattr(value, '__len__') else '?'}.")
+                raise ValueError(
+                    f"step(): {name} must be a list of {n} tensors (one per query), got {type(value).__name__} "
+                    f"of length {len(value) if hasattr(value, '__len__') else '?'}."
+                )
         if cfg.step_batch_size is not None and n != cfg.step_batch_size:
-            raise ValueError(f"step() got {n} queries but config.batch_size = {cfg.step_batch_size}; pass exactly batch_size rows.")
+            raise ValueError(
+                f"step() got {n} queries but config.batch_size = {cfg.step_batch_size}; pass exactly batch_size rows."
+            )
         for i, (q, r) in enumerate(zip(queries, responses)):
-            if not (isinstance(q, torch.Tensor) and q.dim() == 1 and len(q) and isinstance(r, torch.Tensor) and r.dim() == 1 and len(r)):
+            if not (
+                isinstance(q, torch.Tensor)
+                and q.dim() == 1
+                and len(q)
+                and isinstance(r, torch.Tensor)
+                and r.dim() == 1
+                and len(r)
+            ):
                 raise ValueError(f"step(): queries[{i}] and responses[{i}] must be non-empty 1-D token tensors.")
-            if response_masks is not None and (len(response_masks[i]) != len(r) or not bool(torch.as_tensor(response_masks[i]).any())):
-                raise ValueError(f"step(): response_masks[{i}] must have len(responses[{i}]) = {len(r)} entries, at least one 1.")
+            if response_masks is not None and (
+                len(response_masks[i]) != len(r) or not bool(torch.as_tensor(response_masks[i]).any())
+            ):
+                raise ValueError(
+                    f"step(): response_masks[{i}] must have len(responses[{i}]) = {len(r)} entries, at least one 1."
+                )
         for i, s in enumerate(scores):
             # One number per pair (classic TRL: 0-d or 1-element); taking element 0 of a longer
             # tensor would silently train on the wrong reward.
             t = torch.as_tensor(s)
             if t.numel() != 1 or t.dim() > 1:
-                raise ValueError(f"step(): scores[{i}] must be a 0-d or 1-element tensor (one score per response), "
-                                 f"got shape {tuple(t.shape)}.")
-        score_t = torch.tensor([float(torch.as_tensor(s).reshape(-1)[0]) for s in scores], dtype=torch.float32, device=self.device)
+                raise ValueError(
+                    f"step(): scores[{i}] must be a 0-d or 1-element tensor (one score per response), "
+                    f"got shape {tuple(t.shape)}."
+                )
+        score_t = torch.tensor(
+            [float(torch.as_tensor(s).reshape(-1)[0]) for s in scores], dtype=torch.float32, device=self.device
+        )
         if not bool(torch.isfinite(score_t).all()):
             raise ValueError(f"step(): scores must be finite, got {score_t.tolist()}.")
         micro = cfg.step_mini_batch_size or n
         if n % (micro * cfg.gradient_accumulation_steps):
-            raise ConfigError(f"step(): {n} rows must be divisible by mini_batch_size {micro} × gradient_accumulation_steps "
-                              f"{cfg.gradient_accumulation_steps} (rows per optimizer step).")
+            raise ConfigError(
+                f"step(): {n} rows must be divisible by mini_batch_size {micro} × gradient_accumulation_steps "
+                f"{cfg.gradient_accumulation_steps} (rows per optimizer step)."
+            )
         started, kl_coef = time.time(), self.kl_ctl.value
         rollout, loss_mask = self._step_rollout(queries, responses, response_masks)
         self.metrics.reset()
-        self._optimize(rollout, score_t, micro, cfg.gradient_accumulation_steps, n // (micro * cfg.gradient_accumulation_steps),
-                       loss_mask=loss_mask)
+        self._optimize(
+            rollout,
+            score_t,
+            micro,
+            cfg.gradient_accumulation_steps,
+            n // (micro * cfg.gradient_accumulation_steps),
+            loss_mask=loss_mask,
+        )
         values = self.metrics.reduce(self.accelerator)
         self.metrics.reset()
         lr = self.optimizer.param_groups[0]["lr"]
@@ -755,20 +947,29 @@ class PPOTrainer:
         stats = {name: values[key] for name, key in STEP_STATS.items() if key in values}
         scores_var = values["objective/scores_var"]
         stats["ppo/std_scores"] = math.sqrt(scores_var) if math.isfinite(scores_var) else 0.0
-        stats["ppo/val/var_explained"] = 1.0 - values["val/error"] / values["returns/var"] if values["returns/var"] else math.nan
+        stats["ppo/val/var_explained"] = (
+            1.0 - values["val/error"] / values["returns/var"] if values["returns/var"] else math.nan
+        )
         stats["objective/kl_coef"] = kl_coef
         stats["ppo/learning_rate"] = lr
         stats["time/ppo/total"] = time.time() - started
         return stats
 
-    def log_stats(self, stats: dict, batch: dict, rewards: list, columns_to_log: Sequence[str] = ("query", "response")) -> None:
+    def log_stats(
+        self, stats: dict, batch: dict, rewards: list, columns_to_log: Sequence[str] = ("query", "response")
+    ) -> None:
         """Write step() statistics (plus env/reward_mean, env/reward_std) to the console, metrics.jsonl
         and report_to sinks, and a `game_log` table of `columns_to_log` + reward (classic API)."""
         rewards_t = torch.tensor([float(torch.as_tensor(r).reshape(-1)[0]) for r in rewards], device=self.device)
         everyone = dist.gather(rewards_t, self.accelerator)
         if self.tracker is None:
-            self.tracker = Tracker(self.args.output_dir, self.args.report_to, config=self.args.to_dict(),
-                                   run_name=self.args.run_name, is_main=dist.is_main(self.accelerator))
+            self.tracker = Tracker(
+                self.args.output_dir,
+                self.args.report_to,
+                config=self.args.to_dict(),
+                run_name=self.args.run_name,
+                is_main=dist.is_main(self.accelerator),
+            )
         values = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
         values["env/reward_mean"] = float(everyone.mean())
         values["env/reward_std"] = float(everyone.std()) if everyone.numel() > 1 else 0.0
@@ -804,22 +1005,41 @@ def run(config: PPOConfig) -> int:
         eval_dataset = load_split(config, config.dataset_test_split, required=False)
 
         def policy():
-            return load_policy(config.sft_model_path, dtype=config.torch_dtype, trust_remote_code=config.trust_remote_code,
-                               disable_dropout=config.disable_dropout, gradient_checkpointing=config.gradient_checkpointing,
-                               tokenizer=tokenizer)
+            return load_policy(
+                config.sft_model_path,
+                dtype=config.torch_dtype,
+                trust_remote_code=config.trust_remote_code,
+                disable_dropout=config.disable_dropout,
+                gradient_checkpointing=config.gradient_checkpointing,
+                tokenizer=tokenizer,
+            )
 
         rewards: list[Any] = [import_callable(path) for path in config.reward_funcs or []]
         reward_tokenizer = None
         if config.reward_model_path:
             reward_tokenizer = load_tokenizer(config.reward_model_path, trust_remote_code=config.trust_remote_code)
-            rewards.insert(0, load_reward_model(config.reward_model_path, dtype=config.torch_dtype,
-                                                trust_remote_code=config.trust_remote_code, tokenizer=reward_tokenizer))
+            rewards.insert(
+                0,
+                load_reward_model(
+                    config.reward_model_path,
+                    dtype=config.torch_dtype,
+                    trust_remote_code=config.trust_remote_code,
+                    tokenizer=reward_tokenizer,
+                ),
+            )
         peft_config = peft_config_from(config)
         # With LoRA the reference is the base model with the adapter disabled: no second copy is loaded.
-        trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy(),
-                             ref_model=None if peft_config is not None else policy(), peft_config=peft_config,
-                             reward_model=rewards if len(rewards) > 1 else rewards[0], train_dataset=train_dataset,
-                             eval_dataset=eval_dataset, reward_processing_class=reward_tokenizer)
+        trainer = PPOTrainer(
+            args=config,
+            processing_class=tokenizer,
+            model=policy(),
+            ref_model=None if peft_config is not None else policy(),
+            peft_config=peft_config,
+            reward_model=rewards if len(rewards) > 1 else rewards[0],
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            reward_processing_class=reward_tokenizer,
+        )
         trainer.train()
     except (ConfigError, DataError, ckpt.CheckpointError) as err:
         print(f"posttrain ppo: {err}", file=sys.stderr)
