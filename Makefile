@@ -6,7 +6,13 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench clean
+# The oldest declared versions (constraints-floor.txt), in a venv of their own.
+FLOOR_VENV ?= .venv-floor
+FLOOR_BIN := $(FLOOR_VENV)/bin
+FLOOR_STAMP := $(FLOOR_VENV)/.installed
+TEST_ENV := OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+.PHONY: demo test test-floor lint install bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,9 +26,25 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/posttrain demo --output_dir outputs/demo
 
-test: $(STAMP)
-	OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
-	  $(BIN)/python -m pytest tests
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(TEST_ENV) $(BIN)/python -m pytest tests
+
+$(FLOOR_STAMP): pyproject.toml constraints-floor.txt
+	test -x $(FLOOR_BIN)/python || $(PY) -m venv $(FLOOR_VENV)
+	$(FLOOR_BIN)/pip install -q --upgrade pip
+	$(FLOOR_BIN)/pip install -q -c constraints-floor.txt -e ".[dev]"
+	touch $(FLOOR_STAMP)
+
+# The whole suite and the quick demo on the oldest versions pyproject.toml accepts.
+test-floor: $(FLOOR_STAMP)
+	$(FLOOR_BIN)/python -c "import transformers, accelerate, datasets; print('floor:', 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'datasets', datasets.__version__)"
+	PATH=$(abspath $(FLOOR_BIN)):$$PATH $(TEST_ENV) $(FLOOR_BIN)/python -m pytest tests
+	rm -rf outputs/demo-floor
+	$(TEST_ENV) $(FLOOR_BIN)/posttrain demo --quick --output_dir outputs/demo-floor
 
 clean:
-	rm -rf $(VENV) outputs build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(FLOOR_VENV) outputs build *.egg-info src/*.egg-info

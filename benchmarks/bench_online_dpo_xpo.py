@@ -39,8 +39,12 @@ def main(name: str) -> dict:
     common["max_new_tokens"] = common.pop("response_length")
     common.pop("num_mini_batches")
     trainer = Trainer(
-        model=art["policy"](), ref_model=art["policy"](), reward_model=art["reward"](), args=Config(**common),
-        processing_class=art["tokenizer"], train_dataset=art["train"],
+        model=art["policy"](),
+        ref_model=art["policy"](),
+        reward_model=art["reward"](),
+        args=Config(**common),
+        processing_class=art["tokenizer"],
+        train_dataset=art["train"],
     )
 
     def train() -> dict:
@@ -48,8 +52,13 @@ def main(name: str) -> dict:
         return trainer.log_history[-1] if trainer.log_history else {}
 
     return harness.timed(
-        name, out, train, k=2, optimizer_steps=lambda: trainer.state.optimizer_steps,
-        mean_completion_len=lambda last: None, first_log=lambda: trainer.log_history[0] if trainer.log_history else {},
+        name,
+        out,
+        train,
+        k=2,
+        optimizer_steps=lambda: trainer.state.optimizer_steps,
+        mean_completion_len=lambda last: None,
+        first_log=lambda: trainer.log_history[0] if trainer.log_history else {},
     )
 
 

@@ -25,11 +25,20 @@ def main() -> dict:
     out = harness.out_dir("ppo")
     config = PPOConfig(**harness.common_config(out), num_ppo_epochs=PPO_EPOCHS, value_model_init="reward")
     trainer = PPOTrainer(
-        args=config, processing_class=art["tokenizer"], model=art["policy"](), ref_model=art["policy"](),
-        reward_model=art["reward"](), train_dataset=art["train"], eval_dataset=art["test"],
+        args=config,
+        processing_class=art["tokenizer"],
+        model=art["policy"](),
+        ref_model=art["policy"](),
+        reward_model=art["reward"](),
+        train_dataset=art["train"],
+        eval_dataset=art["test"],
     )
     return harness.timed(
-        "ppo", out, trainer.train, k=1, optimizer_steps=lambda: trainer.run.state.optimizer_steps,
+        "ppo",
+        out,
+        trainer.train,
+        k=1,
+        optimizer_steps=lambda: trainer.run.state.optimizer_steps,
         mean_completion_len=lambda last: last.get("tokens/responses_len_mean"),
         first_log=lambda: trainer.log_history[0] if getattr(trainer, "log_history", None) else {},
     )

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 
 import harness
-from harness import K, PPO_EPOCHS
+from harness import PPO_EPOCHS, K
 
 
 def main() -> dict:
@@ -46,14 +46,32 @@ def main() -> dict:
     common = harness.common_config(out)
     if trainer_name == "grpo":
         config = GRPOConfig(**common, num_generations=K, num_iterations=PPO_EPOCHS, beta=0.05)
-        trainer = GRPOTrainer(art["policy"](), art["reward"](), config, art["train"], art["test"],
-                              processing_class=art["tokenizer"], ref_model=art["policy"]())
+        trainer = GRPOTrainer(
+            art["policy"](),
+            art["reward"](),
+            config,
+            art["train"],
+            art["test"],
+            processing_class=art["tokenizer"],
+            ref_model=art["policy"](),
+        )
     else:
         config = RLOOConfig(**common, rloo_k=K, num_ppo_epochs=PPO_EPOCHS, kl_coef=0.05)
-        trainer = RLOOTrainer(config, art["tokenizer"], art["policy"](), art["policy"](), art["reward"](), art["train"],
-                              eval_dataset=art["test"])
+        trainer = RLOOTrainer(
+            config,
+            art["tokenizer"],
+            art["policy"](),
+            art["policy"](),
+            art["reward"](),
+            art["train"],
+            eval_dataset=art["test"],
+        )
     return harness.timed(
-        trainer_name, out, trainer.train, k=K, optimizer_steps=lambda: trainer.setup.run.state.optimizer_steps,
+        trainer_name,
+        out,
+        trainer.train,
+        k=K,
+        optimizer_steps=lambda: trainer.setup.run.state.optimizer_steps,
         mean_completion_len=lambda last: last.get("completions/mean_length"),
         first_log=lambda: trainer.log_history[0] if trainer.log_history else {},
     )

@@ -95,8 +95,10 @@ def main() -> None:
     t_ours = time_it(ours, args.repeats)
     t_hf = time_it(hf, args.repeats)
     dtype = "bf16" if args.bf16 else "fp32"
-    print(f"model hidden={args.hidden} layers={args.layers} vocab={args.vocab} {dtype}, batch={args.batch}, "
-          f"prompt~{args.prompt_len}, new={args.new_tokens}, threads={args.threads}")
+    print(
+        f"model hidden={args.hidden} layers={args.layers} vocab={args.vocab} {dtype}, batch={args.batch}, "
+        f"prompt~{args.prompt_len}, new={args.new_tokens}, threads={args.threads}"
+    )
     print(f"posttrain.generate : {tokens / t_ours:9.0f} tok/s  ({t_ours * 1e3:.1f} ms)")
     print(f"model.generate()   : {tokens / t_hf:9.0f} tok/s  ({t_hf * 1e3:.1f} ms)")
     print(f"speed-up           : {t_hf / t_ours:.2f}x")

@@ -19,11 +19,17 @@ from collections.abc import Callable
 from typing import Any
 
 warnings.filterwarnings("ignore")
-for _var, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"),
-                     ("TOKENIZERS_PARALLELISM", "false")):
+for _var, _value in (
+    ("HF_HUB_OFFLINE", "1"),
+    ("HF_DATASETS_OFFLINE", "1"),
+    ("TRANSFORMERS_OFFLINE", "1"),
+    ("TOKENIZERS_PARALLELISM", "false"),
+):
     os.environ.setdefault(_var, _value)
 
-ART = os.environ.get("ART", os.path.join(os.environ.get("POSTTRAIN_BENCH", os.path.expanduser("~/.cache/posttrain-bench")), "artifacts"))
+ART = os.environ.get(
+    "ART", os.path.join(os.environ.get("POSTTRAIN_BENCH", os.path.expanduser("~/.cache/posttrain-bench")), "artifacts")
+)
 SIZE = os.environ.get("SIZE", "14m")
 EPISODES = int(os.environ.get("EPISODES", 512))
 BATCH = int(os.environ.get("BATCH", 16))
@@ -46,10 +52,22 @@ def common_config(out: str) -> dict[str, Any]:
     """Config fields every online trainer gets: TRL's reference settings (one minibatch, no sample
     tables, no checkpoints, rollout chunks of BATCH rows, logging every step)."""
     return dict(
-        output_dir=out, overwrite_output_dir=True, per_device_train_batch_size=BATCH, gradient_accumulation_steps=1,
-        num_mini_batches=1, response_length=RESP_LEN, total_episodes=EPISODES, local_rollout_forward_batch_size=BATCH,
-        num_sample_generations=0, learning_rate=LR, seed=SEED, logging_steps=1, save_steps=0, report_to="none",
-        bf16=BF16, temperature=TEMP,
+        output_dir=out,
+        overwrite_output_dir=True,
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=1,
+        num_mini_batches=1,
+        response_length=RESP_LEN,
+        total_episodes=EPISODES,
+        local_rollout_forward_batch_size=BATCH,
+        num_sample_generations=0,
+        learning_rate=LR,
+        seed=SEED,
+        logging_steps=1,
+        save_steps=0,
+        report_to="none",
+        bf16=BF16,
+        temperature=TEMP,
     )
 
 
@@ -64,14 +82,24 @@ def load_artifacts() -> dict[str, Any]:
     tokenizer = load_tokenizer(POLICY)
     prompts = load_from_disk(f"{ART}/prompts")
     return dict(
-        tokenizer=tokenizer, train=prompts["train"], test=prompts["test"],
+        tokenizer=tokenizer,
+        train=prompts["train"],
+        test=prompts["test"],
         policy=lambda: load_policy(POLICY, tokenizer=tokenizer),
         reward=lambda: load_reward_model(REWARD, tokenizer=tokenizer),
     )
 
 
-def timed(name: str, out: str, train: Callable[[], dict], *, k: int, optimizer_steps: Callable[[], int],
-          mean_completion_len: Callable[[dict], Any], first_log: Callable[[], dict]) -> dict:
+def timed(
+    name: str,
+    out: str,
+    train: Callable[[], dict],
+    *,
+    k: int,
+    optimizer_steps: Callable[[], int],
+    mean_completion_len: Callable[[dict], Any],
+    first_log: Callable[[], dict],
+) -> dict:
     """Run train(), then write result.json (timing, settings, first/last logged metrics) and the
     RESULT_DIR / RESULT lines that run_ours.sh reads."""
     import torch
@@ -83,12 +111,29 @@ def timed(name: str, out: str, train: Callable[[], dict], *, k: int, optimizer_s
     last = train() or {}
     wall = time.perf_counter() - start
     result = dict(
-        trainer=name, library=f"posttrain {posttrain.__version__}", transformers=transformers.__version__,
-        torch=torch.__version__, python=platform.python_version(), threads=torch.get_num_threads(), size=SIZE,
-        batch=BATCH, k=k, resp_len=RESP_LEN, temperature=TEMP, lr=LR, seed=SEED, episodes=EPISODES, bf16=BF16,
-        steps=optimizer_steps(), train_wall_s=round(wall, 2), eps_wall=round(EPISODES / wall, 2),
-        eps_logged_last=last.get("eps"), ru_maxrss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        mean_completion_len=mean_completion_len(last), first_log=first_log(), last_log=last,
+        trainer=name,
+        library=f"posttrain {posttrain.__version__}",
+        transformers=transformers.__version__,
+        torch=torch.__version__,
+        python=platform.python_version(),
+        threads=torch.get_num_threads(),
+        size=SIZE,
+        batch=BATCH,
+        k=k,
+        resp_len=RESP_LEN,
+        temperature=TEMP,
+        lr=LR,
+        seed=SEED,
+        episodes=EPISODES,
+        bf16=BF16,
+        steps=optimizer_steps(),
+        train_wall_s=round(wall, 2),
+        eps_wall=round(EPISODES / wall, 2),
+        eps_logged_last=last.get("eps"),
+        ru_maxrss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        mean_completion_len=mean_completion_len(last),
+        first_log=first_log(),
+        last_log=last,
     )
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump(result, f, indent=1)

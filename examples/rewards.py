@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def letter_fraction(prompts: Sequence[str], completions: Sequence[str], letter: str = "e", **columns: Any) -> list[float]:
+def letter_fraction(
+    prompts: Sequence[str], completions: Sequence[str], letter: str = "e", **columns: Any
+) -> list[float]:
     """Fraction of the completion's characters that are `letter` (0 for an empty completion)."""
     return [c.count(letter) / len(c) if c else 0.0 for c in completions]
 

@@ -22,18 +22,24 @@ from posttrain.judges import judge_from_spec
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--model", default="Qwen/Qwen2-0.5B-Instruct", help="policy: hub name or local folder")
-parser.add_argument("--dataset", default="trl-lib/ultrafeedback-prompt", help="prompt-only dataset: hub name, folder or file")
+parser.add_argument(
+    "--dataset", default="trl-lib/ultrafeedback-prompt", help="prompt-only dataset: hub name, folder or file"
+)
 parser.add_argument("--judge", default="pair_rm", help="judge spec (pair_rm, openai, random, reward_model:<path>, ...)")
 parser.add_argument("--reward_model", default=None, help="use this reward model instead of the judge (the docs' tip)")
 parser.add_argument("--output_dir", default="Qwen2-0.5B-XPO")
-parser.add_argument("--total_episodes", type=int, default=None, help="default: num_train_epochs passes over the prompts")
+parser.add_argument(
+    "--total_episodes", type=int, default=None, help="default: num_train_epochs passes over the prompts"
+)
 parser.add_argument("--max_new_tokens", type=int, default=64)
 args = parser.parse_args()
 
 model = AutoModelForCausalLM.from_pretrained(args.model)
 tokenizer = AutoTokenizer.from_pretrained(args.model)
 train_dataset = load_any_dataset(args.dataset, split="train")
-training_args = XPOConfig(output_dir=args.output_dir, total_episodes=args.total_episodes, max_new_tokens=args.max_new_tokens)
+training_args = XPOConfig(
+    output_dir=args.output_dir, total_episodes=args.total_episodes, max_new_tokens=args.max_new_tokens
+)
 
 if args.reward_model is None:
     judge = judge_from_spec(args.judge)
@@ -44,6 +50,10 @@ else:
     # The SFT model and the reward model must share the chat template and tokenizer (seed 003).
     reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model, num_labels=1)
     trainer = XPOTrainer(
-        model=model, reward_model=reward_model, args=training_args, processing_class=tokenizer, train_dataset=train_dataset
+        model=model,
+        reward_model=reward_model,
+        args=training_args,
+        processing_class=tokenizer,
+        train_dataset=train_dataset,
     )
 trainer.train()

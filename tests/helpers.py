@@ -16,6 +16,15 @@ def per_row_generate(model, prompt_ids, prompt_mask, sampling, *, pad_token_id, 
         seen[key] = seen.get(key, -1) + 1
         seed = (sum((i + 1) * t for i, t in enumerate(key)) * 1009 + seen[key]) % (2**31)
         g = torch.Generator(device=ids.device).manual_seed(seed)
-        rows.append(generate(model, ids[mask.bool()][None], mask[mask.bool()][None], sampling,
-                             pad_token_id=pad_token_id, generator=g, **kw))
+        rows.append(
+            generate(
+                model,
+                ids[mask.bool()][None],
+                mask[mask.bool()][None],
+                sampling,
+                pad_token_id=pad_token_id,
+                generator=g,
+                **kw,
+            )
+        )
     return Rollout.cat(rows)

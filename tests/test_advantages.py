@@ -247,7 +247,10 @@ def _gae_reference(rewards, values, lengths, gamma, lam):
     return adv.float(), ret.float()
 
 
-@pytest.mark.parametrize("seed,batch,length,gamma,lam", [(0, 1, 1, 1.0, 0.95), (1, 4, 7, 1.0, 0.95), (2, 5, 12, 0.99, 0.9), (3, 8, 3, 0.5, 1.0)])
+@pytest.mark.parametrize(
+    "seed,batch,length,gamma,lam",
+    [(0, 1, 1, 1.0, 0.95), (1, 4, 7, 1.0, 0.95), (2, 5, 12, 0.99, 0.9), (3, 8, 3, 0.5, 1.0)],
+)
 def test_gae_matches_naive_loop(seed, batch, length, gamma, lam):
     g = torch.Generator().manual_seed(seed)
     rewards = torch.randn(batch, length, generator=g)
@@ -312,7 +315,9 @@ def test_running_moments_many_batches_match_all_at_once():
 
 def test_scale_scores():
     scores = torch.tensor([2.0, 4.0, 6.0])  # mean 4, unbiased std 2
-    torch.testing.assert_close(scale_scores(scores, RunningMoments(), use_score_scaling=True), torch.tensor([1.0, 2.0, 3.0]))
+    torch.testing.assert_close(
+        scale_scores(scores, RunningMoments(), use_score_scaling=True), torch.tensor([1.0, 2.0, 3.0])
+    )
     normed = scale_scores(scores, RunningMoments(), use_score_scaling=True, use_score_norm=True)
     torch.testing.assert_close(normed, torch.tensor([-1.0, 0.0, 1.0]))
     clipped = scale_scores(scores, RunningMoments(), use_score_scaling=True, use_score_norm=True, score_clip=0.5)
@@ -368,7 +373,9 @@ def test_group_advantages():
     rewards = torch.tensor([[1.0, 2.0, 3.0], [5.0, 5.0, 5.0]])
     expected = torch.tensor([[-1.0 / 1.0001, 0.0, 1.0 / 1.0001], [0.0, 0.0, 0.0]])
     torch.testing.assert_close(group_advantages(rewards), expected)
-    torch.testing.assert_close(group_advantages(rewards, scale_std=False), torch.tensor([[-1.0, 0.0, 1.0], [0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(
+        group_advantages(rewards, scale_std=False), torch.tensor([[-1.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    )
     with pytest.raises(ValueError, match="G=1"):
         group_advantages(torch.ones(3, 1))
 
@@ -377,7 +384,9 @@ def test_normalize_rewards_and_advantages():
     # [1, 2, 3, 4]: mean 2.5, unbiased std √(5/3) = 1.2909944 → ±0.3872983, ±1.1618950
     scores = torch.tensor([1.0, 2.0, 3.0, 4.0])
     torch.testing.assert_close(normalize_rewards(scores), torch.tensor([-1.1618950, -0.3872983, 0.3872983, 1.1618950]))
-    torch.testing.assert_close(normalize_rewards(scores, clip_range=1.0), torch.tensor([-1.0, -0.3872983, 0.3872983, 1.0]))
+    torch.testing.assert_close(
+        normalize_rewards(scores, clip_range=1.0), torch.tensor([-1.0, -0.3872983, 0.3872983, 1.0])
+    )
     # [1, 3]: mean 2, unbiased std √2 → ±1/√2
     torch.testing.assert_close(normalize_advantages(torch.tensor([1.0, 3.0])), torch.tensor([-0.7071068, 0.7071068]))
 
@@ -389,4 +398,6 @@ def test_non_finite_padding_does_not_leak():
     torch.testing.assert_close(adv, torch.tensor([[0.1, 0.8, 0.0]]))  # same numbers as test_gae_hand_example
     torch.testing.assert_close(ret, torch.tensor([[0.6, 1.0, 0.0]]))
     # [1, 3] mean 2, unbiased var 2 → ±1/√2
-    torch.testing.assert_close(whiten_advantages(torch.tensor([[1.0, 3.0, nan]]), mask), torch.tensor([[-0.7071068, 0.7071068, 0.0]]))
+    torch.testing.assert_close(
+        whiten_advantages(torch.tensor([[1.0, 3.0, nan]]), mask), torch.tensor([[-0.7071068, 0.7071068, 0.0]])
+    )

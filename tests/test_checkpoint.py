@@ -21,8 +21,12 @@ from posttrain.checkpoint import (
 def tiny_lm(seed: int, tie: bool = False) -> transformers.LlamaForCausalLM:
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=32, tie_word_embeddings=tie,
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        tie_word_embeddings=tie,
     )
     return transformers.LlamaForCausalLM(config)
 
@@ -71,11 +75,23 @@ def test_round_trip_resume_is_bitwise_exact(tmp_path):
     run = Setup(seed=0)
     run.train_step()
     gen = torch.Generator().manual_seed(5)
-    state = {"episode": 128, "data_position": 3, "kl_coef": 0.05, "sampler": gen.get_state(),
-             "running": {"mean": torch.tensor(1.5)}}
-    path = save_checkpoint(tmp_path, 1, models=run.models, tokenizer=tiny_tokenizer(),
-                           config={"learning_rate": 1e-2}, optimizer=run.optimizer,
-                           scheduler=run.scheduler, trainer_state=state)
+    state = {
+        "episode": 128,
+        "data_position": 3,
+        "kl_coef": 0.05,
+        "sampler": gen.get_state(),
+        "running": {"mean": torch.tensor(1.5)},
+    }
+    path = save_checkpoint(
+        tmp_path,
+        1,
+        models=run.models,
+        tokenizer=tiny_tokenizer(),
+        config={"learning_rate": 1e-2},
+        optimizer=run.optimizer,
+        scheduler=run.scheduler,
+        trainer_state=state,
+    )
     assert path == tmp_path / "checkpoint-1"
     py_rng, np_rng, torch_rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
     run.train_step()
@@ -84,8 +100,9 @@ def test_round_trip_resume_is_bitwise_exact(tmp_path):
     # A "new process": different weights, fresh optimizer, scrambled RNG.
     random.seed(99), np.random.seed(99), torch.manual_seed(99)
     resumed = Setup(seed=1)
-    trainer_state = load_checkpoint(path, models=resumed.models, optimizer=resumed.optimizer,
-                                    scheduler=resumed.scheduler)
+    trainer_state = load_checkpoint(
+        path, models=resumed.models, optimizer=resumed.optimizer, scheduler=resumed.scheduler
+    )
     assert random.getstate() == py_rng and torch.equal(torch.get_rng_state(), torch_rng)
     assert np_rng[0] == np.random.get_state()[0] and np.array_equal(np_rng[1], np.random.get_state()[1])
     assert np_rng[2:] == np.random.get_state()[2:]
@@ -217,9 +234,7 @@ def test_save_final_loads_with_plain_transformers(tmp_path):
 
     # Saving again overwrites in place; no stale files or temp dirs remain.
     save_final(out, tiny_lm(1))
-    assert not torch.equal(
-        transformers.AutoModelForCausalLM.from_pretrained(out).lm_head.weight, model.lm_head.weight
-    )
+    assert not torch.equal(transformers.AutoModelForCausalLM.from_pretrained(out).lm_head.weight, model.lm_head.weight)
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
 
 

@@ -10,14 +10,22 @@ from posttrain import __version__, cli
 from posttrain.cli import COMMANDS, Command
 
 SEED_RLOO_FLAGS = [
-    "--learning_rate", "3e-6",
-    "--output_dir", "models/minimal/rloo",
-    "--per_device_train_batch_size", "64",
-    "--gradient_accumulation_steps", "1",
-    "--total_episodes", "10000",
-    "--model_name_or_path", "tiny/policy",
-    "--reward_model_path", "tiny/rm",
-    "--missing_eos_penalty", "1.0",
+    "--learning_rate",
+    "3e-6",
+    "--output_dir",
+    "models/minimal/rloo",
+    "--per_device_train_batch_size",
+    "64",
+    "--gradient_accumulation_steps",
+    "1",
+    "--total_episodes",
+    "10000",
+    "--model_name_or_path",
+    "tiny/policy",
+    "--reward_model_path",
+    "tiny/rm",
+    "--missing_eos_penalty",
+    "1.0",
 ]
 
 CALLS: list = []
@@ -30,19 +38,25 @@ def fake_runner(config):
 
 @pytest.fixture
 def fake_command(monkeypatch):
-    monkeypatch.setitem(COMMANDS, "fake", Command("posttrain.configs:OnPolicyConfig", "test_cli:fake_runner", "A test command."))
+    monkeypatch.setitem(
+        COMMANDS, "fake", Command("posttrain.configs:OnPolicyConfig", "test_cli:fake_runner", "A test command.")
+    )
     CALLS.clear()
     return "fake"
 
 
 def test_help_lists_every_command():
-    out = subprocess.run([sys.executable, "-m", "posttrain", "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "posttrain", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for name in ["sft", "reward", "ppo", "rloo", "grpo", "online-dpo", "xpo", "judge", "chat", "demo", "plot"]:
         assert name in out
 
 
 def test_version():
-    out = subprocess.run([sys.executable, "-m", "posttrain", "--version"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "posttrain", "--version"], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == f"posttrain {__version__}"
 
 
@@ -133,7 +147,9 @@ def test_invalid_value_is_reported_before_anything_runs(fake_command):
 
 
 def test_a_command_whose_module_is_missing_says_so(monkeypatch, capsys):
-    monkeypatch.setitem(COMMANDS, "later", Command("posttrain.not_built_yet:Config", "posttrain.not_built_yet:run", "x"))
+    monkeypatch.setitem(
+        COMMANDS, "later", Command("posttrain.not_built_yet:Config", "posttrain.not_built_yet:run", "x")
+    )
     assert cli.main(["later"]) == 2
     assert "not built yet" in capsys.readouterr().err
 
@@ -141,7 +157,8 @@ def test_a_command_whose_module_is_missing_says_so(monkeypatch, capsys):
 def test_import_posttrain_stays_light():
     code = (
         "import sys, posttrain, posttrain.cli, posttrain.configs\n"
-        "heavy = [m for m in ('torch', 'transformers', 'wandb', 'tensorboard', 'deepspeed', 'peft', 'vllm') if m in sys.modules]\n"
+        "heavy = [m for m in ('torch', 'transformers', 'wandb', 'tensorboard', 'deepspeed', 'peft', 'vllm')"
+        " if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
@@ -176,7 +193,9 @@ def failing_runner(config):
 
 
 def test_user_errors_are_one_line_with_exit_code_2(monkeypatch, capsys):
-    monkeypatch.setitem(COMMANDS, "failing", Command("posttrain.configs:OnPolicyConfig", "test_cli:failing_runner", "x"))
+    monkeypatch.setitem(
+        COMMANDS, "failing", Command("posttrain.configs:OnPolicyConfig", "test_cli:failing_runner", "x")
+    )
     assert cli.main(["failing"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("posttrain failing: prompts.jsonl") and "Traceback" not in err
@@ -205,7 +224,9 @@ def test_a_saved_run_config_can_be_passed_back_with_config(fake_command, tmp_pat
 
     from posttrain.configs import OnPolicyConfig
 
-    saved = OnPolicyConfig(learning_rate=2e-5, total_episodes=64, per_device_train_batch_size=8).derive_sizes(1).to_dict()
+    saved = (
+        OnPolicyConfig(learning_rate=2e-5, total_episodes=64, per_device_train_batch_size=8).derive_sizes(1).to_dict()
+    )
     path = tmp_path / "posttrain_config.json"
     path.write_text(json.dumps(saved))
     cli.main([fake_command, "--config", str(path), "--learning_rate", "1e-4"])

@@ -7,7 +7,9 @@ from posttrain.configs import ConfigError, OnPolicyConfig, TrainingConfig
 
 def test_derived_sizes_match_the_documented_formulas():
     # per_device 4 × GA 2 × num_mini_batches 2 = 16 completions per device; × 3 processes = 48 per rollout.
-    c = OnPolicyConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2, total_episodes=1000)
+    c = OnPolicyConfig(
+        per_device_train_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2, total_episodes=1000
+    )
     c.derive_sizes(world_size=3)
     assert c.local_batch_size == 16
     assert c.batch_size == 48

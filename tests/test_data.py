@@ -208,7 +208,9 @@ def test_prompt_dataset_custom_column_and_pretokenized(tok):
 
     ids = tok("The quick brown fox")["input_ids"]
     stale_mask = [[1] * len(ids)]
-    out = prepare_prompt_dataset(Dataset.from_dict({"input_ids": [ids], "attention_mask": stale_mask}), tok, max_prompt_length=2)
+    out = prepare_prompt_dataset(
+        Dataset.from_dict({"input_ids": [ids], "attention_mask": stale_mask}), tok, max_prompt_length=2
+    )
     assert "attention_mask" not in out.column_names
     assert out[0]["input_ids"] == ids[-2:]
     assert out[0]["prompt"] == tok.decode(ids[-2:])
@@ -221,7 +223,7 @@ def test_prompt_dataset_overlong_truncate_left_and_drop(tok, caplog):
     with caplog.at_level(logging.WARNING, logger="posttrain.data"):
         out = prepare_prompt_dataset(ds, tok, max_prompt_length=4)
     assert "2 of 3 prompts are longer than 4 tokens and were truncated from the left" in caplog.text
-    assert out[0]["input_ids"] == tok(long)["input_ids"][n_long - 4:]
+    assert out[0]["input_ids"] == tok(long)["input_ids"][n_long - 4 :]
     assert out[0]["prompt"] == tok.decode(out[0]["input_ids"]) and long.endswith(out[0]["prompt"])
     assert out[1]["prompt"] == short
 
@@ -235,7 +237,10 @@ def test_prompt_dataset_overlong_truncate_left_and_drop(tok, caplog):
 
 
 def test_prompt_dataset_bad_data(tok, tmp_path):
-    with pytest.raises(DataError, match=r"train_dataset, field 'prompt': missing column\(s\) \['prompt'\].*available columns: \['question'\]"):
+    with pytest.raises(
+        DataError,
+        match=r"train_dataset, field 'prompt': missing column\(s\) \['prompt'\].*available columns: \['question'\]",
+    ):
         prepare_prompt_dataset(Dataset.from_dict({"question": ["x"]}), tok, source="train_dataset")
     with pytest.raises(DataError, match=r"row 1, field 'prompt': is empty"):
         prepare_prompt_dataset(Dataset.from_dict({"prompt": ["ok", "   "]}), tok)
@@ -282,7 +287,7 @@ def test_prompt_collator_on_prepared_dataset(tok):
     batch = PromptCollator(tok.pad_token_id)([ds[0], ds[1]])
     lengths = batch["attention_mask"].sum(1).tolist()
     assert lengths == [len(ds[0]["input_ids"]), len(ds[1]["input_ids"])]
-    assert batch["input_ids"][1, -lengths[1]:].tolist() == ds[1]["input_ids"]
+    assert batch["input_ids"][1, -lengths[1] :].tolist() == ds[1]["input_ids"]
     assert (batch["input_ids"][1, : -lengths[1]] == tok.pad_token_id).all()
 
 
@@ -306,21 +311,28 @@ def test_preference_standard_explicit_and_implicit_prompt(tok):
 
 
 def test_preference_conversational_and_pretokenized(tok):
-    ds = Dataset.from_dict({
-        "prompt": [conv(("user", "Hi"))],
-        "chosen": [conv(("assistant", "Hello!"))],
-        "rejected": [conv(("assistant", "Go away"))],
-    })
+    ds = Dataset.from_dict(
+        {
+            "prompt": [conv(("user", "Hi"))],
+            "chosen": [conv(("assistant", "Hello!"))],
+            "rejected": [conv(("assistant", "Go away"))],
+        }
+    )
     row = prepare_preference_dataset(ds, tok, max_length=64)[0]
     assert tok.decode(row["chosen_input_ids"]) == "user: Hi\nassistant: Hello!<|endoftext|>\n"
-    implicit = Dataset.from_dict({
-        "chosen": [conv(("user", "Hi"), ("assistant", "Hello!"))],
-        "rejected": [conv(("user", "Hi"), ("assistant", "Go away"))],
-    })
+    implicit = Dataset.from_dict(
+        {
+            "chosen": [conv(("user", "Hi"), ("assistant", "Hello!"))],
+            "rejected": [conv(("user", "Hi"), ("assistant", "Go away"))],
+        }
+    )
     assert prepare_preference_dataset(implicit, tok, max_length=64)[0]["chosen_input_ids"] == row["chosen_input_ids"]
 
     pre = Dataset.from_dict({"chosen_input_ids": [[1, 2, 3]], "rejected_input_ids": [[4, 5]]})
-    assert prepare_preference_dataset(pre, tok, max_length=64)[0] == {"chosen_input_ids": [1, 2, 3], "rejected_input_ids": [4, 5]}
+    assert prepare_preference_dataset(pre, tok, max_length=64)[0] == {
+        "chosen_input_ids": [1, 2, 3],
+        "rejected_input_ids": [4, 5],
+    }
 
 
 def test_preference_overflow_counts(tok, caplog):
@@ -341,7 +353,9 @@ def test_preference_bad_data(tok):
     with pytest.raises(DataError, match=r"row 0, field 'rejected': has type int"):
         prepare_preference_dataset(Dataset.from_dict({"chosen": ["a"], "rejected": [1]}), tok, 8)
     with pytest.raises(DataError, match=r"row 0, field 'margin': must be a finite number"):
-        prepare_preference_dataset(Dataset.from_dict({"chosen": ["a"], "rejected": ["b"], "margin": [float("nan")]}), tok, 8)
+        prepare_preference_dataset(
+            Dataset.from_dict({"chosen": ["a"], "rejected": ["b"], "margin": [float("nan")]}), tok, 8
+        )
     with pytest.raises(DataError, match="every pair is longer"):
         prepare_preference_dataset(Dataset.from_dict({"chosen": ["a b c d e f"], "rejected": ["b"]}), tok, 1)
 
@@ -356,7 +370,9 @@ def test_sft_text_and_custom_field(tok):
     row = prepare_sft_dataset(Dataset.from_dict({"text": ["Hello world"]}), tok, 64)[0]
     assert row["input_ids"] == tok("Hello world")["input_ids"] + [eos]
     assert row["labels"] == row["input_ids"]
-    row = prepare_sft_dataset(Dataset.from_dict({"body": ["Hi<|endoftext|>"], "id": [1]}), tok, 64, dataset_text_field="body")[0]
+    row = prepare_sft_dataset(
+        Dataset.from_dict({"body": ["Hi<|endoftext|>"], "id": [1]}), tok, 64, dataset_text_field="body"
+    )[0]
     assert set(row) == {"input_ids", "labels"} and row["input_ids"].count(eos) == 1
 
 
@@ -381,7 +397,9 @@ def test_sft_messages_assistant_only_loss(tok, template):
         tok.chat_template = None
     elif template == "chatml":
         tok.chat_template = CHATML
-    messages = conv(("system", "Be kind."), ("user", "Hi"), ("assistant", "Hello!"), ("user", "Bye"), ("assistant", "See you"))
+    messages = conv(
+        ("system", "Be kind."), ("user", "Hi"), ("assistant", "Hello!"), ("user", "Bye"), ("assistant", "See you")
+    )
     ds = Dataset.from_dict({"messages": [messages]})
     full = prepare_sft_dataset(ds, tok, 256)[0]
     assert full["labels"] == full["input_ids"]
@@ -428,7 +446,9 @@ def test_sft_packing(tok):
 
 
 def test_sft_bad_data(tok):
-    with pytest.raises(DataError, match=r"SFT needs 'text', 'messages' or 'prompt'\+'completion'.*available columns: \['prompt'\]"):
+    with pytest.raises(
+        DataError, match=r"SFT needs 'text', 'messages' or 'prompt'\+'completion'.*available columns: \['prompt'\]"
+    ):
         prepare_sft_dataset(Dataset.from_dict({"prompt": ["x"]}), tok, 8)
     with pytest.raises(DataError, match="assistant_only_loss needs conversational data"):
         prepare_sft_dataset(Dataset.from_dict({"text": ["x"]}), tok, 8, assistant_only_loss=True)
@@ -441,8 +461,13 @@ def test_sft_bad_data(tok):
     with pytest.raises(DataError, match=r"row 0, field 'messages': has no assistant message"):
         prepare_sft_dataset(Dataset.from_dict({"messages": [conv(("user", "hi"))]}), tok, 8, assistant_only_loss=True)
     with pytest.raises(DataError, match=r"row 0, field 'completion': one of prompt / completion is a conversation"):
-        prepare_sft_dataset(Dataset.from_dict({"prompt": [conv(("user", "hi"))], "completion": [conv(("assistant", "a"))]}).map(
-            lambda r: {"completion": "text"}, remove_columns="completion"), tok, 8)
+        prepare_sft_dataset(
+            Dataset.from_dict({"prompt": [conv(("user", "hi"))], "completion": [conv(("assistant", "a"))]}).map(
+                lambda r: {"completion": "text"}, remove_columns="completion"
+            ),
+            tok,
+            8,
+        )
     with pytest.raises(DataError, match="the dataset is empty"):
         prepare_sft_dataset(Dataset.from_dict({"text": []}), tok, 8)
 

@@ -151,19 +151,34 @@ def _made_up_results(gold_before, gold_after, proxy_before, proxy_after):
     wins = sum(a > b for a, b in zip(gold_after, gold_before))
     ties = sum(a == b for a, b in zip(gold_after, gold_before))
     return {
-        "prompts": [f"the food {i}" for i in range(n)], "before": ["was bad ."] * n, "after": ["was great | fine ."] * n,
-        "gold_before": gold_before, "gold_after": gold_after, "proxy_before": proxy_before, "proxy_after": proxy_after,
-        "win_rate": (wins + 0.5 * ties) / n, "wins": wins, "ties": ties, "losses": n - wins - ties, "kl": 3.25,
-        "length_before": 3.0, "length_after": 4.0,
+        "prompts": [f"the food {i}" for i in range(n)],
+        "before": ["was bad ."] * n,
+        "after": ["was great | fine ."] * n,
+        "gold_before": gold_before,
+        "gold_after": gold_after,
+        "proxy_before": proxy_before,
+        "proxy_after": proxy_after,
+        "win_rate": (wins + 0.5 * ties) / n,
+        "wins": wins,
+        "ties": ties,
+        "losses": n - wins - ties,
+        "kl": 3.25,
+        "length_before": 3.0,
+        "length_after": 4.0,
     }
 
 
 def _render(results, rl_records=(), gold_records=()):
     return report.render(
-        config={"algo": "ppo"}, rm_stats={"accuracy": 0.8, "chosen_score": 1.5, "rejected_score": -0.5},
-        sft_eval={"eval_loss": 1.5}, results=results, timings={"total": 12.0},
+        config={"algo": "ppo"},
+        rm_stats={"accuracy": 0.8, "chosen_score": 1.5, "rejected_score": -0.5},
+        sft_eval={"eval_loss": 1.5},
+        results=results,
+        timings={"total": 12.0},
         rl_args={"total_episodes": 64, "learning_rate": 1e-3, "kl_coef": 0.05, "temperature": 0.7},
-        rl_records=list(rl_records), gold_records=list(gold_records), plots=["plots/objective_kl.png"],
+        rl_records=list(rl_records),
+        gold_records=list(gold_records),
+        plots=["plots/objective_kl.png"],
     )
 
 
@@ -209,11 +224,23 @@ def test_quick_demo_end_to_end_writes_every_artifact(tmp_path):
     assert main(["demo", "--output_dir", str(out), "--quick"]) == 0
 
     text = (out / "report.md").read_text()
-    for heading in ("## Headline", "## Step 1: supervised fine-tuning", "## Step 2: reward model",
-                    "## Step 3: RL (ppo)", "## Before and after", "## Health checks"):
+    for heading in (
+        "## Headline",
+        "## Step 1: supervised fine-tuning",
+        "## Step 2: reward model",
+        "## Step 3: RL (ppo)",
+        "## Before and after",
+        "## Health checks",
+    ):
         assert heading in text
-    for phrase in ("Gold win rate of the RL policy over the SFT policy", "Gold score:", "Proxy (reward-model) score:",
-                   "KL(RL ‖ SFT)", "Reward model held-out accuracy", "chosen_last_scores (higher is better)"):
+    for phrase in (
+        "Gold win rate of the RL policy over the SFT policy",
+        "Gold score:",
+        "Proxy (reward-model) score:",
+        "KL(RL ‖ SFT)",
+        "Reward model held-out accuracy",
+        "chosen_last_scores (higher is better)",
+    ):
         assert phrase in text
     assert "| prompt | SFT policy (before) | gold | RL policy (after) | gold |" in text
 

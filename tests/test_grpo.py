@@ -39,8 +39,17 @@ def letter_fraction(prompts, completions, **columns):
 
 
 def config(tmp_path, **overrides) -> GRPOConfig:
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4, total_episodes=16,
-                  response_length=6, learning_rate=1e-3, report_to=["none"], num_sample_generations=0, save_steps=0)
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        total_episodes=16,
+        response_length=6,
+        learning_rate=1e-3,
+        report_to=["none"],
+        num_sample_generations=0,
+        save_steps=0,
+    )
     values.update(overrides)
     return GRPOConfig(**values)
 
@@ -49,38 +58,87 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def test_command_line_with_reward_functions_and_a_reward_model(tmp_path, monkeypatch, tiny_policy_dir, tiny_reward_model_dir):
+def test_command_line_with_reward_functions_and_a_reward_model(
+    tmp_path, monkeypatch, tiny_policy_dir, tiny_reward_model_dir
+):
     module = tmp_path / "my_rewards.py"
-    module.write_text(textwrap.dedent('''
+    module.write_text(
+        textwrap.dedent("""
         def letter_fraction(prompts, completions, number, **columns):
             assert len(number) == len(completions)  # dataset columns arrive repeated per completion
             return [c.count("e") / len(c) if c else 0.0 for c in completions]
-    '''))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     data = tmp_path / "prompts"
     DatasetDict({"train": prompt_dataset(), "test": prompt_dataset(4)}).save_to_disk(data)
     out = tmp_path / "run"
-    argv = ["grpo", "--dataset_name", str(data), "--output_dir", str(out), "--model_name_or_path", str(tiny_policy_dir),
-            "--reward_model_path", str(tiny_reward_model_dir), "--reward_funcs", "my_rewards:letter_fraction",
-            "--reward_weights", "0.5", "2.0", "--num_generations", "4", "--per_device_train_batch_size", "8",
-            "--max_completion_length", "8", "--total_episodes", "16", "--learning_rate", "1e-3", "--report_to", "none",
-            "--num_sample_generations", "1"]
+    argv = [
+        "grpo",
+        "--dataset_name",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--model_name_or_path",
+        str(tiny_policy_dir),
+        "--reward_model_path",
+        str(tiny_reward_model_dir),
+        "--reward_funcs",
+        "my_rewards:letter_fraction",
+        "--reward_weights",
+        "0.5",
+        "2.0",
+        "--num_generations",
+        "4",
+        "--per_device_train_batch_size",
+        "8",
+        "--max_completion_length",
+        "8",
+        "--total_episodes",
+        "16",
+        "--learning_rate",
+        "1e-3",
+        "--report_to",
+        "none",
+        "--num_sample_generations",
+        "1",
+    ]
     assert cli.main(argv) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2
     for record in records:
-        for name in ("objective/scores", "objective/kl", "objective/entropy", "loss/policy_avg", "loss/kl_avg",
-                     "policy/entropy_avg", "val/ratio", "val/num_eos_tokens", "frac_reward_zero_std", "lr", "episode", "eps"):
+        for name in (
+            "objective/scores",
+            "objective/kl",
+            "objective/entropy",
+            "loss/policy_avg",
+            "loss/kl_avg",
+            "policy/entropy_avg",
+            "val/ratio",
+            "val/num_eos_tokens",
+            "frac_reward_zero_std",
+            "lr",
+            "episode",
+            "eps",
+        ):
             assert name in record and math.isfinite(record[name]), name
         assert record["objective/entropy"] >= 0 and record["loss/kl_avg"] >= 0
     assert (out / "samples.jsonl").is_file() and (out / "model.safetensors").is_file()
 
 
 def test_learnable_reward_raises_scores(tmp_path, tiny_tokenizer):
-    cfg = config(tmp_path, per_device_train_batch_size=16, total_episodes=16 * 30, response_length=8, learning_rate=1e-2,
-                 beta=0.0, lr_scheduler_type="constant")
-    trainer = GRPOTrainer(build_tiny_causal_lm(tiny_tokenizer), letter_fraction, cfg, prompt_dataset(64),
-                          processing_class=tiny_tokenizer)
+    cfg = config(
+        tmp_path,
+        per_device_train_batch_size=16,
+        total_episodes=16 * 30,
+        response_length=8,
+        learning_rate=1e-2,
+        beta=0.0,
+        lr_scheduler_type="constant",
+    )
+    trainer = GRPOTrainer(
+        build_tiny_causal_lm(tiny_tokenizer), letter_fraction, cfg, prompt_dataset(64), processing_class=tiny_tokenizer
+    )
     assert trainer.setup.ref_policy is None  # beta = 0: no reference model
     trainer.train()
     scores = [h["objective/scores"] for h in trainer.log_history]
@@ -97,7 +155,9 @@ def test_groups_are_the_completions_of_one_prompt(tmp_path, tiny_tokenizer):
 
     policy = build_tiny_causal_lm(tiny_tokenizer)
     before = flat(policy).clone()
-    trainer = GRPOTrainer(policy, prompt_number, config(tmp_path, beta=0.0), prompt_dataset(), processing_class=tiny_tokenizer)
+    trainer = GRPOTrainer(
+        policy, prompt_number, config(tmp_path, beta=0.0), prompt_dataset(), processing_class=tiny_tokenizer
+    )
     last = trainer.train()
     assert last["frac_reward_zero_std"] == 1.0
     assert torch.equal(before, flat(trainer.model))
@@ -108,11 +168,24 @@ def test_loss_is_a_global_token_mean(tmp_path, tiny_tokenizer):
     params = []
     for micro, accumulation in ((8, 1), (2, 4)):
         policy = build_tiny_causal_lm(tiny_tokenizer)
-        cfg = config(tmp_path / str(micro), per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
-                     total_episodes=8, num_iterations=2, response_length=8)
+        cfg = config(
+            tmp_path / str(micro),
+            per_device_train_batch_size=micro,
+            gradient_accumulation_steps=accumulation,
+            total_episodes=8,
+            num_iterations=2,
+            response_length=8,
+        )
         optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
-        trainer = GRPOTrainer(policy, letter_fraction, cfg, prompt_dataset(), processing_class=tiny_tokenizer,
-                              ref_model=build_tiny_causal_lm(tiny_tokenizer, seed=3), optimizers=(optimizer, None))
+        trainer = GRPOTrainer(
+            policy,
+            letter_fraction,
+            cfg,
+            prompt_dataset(),
+            processing_class=tiny_tokenizer,
+            ref_model=build_tiny_causal_lm(tiny_tokenizer, seed=3),
+            optimizers=(optimizer, None),
+        )
         trainer.train()
         params.append(flat(trainer.model))
     assert not torch.equal(params[0], flat(build_tiny_causal_lm(tiny_tokenizer)))
@@ -132,8 +205,9 @@ def test_mask_truncated_completions(tmp_path, tiny_tokenizer, monkeypatch):
     original_group = adv.group_advantages
     monkeypatch.setattr(adv, "group_advantages", lambda r, **kw: seen.append(r) or original_group(r, **kw))
     cfg = config(tmp_path, mask_truncated_completions=True, response_length=3, total_episodes=8)
-    trainer = GRPOTrainer(build_tiny_causal_lm(tiny_tokenizer), letter_fraction, cfg, prompt_dataset(),
-                          processing_class=tiny_tokenizer)
+    trainer = GRPOTrainer(
+        build_tiny_causal_lm(tiny_tokenizer), letter_fraction, cfg, prompt_dataset(), processing_class=tiny_tokenizer
+    )
     last = trainer.train()
     (mask,) = masks
     # Random weights rarely emit EOS within 3 tokens: every completion is truncated, so no token is
@@ -155,7 +229,13 @@ def test_config_checks():
         GRPOConfig(epsilon=0.2, epsilon_high=0.1)
     cfg = GRPOConfig()
     assert (cfg.num_generations, cfg.beta, cfg.epsilon, cfg.num_iterations, cfg.temperature, cfg.scale_rewards) == (
-        8, 0.05, 0.2, 1, 1.0, True)
+        8,
+        0.05,
+        0.2,
+        1,
+        1.0,
+        True,
+    )
     with pytest.raises(ValueError, match="divisible"):
         GRPOConfig(per_device_train_batch_size=6, num_generations=4).derive_sizes(1, 10)
 

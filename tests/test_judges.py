@@ -77,8 +77,14 @@ class ScriptedServer:
                 prompt, r0, r1 = TEMPLATE_RE.fullmatch(payload["messages"][0]["content"]).groups()
                 with server.lock:
                     server.requests.append(
-                        {"prompt": prompt, "r0": r0, "r1": r1, "auth": self.headers.get("Authorization"),
-                         "payload": payload, "path": self.path}
+                        {
+                            "prompt": prompt,
+                            "r0": r0,
+                            "r1": r1,
+                            "auth": self.headers.get("Authorization"),
+                            "payload": payload,
+                            "path": self.path,
+                        }
                     )
                     server.counts[prompt] += 1
                     attempt = server.counts[prompt]

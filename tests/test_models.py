@@ -42,9 +42,10 @@ def test_tiny_tokenizer(tiny_tokenizer, tiny_tokenizer_pad_eos, tmp_path):
     assert tok.padding_side == "left"
     text = "Grüße, 世界! The quick brown fox."
     assert tok.decode(tok(text)["input_ids"]) == text, "byte-level BPE round-trips any UTF-8"
-    assert tok.apply_chat_template(
-        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
-    ) == "user: Hi\nassistant:"
+    assert (
+        tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+        == "user: Hi\nassistant:"
+    )
     assert tiny_tokenizer_pad_eos.pad_token_id == tiny_tokenizer_pad_eos.eos_token_id
 
     build_tiny_tokenizer(save_dir=tmp_path)
@@ -123,11 +124,7 @@ def test_load_policy_resizes_only_when_tokens_were_added(tiny_policy_dir):
 
 @pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
 def test_dropout_disabled(tmp_path, tiny_tokenizer, arch):
-    overrides = (
-        {"hidden_dropout": 0.5, "attention_dropout": 0.5}
-        if arch == "gpt_neox"
-        else {"attention_dropout": 0.5}
-    )
+    overrides = {"hidden_dropout": 0.5, "attention_dropout": 0.5} if arch == "gpt_neox" else {"attention_dropout": 0.5}
     build_tiny_causal_lm(tiny_tokenizer, arch=arch, save_dir=tmp_path, **overrides)
     ids, mask = batch(tiny_tokenizer, ["Hello world, the sea is wide"])
 

@@ -26,8 +26,16 @@ from posttrain.trainers.online_dpo import (
 )
 from posttrain.trainers.online_dpo_config import OnlineDPOConfig
 
-WORDS = ["Hello world", "The quick brown fox", "What is the capital", "Once upon a time",
-         "Write a poem", "Numbers 1 2 3", "Thank you", "Good morning"]
+WORDS = [
+    "Hello world",
+    "The quick brown fox",
+    "What is the capital",
+    "Once upon a time",
+    "Write a poem",
+    "Numbers 1 2 3",
+    "Thank you",
+    "Good morning",
+]
 
 
 def standard_prompts(n: int = 16) -> Dataset:
@@ -44,9 +52,19 @@ def shorter(prompt, completion) -> float:
 
 
 def make_config(tmp_path, **overrides) -> OnlineDPOConfig:
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                  total_episodes=16, max_new_tokens=6, logging_steps=1, learning_rate=1e-3, report_to="none",
-                  save_steps=0, num_sample_generations=0, seed=0)
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        total_episodes=16,
+        max_new_tokens=6,
+        logging_steps=1,
+        learning_rate=1e-3,
+        report_to="none",
+        save_steps=0,
+        num_sample_generations=0,
+        seed=0,
+    )
     values.update(overrides)
     return OnlineDPOConfig(**values)
 
@@ -78,8 +96,13 @@ def test_config_aliases_schedules_and_errors():
 def test_odd_micro_batch_rejected(tmp_path, tiny_tokenizer):
     cfg = make_config(tmp_path, per_device_train_batch_size=3, gradient_accumulation_steps=2, total_episodes=12)
     with pytest.raises(ConfigError, match="per_device_train_batch_size=3"):
-        OnlineDPOTrainer(build_tiny_causal_lm(tiny_tokenizer), judge=CallableJudge(shorter), args=cfg,
-                         processing_class=tiny_tokenizer, train_dataset=standard_prompts())
+        OnlineDPOTrainer(
+            build_tiny_causal_lm(tiny_tokenizer),
+            judge=CallableJudge(shorter),
+            args=cfg,
+            processing_class=tiny_tokenizer,
+            train_dataset=standard_prompts(),
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,7 +140,9 @@ def test_pair_loss_selection_and_dropped_pairs():
     idx = torch.tensor([0, 1])
     # chosen = [-1, -1], rejected = [-2, -3]; logits = (c - r) - (ref_c - ref_r) = [1 - 0.5, 2 - 0] = [0.5, 2]
     loss, stats = valid_pair_loss(loss_fn, idx, first, second, torch.tensor([True, True]))
-    expected = (-torch.nn.functional.logsigmoid(torch.tensor(0.5)) - torch.nn.functional.logsigmoid(torch.tensor(2.0))) / 2
+    expected = (
+        -torch.nn.functional.logsigmoid(torch.tensor(0.5)) - torch.nn.functional.logsigmoid(torch.tensor(2.0))
+    ) / 2
     assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
     assert stats["rewards/chosen"].item() == pytest.approx((0.5 + 1.0) / 2)  # beta·(c − ref_c) = [0.5, 1]
     assert stats["rewards/accuracies"].item() == 1.0
@@ -135,22 +160,47 @@ def test_pair_loss_selection_and_dropped_pairs():
 # trainer runs
 # --------------------------------------------------------------------------------------------
 def test_padding_never_enters_reference_sums(tmp_path, tiny_tokenizer):
-    trainer = OnlineDPOTrainer(build_tiny_causal_lm(tiny_tokenizer), judge=CallableJudge(shorter), args=make_config(tmp_path),
-                               processing_class=tiny_tokenizer, train_dataset=standard_prompts())
+    trainer = OnlineDPOTrainer(
+        build_tiny_causal_lm(tiny_tokenizer),
+        judge=CallableJudge(shorter),
+        args=make_config(tmp_path),
+        processing_class=tiny_tokenizer,
+        train_dataset=standard_prompts(),
+    )
     prompt = torch.tensor([[5, 6, 7], [1, 8, 9]])
     lengths = torch.tensor([4, 2])
     completion = torch.tensor([[10, 11, 12, 13, 1, 1], [14, 15, 1, 1, 1, 1]])
     mask = torch.arange(6)[None, :] < lengths[:, None]
-    rollout = Rollout(prompt, torch.tensor([[True] * 3, [False, True, True]]), completion, mask, lengths,
-                      torch.tensor([False, False]), None, None, pad_token_id=1)
+    rollout = Rollout(
+        prompt,
+        torch.tensor([[True] * 3, [False, True, True]]),
+        completion,
+        mask,
+        lengths,
+        torch.tensor([False, False]),
+        None,
+        None,
+        pad_token_id=1,
+    )
     garbage = copy.copy(rollout)
     garbage.completion_ids = torch.where(mask, completion, torch.randint(20, 100, completion.shape))
     clean = reference_logps(trainer.run, trainer.model, trainer.ref_model, rollout)
     assert torch.equal(clean, reference_logps(trainer.run, trainer.model, trainer.ref_model, garbage))
     # = the sum over the real tokens only, computed without any padding column
-    short = Rollout(prompt[1:, 1:], torch.ones(1, 2, dtype=torch.bool), completion[1:, :2], mask[1:, :2], lengths[1:],
-                    torch.tensor([False]), None, None, pad_token_id=1)
-    assert clean[1].item() == pytest.approx(reference_logps(trainer.run, trainer.model, trainer.ref_model, short).item(), abs=1e-5)
+    short = Rollout(
+        prompt[1:, 1:],
+        torch.ones(1, 2, dtype=torch.bool),
+        completion[1:, :2],
+        mask[1:, :2],
+        lengths[1:],
+        torch.tensor([False]),
+        None,
+        None,
+        pad_token_id=1,
+    )
+    assert clean[1].item() == pytest.approx(
+        reference_logps(trainer.run, trainer.model, trainer.ref_model, short).item(), abs=1e-5
+    )
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
@@ -159,9 +209,16 @@ def test_first_update_policy_equals_reference(tmp_path, tiny_tokenizer, loss_typ
     (1/(2β))² = 25 for β = 0.1 (ipo), implicit rewards and KL are 0; and the parameters move."""
     model = build_tiny_causal_lm(tiny_tokenizer)
     before = params(model)
-    cfg = make_config(tmp_path, loss_type=loss_type, total_episodes=8, gradient_accumulation_steps=1, per_device_train_batch_size=8)
-    trainer = OnlineDPOTrainer(model, reward_funcs=[lambda prompts, completions, **kw: [float(len(c)) for c in completions]],
-                               args=cfg, processing_class=tiny_tokenizer, train_dataset=standard_prompts())
+    cfg = make_config(
+        tmp_path, loss_type=loss_type, total_episodes=8, gradient_accumulation_steps=1, per_device_train_batch_size=8
+    )
+    trainer = OnlineDPOTrainer(
+        model,
+        reward_funcs=[lambda prompts, completions, **kw: [float(len(c)) for c in completions]],
+        args=cfg,
+        processing_class=tiny_tokenizer,
+        train_dataset=standard_prompts(),
+    )
     trainer.train()
     log = trainer.log_history[0]
     assert log["loss/dpo"] == pytest.approx(math.log(2) if loss_type == "sigmoid" else 25.0, rel=1e-4)
@@ -177,10 +234,24 @@ def test_judge_raises_win_rate_against_initial_policy(tmp_path, tiny_tokenizer):
 
     model = build_tiny_causal_lm(tiny_tokenizer)
     initial = copy.deepcopy(model)
-    cfg = make_config(tmp_path, per_device_train_batch_size=16, gradient_accumulation_steps=1, total_episodes=16 * 20,
-                      max_new_tokens=8, learning_rate=3e-2, lr_scheduler_type="constant", temperature=1.0, logging_steps=5)
-    trainer = OnlineDPOTrainer(model, judge=CallableJudge(shorter, seed=0), args=cfg, processing_class=tiny_tokenizer,
-                               train_dataset=standard_prompts(32))
+    cfg = make_config(
+        tmp_path,
+        per_device_train_batch_size=16,
+        gradient_accumulation_steps=1,
+        total_episodes=16 * 20,
+        max_new_tokens=8,
+        learning_rate=3e-2,
+        lr_scheduler_type="constant",
+        temperature=1.0,
+        logging_steps=5,
+    )
+    trainer = OnlineDPOTrainer(
+        model,
+        judge=CallableJudge(shorter, seed=0),
+        args=cfg,
+        processing_class=tiny_tokenizer,
+        train_dataset=standard_prompts(32),
+    )
     trainer.train()
     prompts = [f"{w} {i}" for i in range(4) for w in WORDS]
     trained = generate_completions(trainer.model, tiny_tokenizer, prompts, max_new_tokens=8, temperature=1.0, seed=1)
@@ -199,8 +270,13 @@ def test_conversational_prompts_and_judge_failures(tmp_path, tiny_tokenizer):
 
     model = build_tiny_causal_lm(tiny_tokenizer)
     cfg = make_config(tmp_path, total_episodes=16, per_device_train_batch_size=4, gradient_accumulation_steps=2)
-    trainer = OnlineDPOTrainer(model, judge=CallableJudge(flaky, mode="pairwise"), args=cfg, processing_class=tiny_tokenizer,
-                               train_dataset=conversational_prompts())
+    trainer = OnlineDPOTrainer(
+        model,
+        judge=CallableJudge(flaky, mode="pairwise"),
+        args=cfg,
+        processing_class=tiny_tokenizer,
+        train_dataset=conversational_prompts(),
+    )
     trainer.train()
     first, second = trainer.log_history
     assert calls[0][0].startswith("user: ") and calls[0][0].endswith("assistant:")  # chat template applied
@@ -215,18 +291,27 @@ def test_reward_model_with_its_own_tokenizer_and_eos_penalty(tmp_path, tiny_toke
     other = build_tiny_tokenizer(vocab_size=300)
     other.padding_side = "right"
     cfg = make_config(tmp_path, missing_eos_penalty=1.0, total_episodes=16)
-    trainer = OnlineDPOTrainer(build_tiny_causal_lm(tiny_tokenizer), reward_model=build_tiny_reward_model(other, seed=3),
-                               reward_processing_class=other, args=cfg, processing_class=tiny_tokenizer,
-                               train_dataset=standard_prompts())
+    trainer = OnlineDPOTrainer(
+        build_tiny_causal_lm(tiny_tokenizer),
+        reward_model=build_tiny_reward_model(other, seed=3),
+        reward_processing_class=other,
+        args=cfg,
+        processing_class=tiny_tokenizer,
+        train_dataset=standard_prompts(),
+    )
     trainer.train()
     for log in trainer.log_history:
         assert all(math.isfinite(v) for v in log.values())
         assert log["objective/scores_margin"] >= 0  # chosen = higher score
     # with a constant reward, scores = −penalty · (1 − contain_eos) exactly
     cfg = make_config(tmp_path, missing_eos_penalty=1.0, total_episodes=8, output_dir=str(tmp_path / "eos"))
-    trainer = OnlineDPOTrainer(build_tiny_causal_lm(tiny_tokenizer),
-                               reward_funcs=lambda prompts, completions, **kw: [0.0] * len(completions),
-                               args=cfg, processing_class=tiny_tokenizer, train_dataset=standard_prompts())
+    trainer = OnlineDPOTrainer(
+        build_tiny_causal_lm(tiny_tokenizer),
+        reward_funcs=lambda prompts, completions, **kw: [0.0] * len(completions),
+        args=cfg,
+        processing_class=tiny_tokenizer,
+        train_dataset=standard_prompts(),
+    )
     trainer.train()
     log = trainer.log_history[0]
     assert log["objective/scores"] == pytest.approx(-(1 - log["val/contain_eos_token"]))
@@ -234,10 +319,21 @@ def test_reward_model_with_its_own_tokenizer_and_eos_penalty(tmp_path, tiny_toke
 
 def test_resume_equals_uninterrupted(tmp_path, tiny_tokenizer):
     def train(out, resume=None):
-        cfg = make_config(tmp_path, output_dir=str(out), total_episodes=32, save_steps=2, resume_from_checkpoint=resume,
-                          beta=[0.1, 0.3])
-        trainer = OnlineDPOTrainer(build_tiny_causal_lm(tiny_tokenizer), judge=CallableJudge(shorter, seed=5), args=cfg,
-                                   processing_class=tiny_tokenizer, train_dataset=standard_prompts(8))
+        cfg = make_config(
+            tmp_path,
+            output_dir=str(out),
+            total_episodes=32,
+            save_steps=2,
+            resume_from_checkpoint=resume,
+            beta=[0.1, 0.3],
+        )
+        trainer = OnlineDPOTrainer(
+            build_tiny_causal_lm(tiny_tokenizer),
+            judge=CallableJudge(shorter, seed=5),
+            args=cfg,
+            processing_class=tiny_tokenizer,
+            train_dataset=standard_prompts(8),
+        )
         trainer.train()
         return trainer
 
@@ -258,9 +354,31 @@ def test_cli_online_dpo(tmp_path, tiny_policy_dir):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in WORDS))
     out = tmp_path / "run"
-    code = main(["online-dpo", "--model_name_or_path", str(tiny_policy_dir), "--dataset_name", str(data), "--judge", "random:0",
-                 "--output_dir", str(out), "--per_device_train_batch_size", "4", "--total_episodes", "8",
-                 "--max_new_tokens", "4", "--learning_rate", "1e-3", "--logging_steps", "1", "--report_to", "none"])
+    code = main(
+        [
+            "online-dpo",
+            "--model_name_or_path",
+            str(tiny_policy_dir),
+            "--dataset_name",
+            str(data),
+            "--judge",
+            "random:0",
+            "--output_dir",
+            str(out),
+            "--per_device_train_batch_size",
+            "4",
+            "--total_episodes",
+            "8",
+            "--max_new_tokens",
+            "4",
+            "--learning_rate",
+            "1e-3",
+            "--logging_steps",
+            "1",
+            "--report_to",
+            "none",
+        ]
+    )
     assert code == 0
     AutoModelForCausalLM.from_pretrained(out)
     log = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
@@ -270,8 +388,13 @@ def test_cli_online_dpo(tmp_path, tiny_policy_dir):
 def test_non_finite_loss_skips_the_step(tmp_path, tiny_tokenizer):
     model = build_tiny_causal_lm(tiny_tokenizer)
     cfg = make_config(tmp_path, total_episodes=16, per_device_train_batch_size=8, gradient_accumulation_steps=1)
-    trainer = OnlineDPOTrainer(model, judge=CallableJudge(shorter), args=cfg, processing_class=tiny_tokenizer,
-                               train_dataset=standard_prompts(8))
+    trainer = OnlineDPOTrainer(
+        model,
+        judge=CallableJudge(shorter),
+        args=cfg,
+        processing_class=tiny_tokenizer,
+        train_dataset=standard_prompts(8),
+    )
     with torch.no_grad():
         trainer.model.lm_head.weight[:, 0] = float("nan")  # every log-softmax, hence every loss, is NaN
     before = params(trainer.model)

@@ -50,7 +50,7 @@ def sequences_of(row):
     """Split a packed row into its sequences (input_ids, labels) using seq_lengths."""
     out, start = [], 0
     for n in row["seq_lengths"]:
-        out.append((row["input_ids"][start:start + n], row["labels"][start:start + n]))
+        out.append((row["input_ids"][start : start + n], row["labels"][start : start + n]))
         start += n
     return out
 
@@ -125,8 +125,9 @@ def test_bfd_split_keeps_every_token_in_max_length_pieces(tok, caplog):
         packed = prepare_sft_dataset(data, tok, 12, packing=True, packing_strategy="bfd_split")
     assert "truncated" not in caplog.text
     expected = sorted(
-        (ids[k:k + 12], labels[k:k + 12])
-        for ids, labels in zip(full["input_ids"], full["labels"]) for k in range(0, len(ids), 12)
+        (ids[k : k + 12], labels[k : k + 12])
+        for ids, labels in zip(full["input_ids"], full["labels"])
+        for k in range(0, len(ids), 12)
     )
     assert sorted(s for row in packed for s in sequences_of(row)) == expected
     assert all(len(row["input_ids"]) <= 12 for row in packed)
@@ -158,13 +159,16 @@ def test_collator_hides_each_sequence_start_from_the_loss(tok):
 def test_attention_inputs_per_implementation():
     position_ids = torch.tensor([[0, 1, 0, 1, 2]])
     sdpa = packed_attention_inputs(position_ids, "sdpa", torch.float32)["attention_mask"]
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0],
-        [0, 0, 1, 0, 0],
-        [0, 0, 1, 1, 0],
-        [0, 0, 1, 1, 1],
-    ], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [0, 0, 1, 0, 0],
+            [0, 0, 1, 1, 0],
+            [0, 0, 1, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert sdpa.dtype == torch.bool and torch.equal(sdpa[0, 0], expected)
     eager = packed_attention_inputs(position_ids, "eager", torch.float32)["attention_mask"]
     assert torch.equal(eager[0, 0] == 0, expected) and eager.min() == torch.finfo(torch.float32).min
@@ -179,17 +183,22 @@ def test_packed_row_logits_equal_each_sequence_alone(tiny_tokenizer, arch, attn)
     assert model.config._attn_implementation == attn
     seqs = [tiny_tokenizer(s)["input_ids"] for s in SENTENCES[:3]]
     batch = SFTCollator(tiny_tokenizer.pad_token_id, pad_to_multiple_of=16, padding_free=True)(
-        [{"input_ids": s} for s in seqs])
+        [{"input_ids": s} for s in seqs]
+    )
     with torch.no_grad():
-        packed = model(input_ids=batch["input_ids"],
-                       **packed_attention_inputs(batch["position_ids"], attn, torch.float32)).logits[0]
+        packed = model(
+            input_ids=batch["input_ids"], **packed_attention_inputs(batch["position_ids"], attn, torch.float32)
+        ).logits[0]
         # Control: plain causal attention over the same row lets later sequences see earlier ones.
-        leaky = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                      attention_mask=torch.ones_like(batch["input_ids"])).logits[0]
+        leaky = model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            attention_mask=torch.ones_like(batch["input_ids"]),
+        ).logits[0]
         start = 0
         for s in seqs:
             alone = model(input_ids=torch.tensor([s])).logits[0]
-            torch.testing.assert_close(packed[start:start + len(s)], alone, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(packed[start : start + len(s)], alone, rtol=1e-5, atol=1e-5)
             start += len(s)
     last = slice(start - len(seqs[-1]), start)
     assert (leaky[last] - packed[last]).abs().max() > 1e-3
@@ -203,8 +212,9 @@ def test_position_ids_alone_isolate_sequences_in_transformers(tiny_tokenizer):
     seqs = [tiny_tokenizer(s)["input_ids"] for s in SENTENCES[3:6]]
     batch = SFTCollator(tiny_tokenizer.pad_token_id, padding_free=True)([{"input_ids": s} for s in seqs])
     with torch.no_grad():
-        masked = model(input_ids=batch["input_ids"],
-                       **packed_attention_inputs(batch["position_ids"], "sdpa", torch.float32)).logits
+        masked = model(
+            input_ids=batch["input_ids"], **packed_attention_inputs(batch["position_ids"], "sdpa", torch.float32)
+        ).logits
         detected = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     torch.testing.assert_close(detected, masked, rtol=1e-5, atol=1e-5)
 
@@ -215,11 +225,25 @@ def test_position_ids_alone_isolate_sequences_in_transformers(tiny_tokenizer):
 
 
 def make_trainer(tmp_path, tokenizer, train, name="run", eval_dataset=None, **overrides):
-    values = dict(output_dir=str(tmp_path / name), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3,
-                  logging_steps=1, save_steps=0, report_to="none", max_length=32, loss_chunk_tokens=5)
+    values = dict(
+        output_dir=str(tmp_path / name),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_steps=0,
+        report_to="none",
+        max_length=32,
+        loss_chunk_tokens=5,
+    )
     values.update(overrides)
-    return SFTTrainer(build_tiny_causal_lm(tokenizer), args=SFTConfig(**values), train_dataset=train,
-                      eval_dataset=eval_dataset, processing_class=copy.deepcopy(tokenizer))
+    return SFTTrainer(
+        build_tiny_causal_lm(tokenizer),
+        args=SFTConfig(**values),
+        train_dataset=train,
+        eval_dataset=eval_dataset,
+        processing_class=copy.deepcopy(tokenizer),
+    )
 
 
 def test_bfd_packed_loss_equals_each_sequence_alone(tmp_path, tiny_tokenizer):
@@ -241,8 +265,9 @@ def test_bfd_packed_loss_equals_each_sequence_alone(tmp_path, tiny_tokenizer):
 
 
 def test_padding_free_loss_equals_padded_loss(tmp_path, tiny_tokenizer):
-    trainer = make_trainer(tmp_path, tiny_tokenizer, Dataset.from_list([{"text": s} for s in SENTENCES]),
-                           padding_free=True)
+    trainer = make_trainer(
+        tmp_path, tiny_tokenizer, Dataset.from_list([{"text": s} for s in SENTENCES]), padding_free=True
+    )
     examples = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
     free = trainer.collator(examples)
     assert free["input_ids"].shape == (1, sum(len(e["input_ids"]) for e in examples))
@@ -268,8 +293,10 @@ def test_padding_free_training_matches_padded_training(tmp_path, tiny_tokenizer)
     assert max((a - b).abs().max() for a, b in zip(free.model.parameters(), initial)) > 1e-3
     for (name, a), b in zip(free.model.named_parameters(), padded.model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
-    logs = {k: [json.loads(line) for line in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
-            for k in ("free", "padded")}
+    logs = {
+        k: [json.loads(line) for line in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
+        for k in ("free", "padded")
+    }
     for key in ("loss", "eval_loss", "num_tokens", "eval_num_tokens"):
         got = [m[key] for m in logs["free"] if key in m]
         assert got and got == pytest.approx([m[key] for m in logs["padded"] if key in m], abs=1e-5), key
@@ -278,8 +305,15 @@ def test_padding_free_training_matches_padded_training(tmp_path, tiny_tokenizer)
 @pytest.mark.parametrize("strategy", ["bfd", "bfd_split"])
 def test_packed_training_runs(tmp_path, tiny_tokenizer, strategy):
     train = Dataset.from_list([{"text": s} for s in SENTENCES * 2])
-    trainer = make_trainer(tmp_path, tiny_tokenizer, train, eval_dataset=Dataset.from_list([{"text": SENTENCES[0]}]),
-                           packing=True, packing_strategy=strategy, max_length=16)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_tokenizer,
+        train,
+        eval_dataset=Dataset.from_list([{"text": SENTENCES[0]}]),
+        packing=True,
+        packing_strategy=strategy,
+        max_length=16,
+    )
     assert all(len(r["input_ids"]) <= 16 for r in trainer.train_dataset)
     assert "seq_lengths" in trainer.eval_dataset.column_names  # eval_packing None: same as packing
     before = [p.detach().clone() for p in trainer.model.parameters()]

@@ -71,10 +71,30 @@ def prompts_file(tmp_path):
 
 def test_sft(tmp_path, captured, tiny_policy_dir):
     data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Q: {w}? ", "completion": f"The {w} is here."}) + "\n" for w in WORDS))
+    data.write_text(
+        "".join(json.dumps({"prompt": f"Q: {w}? ", "completion": f"The {w} is here."}) + "\n" for w in WORDS)
+    )
     out = tmp_path / "sft"
-    assert main(["sft", "--model_name_or_path", str(tiny_policy_dir), "--dataset_name", str(data), "--output_dir", str(out),
-                 "--max_steps", "2", "--per_device_train_batch_size", "2", *COMMON, *LORA]) == 0
+    assert (
+        main(
+            [
+                "sft",
+                "--model_name_or_path",
+                str(tiny_policy_dir),
+                "--dataset_name",
+                str(data),
+                "--output_dir",
+                str(out),
+                "--max_steps",
+                "2",
+                "--per_device_train_batch_size",
+                "2",
+                *COMMON,
+                *LORA,
+            ]
+        )
+        == 0
+    )
     (model,) = captured
     check_only_adapter_trained(model, tiny_policy_dir, out)
 
@@ -83,8 +103,26 @@ def test_reward(tmp_path, captured, tiny_reward_model_dir):
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps({"chosen": f"The {w} is good.", "rejected": f"{w}."}) + "\n" for w in WORDS))
     out = tmp_path / "reward"
-    assert main(["reward", "--model_name_or_path", str(tiny_reward_model_dir), "--dataset_name", str(data),
-                 "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size", "2", *COMMON, *LORA]) == 0
+    assert (
+        main(
+            [
+                "reward",
+                "--model_name_or_path",
+                str(tiny_reward_model_dir),
+                "--dataset_name",
+                str(data),
+                "--output_dir",
+                str(out),
+                "--max_steps",
+                "2",
+                "--per_device_train_batch_size",
+                "2",
+                *COMMON,
+                *LORA,
+            ]
+        )
+        == 0
+    )
     (model,) = captured
     assert model.peft_config["default"].task_type == "SEQ_CLS"
     check_only_adapter_trained(model, tiny_reward_model_dir, out, head="score")
@@ -92,10 +130,34 @@ def test_reward(tmp_path, captured, tiny_reward_model_dir):
 
 def test_rloo(tmp_path, captured, tiny_policy_dir, tiny_reward_model_dir):
     out = tmp_path / "rloo"
-    assert main(["rloo", "--model_name_or_path", str(tiny_policy_dir), "--reward_model_path", str(tiny_reward_model_dir),
-                 "--dataset_name", prompts_file(tmp_path), "--output_dir", str(out), "--rloo_k", "2",
-                 "--per_device_train_batch_size", "4", "--total_episodes", "4", "--response_length", "4",
-                 "--num_sample_generations", "0", *COMMON, *LORA]) == 0
+    assert (
+        main(
+            [
+                "rloo",
+                "--model_name_or_path",
+                str(tiny_policy_dir),
+                "--reward_model_path",
+                str(tiny_reward_model_dir),
+                "--dataset_name",
+                prompts_file(tmp_path),
+                "--output_dir",
+                str(out),
+                "--rloo_k",
+                "2",
+                "--per_device_train_batch_size",
+                "4",
+                "--total_episodes",
+                "4",
+                "--response_length",
+                "4",
+                "--num_sample_generations",
+                "0",
+                *COMMON,
+                *LORA,
+            ]
+        )
+        == 0
+    )
     (model,) = captured
     check_only_adapter_trained(model, tiny_policy_dir, out)
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
@@ -105,9 +167,32 @@ def test_rloo(tmp_path, captured, tiny_policy_dir, tiny_reward_model_dir):
 
 def test_ppo(tmp_path, captured, tiny_policy_dir, tiny_reward_model_dir):
     out = tmp_path / "ppo"
-    assert main(["ppo", "--model_name_or_path", str(tiny_policy_dir), "--reward_model_path", str(tiny_reward_model_dir),
-                 "--dataset_name", prompts_file(tmp_path), "--output_dir", str(out), "--per_device_train_batch_size", "4",
-                 "--total_episodes", "4", "--response_length", "4", "--num_sample_generations", "0", *COMMON, *LORA]) == 0
+    assert (
+        main(
+            [
+                "ppo",
+                "--model_name_or_path",
+                str(tiny_policy_dir),
+                "--reward_model_path",
+                str(tiny_reward_model_dir),
+                "--dataset_name",
+                prompts_file(tmp_path),
+                "--output_dir",
+                str(out),
+                "--per_device_train_batch_size",
+                "4",
+                "--total_episodes",
+                "4",
+                "--response_length",
+                "4",
+                "--num_sample_generations",
+                "0",
+                *COMMON,
+                *LORA,
+            ]
+        )
+        == 0
+    )
     (model,) = captured
     check_only_adapter_trained(model, tiny_policy_dir, out)
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
@@ -116,17 +201,44 @@ def test_ppo(tmp_path, captured, tiny_policy_dir, tiny_reward_model_dir):
 
 def test_online_dpo(tmp_path, captured, tiny_policy_dir):
     out = tmp_path / "odpo"
-    assert main(["online-dpo", "--model_name_or_path", str(tiny_policy_dir), "--dataset_name", prompts_file(tmp_path),
-                 "--judge", "random:0", "--output_dir", str(out), "--per_device_train_batch_size", "4",
-                 "--total_episodes", "4", "--max_new_tokens", "4", *COMMON, *LORA]) == 0
+    assert (
+        main(
+            [
+                "online-dpo",
+                "--model_name_or_path",
+                str(tiny_policy_dir),
+                "--dataset_name",
+                prompts_file(tmp_path),
+                "--judge",
+                "random:0",
+                "--output_dir",
+                str(out),
+                "--per_device_train_batch_size",
+                "4",
+                "--total_episodes",
+                "4",
+                "--max_new_tokens",
+                "4",
+                *COMMON,
+                *LORA,
+            ]
+        )
+        == 0
+    )
     (model,) = captured
     check_only_adapter_trained(model, tiny_policy_dir, out)
 
 
 def test_peft_config_from():
     assert peft_config_from(TrainingConfig()) is None
-    cfg = TrainingConfig(use_peft=True, lora_r=8, lora_alpha=16, lora_dropout=0.0, lora_target_modules=["q_proj"],
-                         lora_modules_to_save=["lm_head"])
+    cfg = TrainingConfig(
+        use_peft=True,
+        lora_r=8,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        lora_target_modules=["q_proj"],
+        lora_modules_to_save=["lm_head"],
+    )
     lora = peft_config_from(cfg)
     assert isinstance(lora, peft.LoraConfig)
     assert (lora.r, lora.lora_alpha, lora.lora_dropout, lora.task_type) == (8, 16, 0.0, "CAUSAL_LM")
@@ -135,7 +247,10 @@ def test_peft_config_from():
     # TRL's defaults; None targets = peft's default modules for the architecture
     default = peft_config_from(TrainingConfig(use_peft=True))
     assert (default.r, default.lora_alpha, default.lora_dropout, default.target_modules) == (16, 32, 0.05, None)
-    assert peft_config_from(TrainingConfig(use_peft=True, lora_target_modules=["all-linear"])).target_modules == "all-linear"
+    assert (
+        peft_config_from(TrainingConfig(use_peft=True, lora_target_modules=["all-linear"])).target_modules
+        == "all-linear"
+    )
 
 
 def test_missing_peft_names_the_extra(monkeypatch):
@@ -155,10 +270,36 @@ def test_missing_peft_names_the_extra(monkeypatch):
 
 def test_grpo(tmp_path, captured, tiny_policy_dir, tiny_reward_model_dir):
     out = tmp_path / "grpo"
-    assert main(["grpo", "--model_name_or_path", str(tiny_policy_dir), "--reward_model_path", str(tiny_reward_model_dir),
-                 "--dataset_name", prompts_file(tmp_path), "--output_dir", str(out), "--num_generations", "2",
-                 "--per_device_train_batch_size", "4", "--total_episodes", "4", "--max_completion_length", "4",
-                 "--beta", "0.1", "--num_sample_generations", "0", *COMMON, *LORA]) == 0
+    assert (
+        main(
+            [
+                "grpo",
+                "--model_name_or_path",
+                str(tiny_policy_dir),
+                "--reward_model_path",
+                str(tiny_reward_model_dir),
+                "--dataset_name",
+                prompts_file(tmp_path),
+                "--output_dir",
+                str(out),
+                "--num_generations",
+                "2",
+                "--per_device_train_batch_size",
+                "4",
+                "--total_episodes",
+                "4",
+                "--max_completion_length",
+                "4",
+                "--beta",
+                "0.1",
+                "--num_sample_generations",
+                "0",
+                *COMMON,
+                *LORA,
+            ]
+        )
+        == 0
+    )
     (model,) = captured
     check_only_adapter_trained(model, tiny_policy_dir, out)
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
@@ -167,8 +308,29 @@ def test_grpo(tmp_path, captured, tiny_policy_dir, tiny_reward_model_dir):
 
 def test_xpo(tmp_path, captured, tiny_policy_dir):
     out = tmp_path / "xpo"
-    assert main(["xpo", "--model_name_or_path", str(tiny_policy_dir), "--dataset_name", prompts_file(tmp_path),
-                 "--judge", "random:0", "--output_dir", str(out), "--per_device_train_batch_size", "4",
-                 "--total_episodes", "4", "--max_new_tokens", "4", *COMMON, *LORA]) == 0
+    assert (
+        main(
+            [
+                "xpo",
+                "--model_name_or_path",
+                str(tiny_policy_dir),
+                "--dataset_name",
+                prompts_file(tmp_path),
+                "--judge",
+                "random:0",
+                "--output_dir",
+                str(out),
+                "--per_device_train_batch_size",
+                "4",
+                "--total_episodes",
+                "4",
+                "--max_new_tokens",
+                "4",
+                *COMMON,
+                *LORA,
+            ]
+        )
+        == 0
+    )
     (model,) = captured
     check_only_adapter_trained(model, tiny_policy_dir, out)

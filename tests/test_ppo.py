@@ -19,8 +19,16 @@ from posttrain.models import CausalLMWithValueHead, build_tiny_causal_lm
 from posttrain.trainers.ppo import PPOTrainer
 from posttrain.trainers.ppo_config import PPOConfig
 
-PROMPTS = ["Hello world", "The quick brown fox", "Once upon a time", "Numbers: 1 2 3",
-           "Question: how many legs", "The sea is wide", "Please explain", "Thank you very much"]
+PROMPTS = [
+    "Hello world",
+    "The quick brown fox",
+    "Once upon a time",
+    "Numbers: 1 2 3",
+    "Question: how many legs",
+    "The sea is wide",
+    "Please explain",
+    "Thank you very much",
+]
 
 
 def prompt_dataset(n: int = 16):
@@ -30,8 +38,17 @@ def prompt_dataset(n: int = 16):
 
 
 def train_config(tmp_path, **kw) -> PPOConfig:
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, total_episodes=8, response_length=6,
-                learning_rate=1e-3, report_to="none", num_sample_generations=0, save_steps=0, temperature=1.0)
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        total_episodes=8,
+        response_length=6,
+        learning_rate=1e-3,
+        report_to="none",
+        num_sample_generations=0,
+        save_steps=0,
+        temperature=1.0,
+    )
     return PPOConfig(**{**base, **kw})
 
 
@@ -52,19 +69,33 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
 # -- config ---------------------------------------------------------------------------------------
 def test_config_aliases_and_contradictions():
     c = PPOConfig(ppo_epochs=2, init_kl_coef=0.1, kl_penalty="kl", kl_estimator="k1", steps=64, log_with="tensorboard")
-    assert (c.num_ppo_epochs, c.kl_coef, c.kl_estimator, c.total_episodes, c.report_to) == (2, 0.1, "k1", 64, ["tensorboard"])
+    assert (c.num_ppo_epochs, c.kl_coef, c.kl_estimator, c.total_episodes, c.report_to) == (
+        2,
+        0.1,
+        "k1",
+        64,
+        ["tensorboard"],
+    )
     d = PPOConfig()
     assert (d.num_ppo_epochs, d.kl_coef, d.kl_estimator, d.batch_size) == (4, 0.05, "k1", None)
-    for kw in ({"ppo_epochs": 2, "num_ppo_epochs": 3}, {"kl_penalty": "abs", "kl_estimator": "k3"},
-               {"init_kl_coef": 0.2, "kl_coef": 0.05}, {"steps": 10, "total_episodes": 20},
-               {"log_with": "wandb", "report_to": "tensorboard"}, {"use_score_norm": True}, {"kl_estimator": "k9"}):
+    for kw in (
+        {"ppo_epochs": 2, "num_ppo_epochs": 3},
+        {"kl_penalty": "abs", "kl_estimator": "k3"},
+        {"init_kl_coef": 0.2, "kl_coef": 0.05},
+        {"steps": 10, "total_episodes": 20},
+        {"log_with": "wandb", "report_to": "tensorboard"},
+        {"use_score_norm": True},
+        {"kl_estimator": "k9"},
+    ):
         with pytest.raises(ConfigError):
             PPOConfig(**kw)
     # batch_size is settable for step(); train() derives it and refuses a different explicit value.
     c = PPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, batch_size=16, total_episodes=64)
     with pytest.raises(ConfigError, match="batch_size=16"):
         c.derive_sizes(world_size=1)
-    ok = PPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, batch_size=8, total_episodes=64).derive_sizes(1)
+    ok = PPOConfig(
+        per_device_train_batch_size=4, gradient_accumulation_steps=2, batch_size=8, total_episodes=64
+    ).derive_sizes(1)
     assert (ok.batch_size, ok.mini_batch_size, ok.step_batch_size) == (8, 8, 8)
 
 
@@ -74,8 +105,15 @@ def test_first_update_has_ratio_one_exactly(tiny_tokenizer):
     disabled): the first minibatch of the first epoch (here 2 accumulated micro-batches, so the
     separate old forward runs) sees ratio == 1 and approxkl == 0 exactly, and still updates."""
     lm = build_tiny_causal_lm(tiny_tokenizer, attention_dropout=0.3)
-    cfg = PPOConfig(learning_rate=1e-3, num_ppo_epochs=1, mini_batch_size=2, gradient_accumulation_steps=2, batch_size=4,
-                    report_to="none", seed=3)
+    cfg = PPOConfig(
+        learning_rate=1e-3,
+        num_ppo_epochs=1,
+        mini_batch_size=2,
+        gradient_accumulation_steps=2,
+        batch_size=4,
+        report_to="none",
+        seed=3,
+    )
     trainer = PPOTrainer(config=cfg, model=CausalLMWithValueHead(lm), tokenizer=tiny_tokenizer)
     before = flat(trainer.model)
     stats = trainer.step(*step_data(tiny_tokenizer, 4))
@@ -90,22 +128,56 @@ def test_train_changes_policy_and_critic_and_saves(tmp_path, tiny_tokenizer, tin
 
     policy = build_tiny_causal_lm(tiny_tokenizer)
     before = flat(policy)
-    cfg = train_config(tmp_path, num_ppo_epochs=2, num_mini_batches=2, per_device_train_batch_size=2, entropy_coef=0.01,
-                       num_sample_generations=1, missing_eos_penalty=1.0)
-    trainer = PPOTrainer(args=cfg, processing_class=tiny_tokenizer, model=policy, ref_model=build_tiny_causal_lm(tiny_tokenizer),
-                         reward_model=tiny_reward_model, train_dataset=prompt_dataset(), eval_dataset=prompt_dataset(4))
+    cfg = train_config(
+        tmp_path,
+        num_ppo_epochs=2,
+        num_mini_batches=2,
+        per_device_train_batch_size=2,
+        entropy_coef=0.01,
+        num_sample_generations=1,
+        missing_eos_penalty=1.0,
+    )
+    trainer = PPOTrainer(
+        args=cfg,
+        processing_class=tiny_tokenizer,
+        model=policy,
+        ref_model=build_tiny_causal_lm(tiny_tokenizer),
+        reward_model=tiny_reward_model,
+        train_dataset=prompt_dataset(),
+        eval_dataset=prompt_dataset(4),
+    )
     critic_before = flat(trainer.value_model)
-    assert torch.equal(critic_before[-tiny_reward_model.score.weight.numel():], tiny_reward_model.score.weight.reshape(-1))
+    assert torch.equal(
+        critic_before[-tiny_reward_model.score.weight.numel() :], tiny_reward_model.score.weight.reshape(-1)
+    )
     logs = trainer.train()
     assert not torch.equal(before, flat(trainer.model)) and not torch.equal(critic_before, flat(trainer.value_model))
-    for name in ("eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
-                 "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg",
-                 "val/clipfrac_avg", "policy/entropy_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens", "lr", "episode"):
+    for name in (
+        "eps",
+        "objective/kl",
+        "objective/entropy",
+        "objective/non_score_reward",
+        "objective/rlhf_reward",
+        "objective/scores",
+        "policy/approxkl_avg",
+        "policy/clipfrac_avg",
+        "loss/policy_avg",
+        "loss/value_avg",
+        "val/clipfrac_avg",
+        "policy/entropy_avg",
+        "val/ratio",
+        "val/ratio_var",
+        "val/num_eos_tokens",
+        "lr",
+        "episode",
+    ):
         assert name in logs and logs[name] == logs[name], name
     assert logs["objective/entropy"] >= 0 and logs["policy/entropy_avg"] > 0 and logs["episode"] == 8
     out = Path(cfg.output_dir)
     assert torch.equal(flat(AutoModelForCausalLM.from_pretrained(out)), flat(trainer.model))
-    assert torch.equal(flat(AutoModelForSequenceClassification.from_pretrained(out / "value_model")), flat(trainer.value_model))
+    assert torch.equal(
+        flat(AutoModelForSequenceClassification.from_pretrained(out / "value_model")), flat(trainer.value_model)
+    )
     assert (out / "samples.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) == 2
 
 
@@ -115,9 +187,14 @@ def test_value_head_and_policy_critic(tmp_path, tiny_tokenizer):
         policy = build_tiny_causal_lm(tiny_tokenizer)
         before = flat(policy)
         cfg = train_config(tmp_path / init, value_model_init=init, total_episodes=4)
-        trainer = PPOTrainer(args=cfg, processing_class=tiny_tokenizer, model=policy, ref_model=None,
-                             reward_model=lambda prompts, completions: [float(len(c)) for c in completions],
-                             train_dataset=prompt_dataset())
+        trainer = PPOTrainer(
+            args=cfg,
+            processing_class=tiny_tokenizer,
+            model=policy,
+            ref_model=None,
+            reward_model=lambda prompts, completions: [float(len(c)) for c in completions],
+            train_dataset=prompt_dataset(),
+        )
         trainer.train()
         assert not torch.equal(before, flat(policy))
         if init == "head":
@@ -129,21 +206,42 @@ def test_value_head_and_policy_critic(tmp_path, tiny_tokenizer):
 
 def test_learnable_reward_raises_scores(tmp_path, tiny_tokenizer):
     """Paying for the letter "e" in completions: objective/scores goes up within a short run."""
+
     def reward(prompts, completions):
         return [float(c.count("e")) for c in completions]
 
-    cfg = train_config(tmp_path, learning_rate=3e-2, per_device_train_batch_size=16, total_episodes=16 * 10,
-                       num_ppo_epochs=2, kl_coef=0.0, response_length=8, value_model_init="head", seed=1)
-    trainer = PPOTrainer(args=cfg, processing_class=tiny_tokenizer, model=build_tiny_causal_lm(tiny_tokenizer),
-                         ref_model=None, reward_model=reward, train_dataset=prompt_dataset(64))
+    cfg = train_config(
+        tmp_path,
+        learning_rate=3e-2,
+        per_device_train_batch_size=16,
+        total_episodes=16 * 10,
+        num_ppo_epochs=2,
+        kl_coef=0.0,
+        response_length=8,
+        value_model_init="head",
+        seed=1,
+    )
+    trainer = PPOTrainer(
+        args=cfg,
+        processing_class=tiny_tokenizer,
+        model=build_tiny_causal_lm(tiny_tokenizer),
+        ref_model=None,
+        reward_model=reward,
+        train_dataset=prompt_dataset(64),
+    )
     trainer.train()
-    scores = [json.loads(line)["objective/scores"] for line in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    scores = [
+        json.loads(line)["objective/scores"]
+        for line in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
     assert sum(scores[-3:]) / 3 > 1.5 * sum(scores[:3]) / 3, scores
 
 
 # -- the classic API -------------------------------------------------------------------------------
 def test_generate_and_step_with_and_without_masks(tmp_path, tiny_tokenizer):
-    cfg = PPOConfig(batch_size=4, mini_batch_size=2, ppo_epochs=2, learning_rate=1e-3, output_dir=str(tmp_path), report_to="none")
+    cfg = PPOConfig(
+        batch_size=4, mini_batch_size=2, ppo_epochs=2, learning_rate=1e-3, output_dir=str(tmp_path), report_to="none"
+    )
     trainer = PPOTrainer(cfg, build_tiny_causal_lm(tiny_tokenizer), None, tiny_tokenizer)  # the classic positional call
     queries = [torch.tensor(tiny_tokenizer(p)["input_ids"]) for p in PROMPTS[:4]]
     responses = trainer.generate(queries, return_prompt=False, max_new_tokens=5, top_k=0, top_p=1.0, do_sample=True)
@@ -151,10 +249,22 @@ def test_generate_and_step_with_and_without_masks(tmp_path, tiny_tokenizer):
     single = trainer.generate(queries[0], max_new_tokens=3)
     assert single.dim() == 2 and torch.equal(single[0, : len(queries[0])], queries[0])
     before = flat(trainer.model)
-    stats = trainer.step(queries, responses, [torch.tensor(1.0), torch.tensor(0.0), torch.tensor(-1.0), torch.tensor(0.5)])
+    stats = trainer.step(
+        queries, responses, [torch.tensor(1.0), torch.tensor(0.0), torch.tensor(-1.0), torch.tensor(0.5)]
+    )
     assert not torch.equal(before, flat(trainer.model))
-    for name in ("objective/kl", "objective/kl_coef", "ppo/mean_scores", "ppo/loss/policy", "ppo/loss/value",
-                 "ppo/policy/approxkl", "ppo/policy/clipfrac", "ppo/val/vpred", "ppo/returns/mean", "tokens/responses_len_mean"):
+    for name in (
+        "objective/kl",
+        "objective/kl_coef",
+        "ppo/mean_scores",
+        "ppo/loss/policy",
+        "ppo/loss/value",
+        "ppo/policy/approxkl",
+        "ppo/policy/clipfrac",
+        "ppo/val/vpred",
+        "ppo/returns/mean",
+        "tokens/responses_len_mean",
+    ):
         assert name in stats and stats[name] == stats[name], name
     assert stats["ppo/mean_scores"] == pytest.approx(0.125)
     # Masked tokens: only the masked-in tokens count (the response mean length is unchanged, the
@@ -175,10 +285,21 @@ def test_generate_and_step_with_and_without_masks(tmp_path, tiny_tokenizer):
 
 def test_adaptive_kl_controller_moves_the_right_way(tiny_tokenizer):
     def coef_after(target: float) -> float:
-        cfg = PPOConfig(adap_kl_ctrl=True, init_kl_coef=0.2, target=target, horizon=10.0, kl_penalty="k3",
-                        learning_rate=1e-3, report_to="none")
-        trainer = PPOTrainer(config=cfg, model=build_tiny_causal_lm(tiny_tokenizer), tokenizer=tiny_tokenizer,
-                             ref_model=build_tiny_causal_lm(tiny_tokenizer, seed=5))
+        cfg = PPOConfig(
+            adap_kl_ctrl=True,
+            init_kl_coef=0.2,
+            target=target,
+            horizon=10.0,
+            kl_penalty="k3",
+            learning_rate=1e-3,
+            report_to="none",
+        )
+        trainer = PPOTrainer(
+            config=cfg,
+            model=build_tiny_causal_lm(tiny_tokenizer),
+            tokenizer=tiny_tokenizer,
+            ref_model=build_tiny_causal_lm(tiny_tokenizer, seed=5),
+        )
         data = step_data(tiny_tokenizer, 4)
         stats = trainer.step(*data)
         assert stats["objective/kl"] > 0 and stats["objective/kl_coef"] == 0.2
@@ -196,10 +317,18 @@ def test_micro_batching_does_not_change_the_update(tiny_tokenizer):
         torch.manual_seed(0)  # the value head's initialisation
         model = CausalLMWithValueHead(build_tiny_causal_lm(tiny_tokenizer))
         before = flat(model)
-        cfg = PPOConfig(mini_batch_size=micro, gradient_accumulation_steps=accum, ppo_epochs=1, max_grad_norm=None,
-                        report_to="none", entropy_coef=0.01)
+        cfg = PPOConfig(
+            mini_batch_size=micro,
+            gradient_accumulation_steps=accum,
+            ppo_epochs=1,
+            max_grad_norm=None,
+            report_to="none",
+            entropy_coef=0.01,
+        )
         # Plain SGD with lr 1: the parameter change IS the gradient (Adam would hide a wrong loss scale).
-        trainer = PPOTrainer(config=cfg, model=model, tokenizer=tiny_tokenizer, optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+        trainer = PPOTrainer(
+            config=cfg, model=model, tokenizer=tiny_tokenizer, optimizer=torch.optim.SGD(model.parameters(), lr=1.0)
+        )
         trainer.step(*step_data(tiny_tokenizer, 4))
         steps.append(flat(model) - before)
     assert steps[0].abs().max() > 1e-3
@@ -211,11 +340,24 @@ def test_full_kl_whitening_and_early_stopping(tiny_tokenizer):
     classic policykl = mean(old − new logprob): negative scores without advantage whitening push the
     sampled tokens' logprobs down, so policykl > 0 after the first update and a tiny target_kl stops
     the remaining epochs, while a large one never does."""
+
     def run(target_kl: float) -> dict:
-        cfg = PPOConfig(kl_penalty="full", whiten_rewards=True, whiten_advantages=False, early_stopping=True,
-                        target_kl=target_kl, ppo_epochs=3, learning_rate=5e-2, report_to="none")
-        trainer = PPOTrainer(config=cfg, model=build_tiny_causal_lm(tiny_tokenizer), tokenizer=tiny_tokenizer,
-                             ref_model=build_tiny_causal_lm(tiny_tokenizer, seed=5))
+        cfg = PPOConfig(
+            kl_penalty="full",
+            whiten_rewards=True,
+            whiten_advantages=False,
+            early_stopping=True,
+            target_kl=target_kl,
+            ppo_epochs=3,
+            learning_rate=5e-2,
+            report_to="none",
+        )
+        trainer = PPOTrainer(
+            config=cfg,
+            model=build_tiny_causal_lm(tiny_tokenizer),
+            tokenizer=tiny_tokenizer,
+            ref_model=build_tiny_causal_lm(tiny_tokenizer, seed=5),
+        )
         queries, responses, _ = step_data(tiny_tokenizer, 4)
         return trainer.step(queries, responses, [torch.tensor(-5.0)] * 4)
 
@@ -231,20 +373,27 @@ def test_peft_policy_with_adapter_reference(tmp_path, tiny_tokenizer):
     policy = build_tiny_causal_lm(tiny_tokenizer)
     base_before = flat(policy)
     cfg = train_config(tmp_path, total_episodes=4, value_model_init="policy")
-    trainer = PPOTrainer(args=cfg, processing_class=tiny_tokenizer, model=policy, ref_model=None,
-                         reward_model=lambda prompts, completions: [float(len(c)) for c in completions],
-                         train_dataset=prompt_dataset(),
-                         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    trainer = PPOTrainer(
+        args=cfg,
+        processing_class=tiny_tokenizer,
+        model=policy,
+        ref_model=None,
+        reward_model=lambda prompts, completions: [float(len(c)) for c in completions],
+        train_dataset=prompt_dataset(),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
     assert trainer.ref_model is None
     lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
     trainer.train()
     assert lora and any(not torch.equal(p, dict(trainer.model.named_parameters())[n]) for n, p in lora.items())
-    base_after = torch.cat([p.detach().reshape(-1) for n, p in trainer.model.get_base_model().named_parameters() if "lora_" not in n])
+    base_after = torch.cat(
+        [p.detach().reshape(-1) for n, p in trainer.model.get_base_model().named_parameters() if "lora_" not in n]
+    )
     assert torch.equal(base_before, base_after)
 
 
 # -- distribution and resume -----------------------------------------------------------------------
-MULTIPROC_SCRIPT = textwrap.dedent('''
+MULTIPROC_SCRIPT = textwrap.dedent("""
     import sys, torch
     torch.set_num_threads(1)
     from posttrain.models import build_tiny_tokenizer, build_tiny_causal_lm
@@ -265,7 +414,7 @@ MULTIPROC_SCRIPT = textwrap.dedent('''
         torch.save({"params": flat(trainer.model), "kl": stats["objective/kl"]}, sys.argv[1])
     from posttrain.distributed import shutdown
     shutdown()
-''')
+""")
 
 
 @pytest.mark.multiproc
@@ -287,12 +436,28 @@ def test_two_processes_equal_one_process(tmp_path):
 
 def test_resume_equals_uninterrupted(tmp_path, tiny_tokenizer, tiny_reward_model):
     def trainer_for(out: Path, **kw) -> PPOTrainer:
-        cfg = train_config(out.parent, output_dir=str(out), total_episodes=12, num_ppo_epochs=2, num_mini_batches=2,
-                           per_device_train_batch_size=2, save_steps=2, adap_kl_ctrl=True, target=0.01, horizon=100.0,
-                           use_score_scaling=True, **kw)
-        return PPOTrainer(args=cfg, processing_class=tiny_tokenizer, model=build_tiny_causal_lm(tiny_tokenizer),
-                          ref_model=build_tiny_causal_lm(tiny_tokenizer, seed=3), reward_model=tiny_reward_model,
-                          train_dataset=prompt_dataset())
+        cfg = train_config(
+            out.parent,
+            output_dir=str(out),
+            total_episodes=12,
+            num_ppo_epochs=2,
+            num_mini_batches=2,
+            per_device_train_batch_size=2,
+            save_steps=2,
+            adap_kl_ctrl=True,
+            target=0.01,
+            horizon=100.0,
+            use_score_scaling=True,
+            **kw,
+        )
+        return PPOTrainer(
+            args=cfg,
+            processing_class=tiny_tokenizer,
+            model=build_tiny_causal_lm(tiny_tokenizer),
+            ref_model=build_tiny_causal_lm(tiny_tokenizer, seed=3),
+            reward_model=tiny_reward_model,
+            train_dataset=prompt_dataset(),
+        )
 
     full = trainer_for(tmp_path / "full")
     full.train()
@@ -313,12 +478,43 @@ def test_cli_trl_example_flags(tmp_path, tiny_policy_dir, tiny_reward_model_dir)
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "ppo"
-    argv = ["ppo", "--learning_rate", "3e-6", "--output_dir", str(out), "--per_device_train_batch_size", "4",
-            "--gradient_accumulation_steps", "1", "--total_episodes", "8", "--model_name_or_path", str(tiny_policy_dir),
-            "--sft_model_path", str(tiny_policy_dir), "--reward_model_path", str(tiny_reward_model_dir),
-            "--missing_eos_penalty", "1.0", "--stop_token", "eos", "--kl_coef", "0.05", "--num_ppo_epochs", "4",
-            "--num_mini_batches", "1", "--local_rollout_forward_batch_size", "16", "--dataset_name", str(data),
-            "--response_length", "6", "--num_sample_generations", "0"]
+    argv = [
+        "ppo",
+        "--learning_rate",
+        "3e-6",
+        "--output_dir",
+        str(out),
+        "--per_device_train_batch_size",
+        "4",
+        "--gradient_accumulation_steps",
+        "1",
+        "--total_episodes",
+        "8",
+        "--model_name_or_path",
+        str(tiny_policy_dir),
+        "--sft_model_path",
+        str(tiny_policy_dir),
+        "--reward_model_path",
+        str(tiny_reward_model_dir),
+        "--missing_eos_penalty",
+        "1.0",
+        "--stop_token",
+        "eos",
+        "--kl_coef",
+        "0.05",
+        "--num_ppo_epochs",
+        "4",
+        "--num_mini_batches",
+        "1",
+        "--local_rollout_forward_batch_size",
+        "16",
+        "--dataset_name",
+        str(data),
+        "--response_length",
+        "6",
+        "--num_sample_generations",
+        "0",
+    ]
     assert main(argv) == 0
     assert (out / "model.safetensors").is_file() and (out / "value_model" / "model.safetensors").is_file()
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
@@ -329,7 +525,7 @@ def test_cli_trl_example_flags(tmp_path, tiny_policy_dir, tiny_reward_model_dir)
 # (as in test_rloo) generation is made per-row deterministic: a row's tokens depend only on its
 # prompt. Then everything else — the rollout split across ranks, global whitening, the global token
 # normaliser, DDP's gradient average over policy and critic, clipping, the optimizer — is compared.
-TRAIN_DP_SCRIPT = textwrap.dedent('''
+TRAIN_DP_SCRIPT = textwrap.dedent("""
     import sys, torch
     torch.set_num_threads(1)
     sys.path.insert(0, sys.argv[2])
@@ -337,7 +533,7 @@ TRAIN_DP_SCRIPT = textwrap.dedent('''
     train_dp_run(sys.argv[1])
     from posttrain.distributed import shutdown
     shutdown()
-''')
+""")
 
 
 def ends_with_e(prompts, completions, **kw):
@@ -349,22 +545,47 @@ def train_dp_run(out_path: str) -> None:
     import tempfile
 
     import posttrain.trainers.ppo as ppo_module
-    from posttrain.models import build_tiny_tokenizer
     from helpers import per_row_generate
+    from posttrain.models import build_tiny_tokenizer
 
     ppo_module.generate = per_row_generate
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tok = build_tiny_tokenizer()
-    cfg = PPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, gradient_accumulation_steps=2 // world,
-                    total_episodes=8, response_length=6, learning_rate=1e-3, report_to="none", num_sample_generations=0,
-                    save_steps=0, temperature=1.0, num_ppo_epochs=2, value_model_init="policy", seed=5)
-    trainer = PPOTrainer(args=cfg, processing_class=tok, model=build_tiny_causal_lm(tok),
-                         ref_model=build_tiny_causal_lm(tok, seed=3), reward_model=ends_with_e, train_dataset=prompt_dataset(8))
+    cfg = PPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2 // world,
+        total_episodes=8,
+        response_length=6,
+        learning_rate=1e-3,
+        report_to="none",
+        num_sample_generations=0,
+        save_steps=0,
+        temperature=1.0,
+        num_ppo_epochs=2,
+        value_model_init="policy",
+        seed=5,
+    )
+    trainer = PPOTrainer(
+        args=cfg,
+        processing_class=tok,
+        model=build_tiny_causal_lm(tok),
+        ref_model=build_tiny_causal_lm(tok, seed=3),
+        reward_model=ends_with_e,
+        train_dataset=prompt_dataset(8),
+    )
     assert trainer.accelerator.num_processes == world, "the launcher did not start a real process group"
     last = trainer.train()
     if trainer.accelerator.is_main_process:
-        torch.save({"policy": flat(trainer.model), "critic": flat(trainer.value_model), "kl": last["objective/kl"],
-                    "initial": flat(build_tiny_causal_lm(tok))}, out_path)
+        torch.save(
+            {
+                "policy": flat(trainer.model),
+                "critic": flat(trainer.value_model),
+                "kl": last["objective/kl"],
+                "initial": flat(build_tiny_causal_lm(tok)),
+            },
+            out_path,
+        )
 
 
 @pytest.mark.multiproc
@@ -375,8 +596,12 @@ def test_train_on_two_processes_equals_one_process(tmp_path):
     here = str(Path(__file__).parent)
     subprocess.run([sys.executable, str(script), str(tmp_path / "one.pt"), here], check=True, env=env, timeout=150)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    subprocess.run([*launcher, str(script), str(tmp_path / "two.pt"), here], check=True,
-                   env={**env, "ACCELERATE_USE_CPU": "true"}, timeout=150)
+    subprocess.run(
+        [*launcher, str(script), str(tmp_path / "two.pt"), here],
+        check=True,
+        env={**env, "ACCELERATE_USE_CPU": "true"},
+        timeout=150,
+    )
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert (one["policy"] - one["initial"]).abs().max() > 1e-4  # the update really moved the policy
     assert two["kl"] == pytest.approx(one["kl"], rel=1e-5, abs=1e-7)

@@ -99,18 +99,38 @@ def test_train_logs_the_kl_coef_that_shaped_the_logged_rewards(tmp_path, tiny_to
     """objective/kl_coef is the β used for the batch it is logged with (as step() reports it), not
     the value the adaptive controller moved it to afterwards: per logged batch, with the k1
     estimator, objective/non_score_reward = mean_b Σ_t −β·kl_t = −β · objective/kl exactly."""
-    cfg = PPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, total_episodes=12, response_length=6,
-                    learning_rate=1e-3, report_to="none", num_sample_generations=0, save_steps=0, temperature=1.0,
-                    logging_steps=1, adap_kl_ctrl=True, kl_coef=0.05, target=1e-3, horizon=10.0, value_model_init="head")
+    cfg = PPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        total_episodes=12,
+        response_length=6,
+        learning_rate=1e-3,
+        report_to="none",
+        num_sample_generations=0,
+        save_steps=0,
+        temperature=1.0,
+        logging_steps=1,
+        adap_kl_ctrl=True,
+        kl_coef=0.05,
+        target=1e-3,
+        horizon=10.0,
+        value_model_init="head",
+    )
     from datasets import Dataset
 
-    trainer = PPOTrainer(args=cfg, processing_class=tiny_tokenizer, model=build_tiny_causal_lm(tiny_tokenizer),
-                         ref_model=build_tiny_causal_lm(tiny_tokenizer, seed=3),
-                         reward_model=lambda prompts, completions: [float(len(c)) for c in completions],
-                         train_dataset=Dataset.from_dict({"prompt": ["Hello world", "The sea", "Once upon", "Thank you"] * 2}))
+    trainer = PPOTrainer(
+        args=cfg,
+        processing_class=tiny_tokenizer,
+        model=build_tiny_causal_lm(tiny_tokenizer),
+        ref_model=build_tiny_causal_lm(tiny_tokenizer, seed=3),
+        reward_model=lambda prompts, completions: [float(len(c)) for c in completions],
+        train_dataset=Dataset.from_dict({"prompt": ["Hello world", "The sea", "Once upon", "Thank you"] * 2}),
+    )
     trainer.train()
     lines = [json.loads(line) for line in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 3 and lines[0]["objective/kl_coef"] == 0.05
     for line in lines:
-        assert line["objective/non_score_reward"] == pytest.approx(-line["objective/kl_coef"] * line["objective/kl"], rel=1e-5)
+        assert line["objective/non_score_reward"] == pytest.approx(
+            -line["objective/kl_coef"] * line["objective/kl"], rel=1e-5
+        )
     assert lines[1]["objective/kl_coef"] != 0.05  # the controller did move it

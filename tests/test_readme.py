@@ -25,7 +25,7 @@ def readme_commands() -> list[list[str]]:
                 words = ["posttrain", *words[words.index("posttrain.cli") + 1 :]]
             if "posttrain" not in words:  # e.g. PYTHONPATH=. posttrain ... is split as one word before
                 continue
-            words = words[words.index("posttrain"):]
+            words = words[words.index("posttrain") :]
             if len(words) >= 2 and words[1] in cli.COMMANDS and "..." not in words:
                 commands.append(words[1:])
     return commands

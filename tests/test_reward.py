@@ -29,7 +29,7 @@ def rule_pairs(n: int, seed: int) -> list[dict]:
         base = [rng.choice(WORDS) for _ in range(6)]
         more, fewer = sorted(rng.sample(range(4), 2), reverse=True)
 
-        def with_good(k: int) -> str:
+        def with_good(k: int, base: list[str] = base) -> str:
             words = base[:]
             for j in rng.sample(range(6), k):
                 words[j] = "good"
@@ -43,26 +43,41 @@ FORMATS = {
     "implicit": [{"chosen": "Q: sea? A: The sea is blue.", "rejected": "Q: sea? A: dog."}] * 4,
     "explicit": [{"prompt": "Q: sea? A:", "chosen": " The sea is blue.", "rejected": " dog."}] * 4,
     "conversational": [
-        {"prompt": [{"role": "user", "content": "The sea?"}],
-         "chosen": [{"role": "assistant", "content": "The sea is blue."}],
-         "rejected": [{"role": "assistant", "content": "dog"}]}
-    ] * 4,
+        {
+            "prompt": [{"role": "user", "content": "The sea?"}],
+            "chosen": [{"role": "assistant", "content": "The sea is blue."}],
+            "rejected": [{"role": "assistant", "content": "dog"}],
+        }
+    ]
+    * 4,
     "margin": [{"chosen": "The sea is blue.", "rejected": "dog.", "margin": float(m)} for m in range(4)],
 }
 
 
 def config(tmp_path, name="run", **overrides) -> RewardConfig:
-    values = dict(output_dir=str(tmp_path / name), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3,
-                  logging_steps=1, save_steps=0, report_to="none", max_length=64)
+    values = dict(
+        output_dir=str(tmp_path / name),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_steps=0,
+        report_to="none",
+        max_length=64,
+    )
     values.update(overrides)
     return RewardConfig(**values)
 
 
 def make_trainer(tmp_path, tokenizer, train, eval_dataset=None, name="run", seed=0, **overrides):
     model = build_tiny_reward_model(tokenizer, seed=seed)
-    return RewardTrainer(model, args=config(tmp_path, name, **overrides), train_dataset=Dataset.from_list(train),
-                         eval_dataset=Dataset.from_list(eval_dataset) if eval_dataset else None,
-                         processing_class=copy.deepcopy(tokenizer))
+    return RewardTrainer(
+        model,
+        args=config(tmp_path, name, **overrides),
+        train_dataset=Dataset.from_list(train),
+        eval_dataset=Dataset.from_list(eval_dataset) if eval_dataset else None,
+        processing_class=copy.deepcopy(tokenizer),
+    )
 
 
 def read_metrics(path) -> list[dict]:
@@ -102,7 +117,9 @@ def test_score_is_read_at_the_last_real_token_when_pad_is_eos(tmp_path, tiny_tok
     batch = trainer.collator([trainer.train_dataset[0]])  # rejected row is right-padded with pad == eos
     with torch.no_grad():
         scores = last_token_scores(model, batch["input_ids"], batch["attention_mask"], batch["lengths"], model.score)
-        for row, ids in enumerate((trainer.train_dataset[0]["chosen_input_ids"], trainer.train_dataset[0]["rejected_input_ids"])):
+        for row, ids in enumerate(
+            (trainer.train_dataset[0]["chosen_input_ids"], trainer.train_dataset[0]["rejected_input_ids"])
+        ):
             alone = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1]
             torch.testing.assert_close(scores[row], model.score(alone).squeeze(-1), rtol=1e-5, atol=1e-5)
 
@@ -120,9 +137,17 @@ def test_chosen_and_rejected_share_one_forward_pass(tmp_path, tiny_tokenizer):
 def test_learns_a_rule_to_90_percent_held_out_and_reloads(tmp_path, tiny_tokenizer, capsys):
     from transformers import AutoModelForSequenceClassification
 
-    trainer = make_trainer(tmp_path, tiny_tokenizer, rule_pairs(256, seed=0), rule_pairs(64, seed=1),
-                           max_steps=60, per_device_train_batch_size=8, learning_rate=3e-3, logging_steps=20,
-                           num_print_samples=3)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_tokenizer,
+        rule_pairs(256, seed=0),
+        rule_pairs(64, seed=1),
+        max_steps=60,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        logging_steps=20,
+        num_print_samples=3,
+    )
     trainer.train()
     final = read_metrics(tmp_path / "run")[-1]
     assert final["step"] == 60 and final["eval_accuracy"] >= 0.9
@@ -149,8 +174,15 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, tiny_tokenizer):
     for p, m in zip(pairs, range(8)):
         p["margin"] = m / 4
     common = dict(max_steps=2, learning_rate=0.1, adam_epsilon=1.0, max_grad_norm=None, center_rewards_coefficient=0.1)
-    small = make_trainer(tmp_path, tiny_tokenizer, pairs, name="ga4", per_device_train_batch_size=1,
-                         gradient_accumulation_steps=4, **common)
+    small = make_trainer(
+        tmp_path,
+        tiny_tokenizer,
+        pairs,
+        name="ga4",
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=4,
+        **common,
+    )
     big = make_trainer(tmp_path, tiny_tokenizer, pairs, name="ga1", per_device_train_batch_size=4, **common)
     initial = [p.detach().clone() for p in small.model.parameters()]
     small.train()
@@ -164,8 +196,16 @@ def test_resume_is_bitwise_identical(tmp_path, tiny_tokenizer):
     pairs = rule_pairs(8, seed=3)
     straight = make_trainer(tmp_path, tiny_tokenizer, pairs, name="straight", max_steps=4, save_steps=2)
     straight.train()
-    resumed = make_trainer(tmp_path, tiny_tokenizer, pairs, name="resumed", seed=5, max_steps=4, save_steps=2,
-                           resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-2"))
+    resumed = make_trainer(
+        tmp_path,
+        tiny_tokenizer,
+        pairs,
+        name="resumed",
+        seed=5,
+        max_steps=4,
+        save_steps=2,
+        resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-2"),
+    )
     resumed.train()
     for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a, b), name
@@ -176,7 +216,9 @@ def test_overlong_pairs_are_dropped_with_a_count(tmp_path, tiny_tokenizer, capsy
     trainer = make_trainer(tmp_path, tiny_tokenizer, pairs, max_length=16)
     assert len(trainer.train_dataset) == 4
     assert "dropped 1 of 5 pairs longer than max_length=16" in capsys.readouterr().err
-    truncated = make_trainer(tmp_path, tiny_tokenizer, pairs, name="trunc", max_length=16, max_length_overflow="truncate")
+    truncated = make_trainer(
+        tmp_path, tiny_tokenizer, pairs, name="trunc", max_length=16, max_length_overflow="truncate"
+    )
     assert len(truncated.train_dataset) == 5 and len(truncated.train_dataset[0]["chosen_input_ids"]) == 16
 
 
@@ -198,9 +240,27 @@ def test_cli_reward(tmp_path, tiny_tokenizer, tiny_reward_model_dir):
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in rule_pairs(8, seed=4)))
     out = tmp_path / "cli"
-    code = main(["reward", "--model_name_or_path", str(tiny_reward_model_dir), "--dataset_name", str(data),
-                 "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size", "2",
-                 "--logging_steps", "1", "--center_rewards_coefficient", "0.01", "--report_to", "none"])
+    code = main(
+        [
+            "reward",
+            "--model_name_or_path",
+            str(tiny_reward_model_dir),
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "2",
+            "--logging_steps",
+            "1",
+            "--center_rewards_coefficient",
+            "0.01",
+            "--report_to",
+            "none",
+        ]
+    )
     assert code == 0
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
     assert AutoModelForSequenceClassification.from_pretrained(out).config.pad_token_id == tiny_tokenizer.pad_token_id

@@ -28,9 +28,22 @@ from posttrain.trainers.rloo import RLOOTrainer
 from posttrain.trainers.rloo_config import RLOOConfig
 
 SEED_METRICS = [
-    "eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
-    "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "val/clipfrac_avg",
-    "policy/entropy_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens", "lr", "episode",
+    "eps",
+    "objective/kl",
+    "objective/entropy",
+    "objective/non_score_reward",
+    "objective/rlhf_reward",
+    "objective/scores",
+    "policy/approxkl_avg",
+    "policy/clipfrac_avg",
+    "loss/policy_avg",
+    "val/clipfrac_avg",
+    "policy/entropy_avg",
+    "val/ratio",
+    "val/ratio_var",
+    "val/num_eos_tokens",
+    "lr",
+    "episode",
 ]
 
 
@@ -54,9 +67,20 @@ def letter_fraction(prompts, completions, **columns):
 
 
 def config(tmp_path: Path, **overrides) -> RLOOConfig:
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=1,
-                  rloo_k=2, num_ppo_epochs=1, total_episodes=8, response_length=6, learning_rate=1e-3,
-                  report_to=["none"], num_sample_generations=0, save_steps=0, temperature=1.0)
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        rloo_k=2,
+        num_ppo_epochs=1,
+        total_episodes=8,
+        response_length=6,
+        learning_rate=1e-3,
+        report_to=["none"],
+        num_sample_generations=0,
+        save_steps=0,
+        temperature=1.0,
+    )
     values.update(overrides)
     return RLOOConfig(**values)
 
@@ -72,7 +96,9 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
 def prompts_on_disk(tmp_path_factory) -> Path:
     """A save_to_disk folder with the seed's split name, a train split (rloo_tldr) and a test split."""
     path = tmp_path_factory.mktemp("prompts")
-    DatasetDict({"descriptiveness": prompt_dataset(64), "train": prompt_dataset(64), "test": prompt_dataset(8)}).save_to_disk(path)
+    DatasetDict(
+        {"descriptiveness": prompt_dataset(64), "train": prompt_dataset(64), "test": prompt_dataset(8)}
+    ).save_to_disk(path)
     return path
 
 
@@ -92,10 +118,29 @@ def check_run_dir(out: Path, updates: int) -> list[dict]:
 def test_seed_minimal_command_runs(tmp_path, prompts_on_disk, tiny_policy_dir, tiny_reward_model_dir):
     """Seed 001 "getting started" command, as written, with local paths and fewer episodes."""
     out = tmp_path / "models" / "minimal" / "rloo"
-    argv = ["rloo", "--dataset_name", str(prompts_on_disk), "--dataset_train_split", "descriptiveness",
-            "--learning_rate", "3e-6", "--output_dir", str(out), "--per_device_train_batch_size", "64",
-            "--gradient_accumulation_steps", "1", "--total_episodes", "64", "--model_name_or_path", str(tiny_policy_dir),
-            "--reward_model_path", str(tiny_reward_model_dir), "--missing_eos_penalty", "1.0"]
+    argv = [
+        "rloo",
+        "--dataset_name",
+        str(prompts_on_disk),
+        "--dataset_train_split",
+        "descriptiveness",
+        "--learning_rate",
+        "3e-6",
+        "--output_dir",
+        str(out),
+        "--per_device_train_batch_size",
+        "64",
+        "--gradient_accumulation_steps",
+        "1",
+        "--total_episodes",
+        "64",
+        "--model_name_or_path",
+        str(tiny_policy_dir),
+        "--reward_model_path",
+        str(tiny_reward_model_dir),
+        "--missing_eos_penalty",
+        "1.0",
+    ]
     assert cli.main(argv) == 0
     (record,) = check_run_dir(out, updates=1)
     assert record["episode"] == 64
@@ -104,12 +149,41 @@ def test_seed_minimal_command_runs(tmp_path, prompts_on_disk, tiny_policy_dir, t
 def test_seed_tldr_command_runs(tmp_path, prompts_on_disk, tiny_policy_dir, tiny_reward_model_dir):
     """Seed 000/001 rloo_tldr benchmark flags (2 epochs × 2 minibatches × GA 8) on tiny models."""
     out = tmp_path / "rloo_tldr"
-    argv = ["rloo", "--dataset_name", str(prompts_on_disk), "--output_dir", str(out), "--num_ppo_epochs", "2",
-            "--num_mini_batches", "2", "--learning_rate", "3e-6", "--per_device_train_batch_size", "8",
-            "--gradient_accumulation_steps", "8", "--total_episodes", "128", "--model_name_or_path", str(tiny_policy_dir),
-            "--sft_model_path", str(tiny_policy_dir), "--reward_model_path", str(tiny_reward_model_dir),
-            "--local_rollout_forward_batch_size", "16", "--missing_eos_penalty", "1.0", "--stop_token", "eos",
-            "--kl_coef", "0.03", "--num_sample_generations", "1"]
+    argv = [
+        "rloo",
+        "--dataset_name",
+        str(prompts_on_disk),
+        "--output_dir",
+        str(out),
+        "--num_ppo_epochs",
+        "2",
+        "--num_mini_batches",
+        "2",
+        "--learning_rate",
+        "3e-6",
+        "--per_device_train_batch_size",
+        "8",
+        "--gradient_accumulation_steps",
+        "8",
+        "--total_episodes",
+        "128",
+        "--model_name_or_path",
+        str(tiny_policy_dir),
+        "--sft_model_path",
+        str(tiny_policy_dir),
+        "--reward_model_path",
+        str(tiny_reward_model_dir),
+        "--local_rollout_forward_batch_size",
+        "16",
+        "--missing_eos_penalty",
+        "1.0",
+        "--stop_token",
+        "eos",
+        "--kl_coef",
+        "0.03",
+        "--num_sample_generations",
+        "1",
+    ]
     assert cli.main(argv) == 0
     check_run_dir(out, updates=1)
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
@@ -117,8 +191,17 @@ def test_seed_tldr_command_runs(tmp_path, prompts_on_disk, tiny_policy_dir, tiny
 
 
 def test_missing_reward_is_a_clear_error(tmp_path, prompts_on_disk, tiny_policy_dir, capsys):
-    argv = ["rloo", "--dataset_name", str(prompts_on_disk), "--output_dir", str(tmp_path / "o"),
-            "--model_name_or_path", str(tiny_policy_dir), "--total_episodes", "64"]
+    argv = [
+        "rloo",
+        "--dataset_name",
+        str(prompts_on_disk),
+        "--output_dir",
+        str(tmp_path / "o"),
+        "--model_name_or_path",
+        str(tiny_policy_dir),
+        "--total_episodes",
+        "64",
+    ]
     assert cli.main(argv) == 2
     assert "--reward_model_path" in capsys.readouterr().err
 
@@ -127,9 +210,19 @@ def test_missing_reward_is_a_clear_error(tmp_path, prompts_on_disk, tiny_policy_
 
 
 def test_learnable_reward_raises_scores(tmp_path, tiny_tokenizer):
-    cfg = config(tmp_path, per_device_train_batch_size=16, rloo_k=4, total_episodes=16 * 30, response_length=8,
-                 learning_rate=1e-2, kl_coef=0.0, lr_scheduler_type="constant")
-    trainer = RLOOTrainer(cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, letter_fraction, prompt_dataset())
+    cfg = config(
+        tmp_path,
+        per_device_train_batch_size=16,
+        rloo_k=4,
+        total_episodes=16 * 30,
+        response_length=8,
+        learning_rate=1e-2,
+        kl_coef=0.0,
+        lr_scheduler_type="constant",
+    )
+    trainer = RLOOTrainer(
+        cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, letter_fraction, prompt_dataset()
+    )
     trainer.train()
     scores = [h["objective/scores"] for h in trainer.log_history]
     assert len(scores) == 30
@@ -145,15 +238,24 @@ def test_first_minibatch_ratio_is_exactly_one(tmp_path, tiny_tokenizer, monkeypa
 
     adv_loss = rloo.ppo_policy_loss
     monkeypatch.setattr(rloo, "ppo_policy_loss", spy)
+
     # 2 epochs × 2 minibatches × 2 micro-batches per update; the first minibatch (2 micro-batches)
     # runs before any optimizer step, so its ratio must be exactly 1.
     def trl_style_reward(texts):  # TRL RLOO's one-argument reward callable: decoded query + response
         assert all(t.startswith("Prompt number") for t in texts)
         return [t.count("e") / len(t) for t in texts]
 
-    cfg = config(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_mini_batches=2,
-                 num_ppo_epochs=2, total_episodes=16)
-    RLOOTrainer(cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, trl_style_reward, prompt_dataset()).train()
+    cfg = config(
+        tmp_path,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_mini_batches=2,
+        num_ppo_epochs=2,
+        total_episodes=16,
+    )
+    RLOOTrainer(
+        cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, trl_style_reward, prompt_dataset()
+    ).train()
     assert len(calls) == 2 * 8
     for update in range(2):
         first = calls[update * 8 : update * 8 + 8]
@@ -178,9 +280,15 @@ def test_reinforce_case_skips_the_old_logprob_pass(tmp_path, tiny_tokenizer, tin
     monkeypatch.setattr(rloo, "old_policy_logprobs", fail)
     recorder = Recorder()
     # TRL's keyword names, `tokenizer=` (TRL <= 0.11) for processing_class, a reward model plus a function.
-    trainer = RLOOTrainer(config=config(tmp_path), tokenizer=tiny_tokenizer, policy=build_tiny_causal_lm(tiny_tokenizer),
-                          ref_policy=None, reward_model=[tiny_reward_model, letter_fraction], train_dataset=prompt_dataset(),
-                          callbacks=[recorder])
+    trainer = RLOOTrainer(
+        config=config(tmp_path),
+        tokenizer=tiny_tokenizer,
+        policy=build_tiny_causal_lm(tiny_tokenizer),
+        ref_policy=None,
+        reward_model=[tiny_reward_model, letter_fraction],
+        train_dataset=prompt_dataset(),
+        callbacks=[recorder],
+    )
     before = flat(trainer.policy).clone()
     last = trainer.train()
     assert last["val/ratio"] == 1.0 and last["policy/clipfrac_avg"] == 0.0
@@ -201,10 +309,22 @@ def test_token_level_kl_in_the_trainer(tmp_path, tiny_tokenizer, monkeypatch):
     monkeypatch.setattr(adv, "token_level_kl_rewards", spy)
     policies = {}
     for token_level in (True, False):
-        cfg = config(tmp_path / str(token_level), token_level_kl=token_level, kl_coef=0.1, total_episodes=16,
-                     num_ppo_epochs=2, response_length=8)
-        trainer = RLOOTrainer(cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer),
-                              build_tiny_causal_lm(tiny_tokenizer, seed=3), letter_fraction, prompt_dataset())
+        cfg = config(
+            tmp_path / str(token_level),
+            token_level_kl=token_level,
+            kl_coef=0.1,
+            total_episodes=16,
+            num_ppo_epochs=2,
+            response_length=8,
+        )
+        trainer = RLOOTrainer(
+            cfg,
+            tiny_tokenizer,
+            build_tiny_causal_lm(tiny_tokenizer),
+            build_tiny_causal_lm(tiny_tokenizer, seed=3),
+            letter_fraction,
+            prompt_dataset(),
+        )
         trainer.train()
         policies[token_level] = (flat(trainer.policy), trainer.log_history)
     assert len(seen) == 4  # one call per rollout batch (16 episodes / 4), only in the token-level run
@@ -227,9 +347,21 @@ def test_token_level_kl_in_the_trainer(tmp_path, tiny_tokenizer, monkeypatch):
 
 def test_resume_equals_uninterrupted(tmp_path, tiny_tokenizer):
     def trainer_for(out: Path, **kw) -> RLOOTrainer:
-        cfg = config(tmp_path, output_dir=str(out), total_episodes=32, num_ppo_epochs=2, num_mini_batches=2,
-                     per_device_train_batch_size=2, save_steps=2, normalize_advantage=True, whiten_rewards=True, **kw)
-        return RLOOTrainer(cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, letter_fraction, prompt_dataset())
+        cfg = config(
+            tmp_path,
+            output_dir=str(out),
+            total_episodes=32,
+            num_ppo_epochs=2,
+            num_mini_batches=2,
+            per_device_train_batch_size=2,
+            save_steps=2,
+            normalize_advantage=True,
+            whiten_rewards=True,
+            **kw,
+        )
+        return RLOOTrainer(
+            cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, letter_fraction, prompt_dataset()
+        )
 
     full = trainer_for(tmp_path / "full")
     full.train()
@@ -251,8 +383,19 @@ def test_config_checks():
         RLOOConfig(per_device_train_batch_size=3, rloo_k=2).derive_sizes(1, 10)
     cfg = RLOOConfig()
     assert (cfg.kl_coef, cfg.cliprange, cfg.rloo_k, cfg.num_ppo_epochs, cfg.temperature, cfg.token_level_kl) == (
-        0.05, 0.2, 2, 4, 0.7, False)
-    assert (cfg.reward_clip_range, cfg.normalize_reward, cfg.normalize_advantage, cfg.whiten_rewards) == (10.0, False, False, False)
+        0.05,
+        0.2,
+        2,
+        4,
+        0.7,
+        False,
+    )
+    assert (cfg.reward_clip_range, cfg.normalize_reward, cfg.normalize_advantage, cfg.whiten_rewards) == (
+        10.0,
+        False,
+        False,
+        False,
+    )
 
 
 # -- 2 processes == 1 process ----------------------------------------------------------------------
@@ -261,7 +404,7 @@ def test_config_checks():
 # (scores, reference logprobs, leave-one-out advantages, the global loss normaliser, DDP's gradient
 # average, clipping, the optimizer step) is what the test compares. One process runs GA 2 with
 # micro-batch 4; two processes run GA 1 with micro-batch 4 each: the same global batch of 8.
-DP_SCRIPT = textwrap.dedent('''
+DP_SCRIPT = textwrap.dedent("""
     import sys, torch
     torch.set_num_threads(1)
     sys.path.insert(0, sys.argv[3])
@@ -269,36 +412,59 @@ DP_SCRIPT = textwrap.dedent('''
     dp_run(sys.argv[1], sys.argv[2])
     from posttrain.distributed import shutdown
     shutdown()
-''')
+""")
 
 
 def dp_run(algo: str, out_path: str) -> None:
     import tempfile
 
     import posttrain.trainers.rloo as shared
-    from posttrain.models import build_tiny_tokenizer
     from helpers import per_row_generate
+    from posttrain.models import build_tiny_tokenizer
 
     shared.generate = per_row_generate
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tok = build_tiny_tokenizer()
     policy = build_tiny_causal_lm(tok)
-    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, gradient_accumulation_steps=2 // world,
-                  total_episodes=8, response_length=6, report_to=["none"], num_sample_generations=0, save_steps=0,
-                  temperature=1.0, seed=7)
+    common = dict(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2 // world,
+        total_episodes=8,
+        response_length=6,
+        report_to=["none"],
+        num_sample_generations=0,
+        save_steps=0,
+        temperature=1.0,
+        seed=7,
+    )
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
     if algo == "rloo":
         cfg = RLOOConfig(**common, rloo_k=2, num_ppo_epochs=2, kl_coef=0.1, normalize_advantage=True)
-        trainer = RLOOTrainer(cfg, tok, policy, build_tiny_causal_lm(tok, seed=3), letter_fraction, prompt_dataset(),
-                              optimizers=(optimizer, None))
+        trainer = RLOOTrainer(
+            cfg,
+            tok,
+            policy,
+            build_tiny_causal_lm(tok, seed=3),
+            letter_fraction,
+            prompt_dataset(),
+            optimizers=(optimizer, None),
+        )
         params = trainer.policy
     else:
         from posttrain.trainers.grpo import GRPOTrainer
         from posttrain.trainers.grpo_config import GRPOConfig
 
         cfg = GRPOConfig(**common, num_generations=2, num_iterations=2, beta=0.1)
-        trainer = GRPOTrainer(policy, letter_fraction, cfg, prompt_dataset(), processing_class=tok,
-                              ref_model=build_tiny_causal_lm(tok, seed=3), optimizers=(optimizer, None))
+        trainer = GRPOTrainer(
+            policy,
+            letter_fraction,
+            cfg,
+            prompt_dataset(),
+            processing_class=tok,
+            ref_model=build_tiny_causal_lm(tok, seed=3),
+            optimizers=(optimizer, None),
+        )
         params = trainer.model
     assert trainer.setup.run.world_size == world, "the launcher did not start a real process group"
     last = trainer.train()
@@ -311,7 +477,9 @@ def run_dp_equivalence(tmp_path: Path, algo: str) -> None:
     script.write_text(DP_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     here = str(Path(__file__).parent)
-    subprocess.run([sys.executable, str(script), algo, str(tmp_path / "one.pt"), here], check=True, env=env, timeout=150)
+    subprocess.run(
+        [sys.executable, str(script), algo, str(tmp_path / "one.pt"), here], check=True, env=env, timeout=150
+    )
     # `accelerate launch --cpu --num_processes 2` starts a single process with accelerate 1.15;
     # torchrun with ACCELERATE_USE_CPU gives accelerate a real 2-rank gloo group.
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
@@ -346,15 +514,33 @@ def test_nonfinite_losses_skip_steps_then_stop_cleanly(tmp_path, tiny_tokenizer,
     from posttrain.trainers.grpo_config import GRPOConfig
 
     def build(updates: int):
-        common = dict(output_dir=str(tmp_path / f"{algo}-{updates}"), per_device_train_batch_size=4,
-                      total_episodes=4 * updates, response_length=4, report_to="none", num_sample_generations=0,
-                      save_steps=0, logging_steps=1)
+        common = dict(
+            output_dir=str(tmp_path / f"{algo}-{updates}"),
+            per_device_train_batch_size=4,
+            total_episodes=4 * updates,
+            response_length=4,
+            report_to="none",
+            num_sample_generations=0,
+            save_steps=0,
+            logging_steps=1,
+        )
         policy = nan_loss_policy(tiny_tokenizer)
         if algo == "rloo":
-            return RLOOTrainer(RLOOConfig(**common, rloo_k=2, kl_coef=0.0, num_ppo_epochs=1), tiny_tokenizer, policy, None,
-                               letter_fraction, prompt_dataset()), policy
-        return GRPOTrainer(policy, letter_fraction, GRPOConfig(**common, num_generations=2, beta=0.0), prompt_dataset(),
-                           processing_class=tiny_tokenizer), policy
+            return RLOOTrainer(
+                RLOOConfig(**common, rloo_k=2, kl_coef=0.0, num_ppo_epochs=1),
+                tiny_tokenizer,
+                policy,
+                None,
+                letter_fraction,
+                prompt_dataset(),
+            ), policy
+        return GRPOTrainer(
+            policy,
+            letter_fraction,
+            GRPOConfig(**common, num_generations=2, beta=0.0),
+            prompt_dataset(),
+            processing_class=tiny_tokenizer,
+        ), policy
 
     trainer, policy = build(updates=3)
     before = flat(policy)

@@ -63,17 +63,38 @@ def by_row(prompts, completions, **columns):
 
 
 def rloo_config(tmp_path, **overrides) -> RLOOConfig:
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=1,
-                  rloo_k=2, num_ppo_epochs=1, total_episodes=4, response_length=6, learning_rate=1e-3, kl_coef=0.0,
-                  report_to=["none"], num_sample_generations=0, save_steps=0, temperature=1.0)
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        rloo_k=2,
+        num_ppo_epochs=1,
+        total_episodes=4,
+        response_length=6,
+        learning_rate=1e-3,
+        kl_coef=0.0,
+        report_to=["none"],
+        num_sample_generations=0,
+        save_steps=0,
+        temperature=1.0,
+    )
     values.update(overrides)
     return RLOOConfig(**values)
 
 
 def grpo_config(tmp_path, **overrides) -> GRPOConfig:
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, total_episodes=4,
-                  response_length=6, learning_rate=1e-3, beta=0.0, report_to=["none"], num_sample_generations=0,
-                  save_steps=0)
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        total_episodes=4,
+        response_length=6,
+        learning_rate=1e-3,
+        beta=0.0,
+        report_to=["none"],
+        num_sample_generations=0,
+        save_steps=0,
+    )
     values.update(overrides)
     return GRPOConfig(**values)
 
@@ -131,17 +152,28 @@ def test_rloo_advantage_is_leave_one_out_within_each_prompt(tmp_path, tiny_token
     A_r = s_r − mean(s_j : j ≠ r, prompt_j = prompt_r), computed here by a plain loop over rows
     grouped by the decoded prompt text."""
     records = capture(monkeypatch, rloo)
-    cfg = rloo_config(tmp_path, rloo_k=3, per_device_train_batch_size=3, gradient_accumulation_steps=2,
-                      num_mini_batches=2, num_ppo_epochs=2, total_episodes=12, local_rollout_forward_batch_size=5)
-    RLOOTrainer(cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, prompt_and_length, prompt_dataset()).train()
+    cfg = rloo_config(
+        tmp_path,
+        rloo_k=3,
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=2,
+        num_mini_batches=2,
+        num_ppo_epochs=2,
+        total_episodes=12,
+        local_rollout_forward_batch_size=5,
+    )
+    RLOOTrainer(
+        cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, prompt_and_length, prompt_dataset()
+    ).train()
     (record,) = records
     prompts, scores = row_scores(tiny_tokenizer, record["rollout"])
     assert len(set(prompts)) == 4 and all(prompts.count(p) == 3 for p in prompts)
     # k blocks: row i·P + p is sample i of prompt p
     assert all(prompts[i * 4 + p] == prompts[p] for i in range(3) for p in range(4))
-    expected = torch.tensor([
-        scores[r] - sum(scores[j] for j in range(12) if j != r and prompts[j] == prompts[r]) / 2 for r in range(12)
-    ], dtype=torch.float64)
+    expected = torch.tensor(
+        [scores[r] - sum(scores[j] for j in range(12) if j != r and prompts[j] == prompts[r]) / 2 for r in range(12)],
+        dtype=torch.float64,
+    )
     covered = check_micro_batches(record, expected)
     assert torch.equal(covered, torch.full((12,), 2))  # every row once per epoch
 
@@ -150,10 +182,19 @@ def test_grpo_advantage_is_normalised_within_each_prompt(tmp_path, tiny_tokenize
     """G = 3 completions of P = 4 prompts, same shapes as the RLOO test. For every row r:
     A_r = (s_r − mean_g) / (std_g + 1e-4), g = the rows with r's prompt, std unbiased (n − 1)."""
     records = capture(monkeypatch, grpo)
-    cfg = grpo_config(tmp_path, num_generations=3, per_device_train_batch_size=3, gradient_accumulation_steps=2,
-                      num_mini_batches=2, num_iterations=2, total_episodes=12, local_rollout_forward_batch_size=5)
-    GRPOTrainer(build_tiny_causal_lm(tiny_tokenizer), prompt_and_length, cfg, prompt_dataset(),
-                processing_class=tiny_tokenizer).train()
+    cfg = grpo_config(
+        tmp_path,
+        num_generations=3,
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=2,
+        num_mini_batches=2,
+        num_iterations=2,
+        total_episodes=12,
+        local_rollout_forward_batch_size=5,
+    )
+    GRPOTrainer(
+        build_tiny_causal_lm(tiny_tokenizer), prompt_and_length, cfg, prompt_dataset(), processing_class=tiny_tokenizer
+    ).train()
     (record,) = records
     prompts, scores = row_scores(tiny_tokenizer, record["rollout"])
     assert len(set(prompts)) == 4 and all(prompts.count(p) == 3 for p in prompts)
@@ -187,8 +228,14 @@ def test_grpo_advantage_is_normalised_within_each_prompt(tmp_path, tiny_tokenize
 )
 def test_rloo_hand_computed_advantages(tmp_path, tiny_tokenizer, monkeypatch, options, expected):
     records = capture(monkeypatch, rloo)
-    trainer = RLOOTrainer(rloo_config(tmp_path, **options), tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer),
-                          None, by_row, prompt_dataset())
+    trainer = RLOOTrainer(
+        rloo_config(tmp_path, **options),
+        tiny_tokenizer,
+        build_tiny_causal_lm(tiny_tokenizer),
+        None,
+        by_row,
+        prompt_dataset(),
+    )
     last = trainer.train()
     covered = check_micro_batches(records[0], torch.tensor(expected, dtype=torch.float64))
     assert torch.equal(covered, torch.ones(4, dtype=torch.long))
@@ -208,8 +255,13 @@ def test_rloo_hand_computed_advantages(tmp_path, tiny_tokenizer, monkeypatch, op
 )
 def test_grpo_hand_computed_advantages(tmp_path, tiny_tokenizer, monkeypatch, scale, expected):
     records = capture(monkeypatch, grpo)
-    trainer = GRPOTrainer(build_tiny_causal_lm(tiny_tokenizer), by_row, grpo_config(tmp_path, scale_rewards=scale),
-                          prompt_dataset(), processing_class=tiny_tokenizer)
+    trainer = GRPOTrainer(
+        build_tiny_causal_lm(tiny_tokenizer),
+        by_row,
+        grpo_config(tmp_path, scale_rewards=scale),
+        prompt_dataset(),
+        processing_class=tiny_tokenizer,
+    )
     last = trainer.train()
     check_micro_batches(records[0], torch.tensor(expected, dtype=torch.float64))
     assert last["frac_reward_zero_std"] == 0.5  # prompt 0's group is flat
@@ -225,10 +277,18 @@ def test_rloo_kl_entropy_metrics_and_temperature(tmp_path, tiny_tokenizer, monke
     gives the rollout's own logprobs, so the ratio and the KL use one distribution."""
     records = capture(monkeypatch, rloo)
     ref = build_tiny_causal_lm(tiny_tokenizer, seed=3)
-    cfg = rloo_config(tmp_path, kl_coef=0.1, temperature=0.7, per_device_train_batch_size=8, rloo_k=4,
-                      total_episodes=8, response_length=8)
-    last = RLOOTrainer(cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), ref, prompt_and_length,
-                       prompt_dataset()).train()
+    cfg = rloo_config(
+        tmp_path,
+        kl_coef=0.1,
+        temperature=0.7,
+        per_device_train_batch_size=8,
+        rloo_k=4,
+        total_episodes=8,
+        response_length=8,
+    )
+    last = RLOOTrainer(
+        cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), ref, prompt_and_length, prompt_dataset()
+    ).train()
     rollout = records[0]["rollout"]
     mask = rollout.completion_mask
     ref_logprobs, _ = batched_completion_logprobs(ref, rollout, batch_size=64, temperature=0.7)
@@ -239,7 +299,8 @@ def test_rloo_kl_entropy_metrics_and_temperature(tmp_path, tiny_tokenizer, monke
     assert last["objective/entropy"] == pytest.approx(entropy, rel=1e-5) and entropy > 0
     assert last["objective/non_score_reward"] == pytest.approx(-0.1 * last["objective/kl"], rel=1e-5, abs=1e-6)
     assert last["objective/rlhf_reward"] == pytest.approx(
-        last["objective/scores"] + last["objective/non_score_reward"], rel=1e-5, abs=1e-6)
+        last["objective/scores"] + last["objective/non_score_reward"], rel=1e-5, abs=1e-6
+    )
     for rows, mb, _, logprobs in records[0]["micro"]:
         torch.testing.assert_close(logprobs * mb.completion_mask, rollout.logprobs[rows], rtol=0, atol=1e-4)
     assert last["val/ratio"] == 1.0 and last["val/ratio_var"] == pytest.approx(0.0, abs=1e-12)
@@ -255,8 +316,9 @@ def test_missing_eos_penalty_looks_at_the_completion_only(tmp_path, tiny_tokeniz
     eos = tiny_tokenizer.eos_token
     prompts = Dataset.from_dict({"prompt": [f"Prompt {eos} number {i} says" for i in range(16)]})
     assert tiny_tokenizer.eos_token_id in tiny_tokenizer(prompts[0]["prompt"])["input_ids"]
-    cfg = rloo_config(tmp_path, missing_eos_penalty=1.0, per_device_train_batch_size=8, total_episodes=8,
-                      response_length=4)
+    cfg = rloo_config(
+        tmp_path, missing_eos_penalty=1.0, per_device_train_batch_size=8, total_episodes=8, response_length=4
+    )
     last = RLOOTrainer(cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, zero, prompts).train()
     assert last["val/num_eos_tokens"] < 8  # some completions were truncated: the penalty is exercised
     assert last["objective/scores"] == pytest.approx(-(8 - last["val/num_eos_tokens"]) / 8)
@@ -276,8 +338,13 @@ def test_grpo_reward_weights_pair_with_their_reward(tmp_path, tiny_tokenizer, ti
         return [3.0] * len(completions)
 
     cfg = grpo_config(tmp_path, reward_weights=[0.5, 0.0, 2.0])
-    last = GRPOTrainer(build_tiny_causal_lm(tiny_tokenizer), [one, tiny_reward_model, three], cfg, prompt_dataset(),
-                       processing_class=tiny_tokenizer).train()
+    last = GRPOTrainer(
+        build_tiny_causal_lm(tiny_tokenizer),
+        [one, tiny_reward_model, three],
+        cfg,
+        prompt_dataset(),
+        processing_class=tiny_tokenizer,
+    ).train()
     assert last["objective/scores"] == pytest.approx(6.5)
     assert last["frac_reward_zero_std"] == 1.0
 
@@ -286,8 +353,9 @@ def test_grpo_k3_term_against_the_initial_policy(tmp_path, tiny_tokenizer):
     """beta > 0 without ref_model: the reference is a frozen copy of the initial policy, so on the
     first update (one iteration, the update forward before any step) KL3 = e^0 − 0 − 1 = 0."""
     cfg = grpo_config(tmp_path, beta=0.1, per_device_train_batch_size=8, num_generations=4, total_episodes=8)
-    trainer = GRPOTrainer(build_tiny_causal_lm(tiny_tokenizer), prompt_and_length, cfg, prompt_dataset(),
-                          processing_class=tiny_tokenizer)
+    trainer = GRPOTrainer(
+        build_tiny_causal_lm(tiny_tokenizer), prompt_and_length, cfg, prompt_dataset(), processing_class=tiny_tokenizer
+    )
     assert trainer.setup.ref_policy is not None
     last = trainer.train()
     assert last["loss/kl_avg"] == pytest.approx(0.0, abs=1e-6)
@@ -304,8 +372,13 @@ def test_grpo_reward_model_path_brings_its_own_tokenizer(tmp_path, tiny_tokenize
     assert other.get_vocab() != tiny_tokenizer.get_vocab()
     path = tmp_path / "rm"
     build_tiny_reward_model(other, seed=1, save_dir=path)
-    trainer = GRPOTrainer(build_tiny_causal_lm(tiny_tokenizer), str(path), grpo_config(tmp_path), prompt_dataset(),
-                          processing_class=tiny_tokenizer)
+    trainer = GRPOTrainer(
+        build_tiny_causal_lm(tiny_tokenizer),
+        str(path),
+        grpo_config(tmp_path),
+        prompt_dataset(),
+        processing_class=tiny_tokenizer,
+    )
     reward = trainer.setup.reward
     assert reward.reward_tokenizer is not None and reward.reward_tokenizer.get_vocab() == other.get_vocab()
     assert reward.models[0].config.pad_token_id == other.pad_token_id
@@ -317,10 +390,24 @@ def test_grpo_resume_equals_uninterrupted(tmp_path, tiny_tokenizer):
     import shutil
 
     def trainer_for(out, **kw) -> GRPOTrainer:
-        cfg = grpo_config(tmp_path, output_dir=str(out), beta=0.1, total_episodes=16, num_iterations=2,
-                          num_mini_batches=2, per_device_train_batch_size=2, save_steps=2, **kw)
-        return GRPOTrainer(build_tiny_causal_lm(tiny_tokenizer), prompt_and_length, cfg, prompt_dataset(),
-                           processing_class=tiny_tokenizer)
+        cfg = grpo_config(
+            tmp_path,
+            output_dir=str(out),
+            beta=0.1,
+            total_episodes=16,
+            num_iterations=2,
+            num_mini_batches=2,
+            per_device_train_batch_size=2,
+            save_steps=2,
+            **kw,
+        )
+        return GRPOTrainer(
+            build_tiny_causal_lm(tiny_tokenizer),
+            prompt_and_length,
+            cfg,
+            prompt_dataset(),
+            processing_class=tiny_tokenizer,
+        )
 
     full = trainer_for(tmp_path / "full")
     full.train()

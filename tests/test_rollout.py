@@ -36,7 +36,14 @@ class ScriptedLM(nn.Module):
         self.calls: list[dict] = []
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False):
-        self.calls.append({"ids": input_ids.clone(), "mask": attention_mask.clone(), "pos": position_ids.clone(), "past": past_key_values})
+        self.calls.append(
+            {
+                "ids": input_ids.clone(),
+                "mask": attention_mask.clone(),
+                "pos": position_ids.clone(),
+                "past": past_key_values,
+            }
+        )
         logits = torch.zeros(*input_ids.shape, V)
         if not self.uniform:
             logits.scatter_(-1, self.table[input_ids][..., None], 20.0)
@@ -57,8 +64,13 @@ def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tenso
 def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=64, max_position_embeddings=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=128,
     )
     return LlamaForCausalLM(config).eval()
 
@@ -66,7 +78,9 @@ def tiny_llama() -> LlamaForCausalLM:
 def test_eos_mid_batch_lengths_masks_and_no_extra_decode_step():
     model = ScriptedLM()
     ids, mask = left_pad([[1, 5], [2, 3, 1], [7]], pad=0)
-    r = generate(model, ids, mask, SamplingConfig(max_new_tokens=12, do_sample=False, stop_token_ids=(9,)), pad_token_id=0)
+    r = generate(
+        model, ids, mask, SamplingConfig(max_new_tokens=12, do_sample=False, stop_token_ids=(9,)), pad_token_id=0
+    )
     # Rows continue 6,7,8,9 / 2..9 / 8,9 and stop at 9 (kept).
     assert r.completion_lengths.tolist() == [4, 8, 2]
     assert r.ended.tolist() == [True, True, True]
@@ -86,9 +100,11 @@ def test_eos_mid_batch_lengths_masks_and_no_extra_decode_step():
 
 
 def test_rows_that_never_stop_run_to_max_new_tokens():
-    model = ScriptedLM(table=[v for v in range(V)])  # repeats its last token forever
+    model = ScriptedLM(table=list(range(V)))  # repeats its last token forever
     ids, mask = left_pad([[3], [9]], pad=0)
-    r = generate(model, ids, mask, SamplingConfig(max_new_tokens=5, do_sample=False, stop_token_ids=(9,)), pad_token_id=0)
+    r = generate(
+        model, ids, mask, SamplingConfig(max_new_tokens=5, do_sample=False, stop_token_ids=(9,)), pad_token_id=0
+    )
     assert r.completion_lengths.tolist() == [5, 1]
     assert r.ended.tolist() == [False, True]
     assert r.completion_ids.tolist() == [[3, 3, 3, 3, 3], [9, 0, 0, 0, 0]]
@@ -99,7 +115,9 @@ def test_pad_equal_to_eos_keeps_real_eos_tokens():
     eos = 9
     # A real eos inside the prompt must stay in the mask, and the stop token in the completion too.
     ids, mask = left_pad([[eos, 6], [4]], pad=eos)
-    r = generate(model, ids, mask, SamplingConfig(max_new_tokens=10, do_sample=False, stop_token_ids=(eos,)), pad_token_id=eos)
+    r = generate(
+        model, ids, mask, SamplingConfig(max_new_tokens=10, do_sample=False, stop_token_ids=(eos,)), pad_token_id=eos
+    )
     assert r.completion_lengths.tolist() == [3, 5]
     assert r.completion_mask.sum().item() == 8
     assert r.completion_ids[0].tolist() == [7, 8, 9, 9, 9]
@@ -110,7 +128,9 @@ def test_pad_equal_to_eos_keeps_real_eos_tokens():
 def test_stop_token_other_than_eos_and_several_stop_ids():
     model = ScriptedLM()
     ids, mask = left_pad([[1], [4]], pad=0)
-    r = generate(model, ids, mask, SamplingConfig(max_new_tokens=10, do_sample=False, stop_token_ids=(3, 6)), pad_token_id=15)
+    r = generate(
+        model, ids, mask, SamplingConfig(max_new_tokens=10, do_sample=False, stop_token_ids=(3, 6)), pad_token_id=15
+    )
     assert r.completion_ids.tolist() == [[2, 3], [5, 6]]
     assert r.ended.all()
 
@@ -132,7 +152,9 @@ def test_same_seed_same_tokens_different_seed_different():
     cfg = SamplingConfig(max_new_tokens=8)
 
     def run(seed: int) -> torch.Tensor:
-        return generate(model, ids, mask, cfg, pad_token_id=0, generator=torch.Generator().manual_seed(seed)).completion_ids
+        return generate(
+            model, ids, mask, cfg, pad_token_id=0, generator=torch.Generator().manual_seed(seed)
+        ).completion_ids
 
     assert torch.equal(run(1), run(1))
     assert not torch.equal(run(1), run(2))
@@ -170,8 +192,14 @@ def test_greedy_top_k1_and_chunking_agree_on_real_model():
     ids, mask = left_pad([[5, 6, 7, 8, 9], [11, 12], [20, 21, 22], [30]], pad=0)
     greedy = SamplingConfig(max_new_tokens=12, do_sample=False, stop_token_ids=(1, 2, 3, 4))
     a = generate(model, ids, mask, greedy, pad_token_id=0)
-    b = generate(model, ids, mask, SamplingConfig(max_new_tokens=12, top_k=1, stop_token_ids=(1, 2, 3, 4)), pad_token_id=0,
-                 generator=torch.Generator().manual_seed(3))
+    b = generate(
+        model,
+        ids,
+        mask,
+        SamplingConfig(max_new_tokens=12, top_k=1, stop_token_ids=(1, 2, 3, 4)),
+        pad_token_id=0,
+        generator=torch.Generator().manual_seed(3),
+    )
     c = generate(model, ids, mask, greedy, pad_token_id=0, batch_size=3)
     assert torch.equal(a.completion_ids, b.completion_ids)
     assert torch.equal(a.completion_ids, c.completion_ids)
@@ -196,8 +224,17 @@ def test_greedy_top_k1_and_chunking_agree_on_real_model():
 def test_rollout_logprobs_match_recomputation(cfg):
     model = tiny_llama()
     ids, mask = left_pad([[5, 6, 7, 8, 9, 10, 11], [11, 12], [20, 21, 22, 23], [30]], pad=0)
-    r = generate(model, ids, mask, cfg, pad_token_id=0, num_samples=3, batch_size=5,
-                 generator=torch.Generator().manual_seed(0), return_entropy=True)
+    r = generate(
+        model,
+        ids,
+        mask,
+        cfg,
+        pad_token_id=0,
+        num_samples=3,
+        batch_size=5,
+        generator=torch.Generator().manual_seed(0),
+        return_entropy=True,
+    )
     assert r.completion_mask.sum() > 0
     with torch.no_grad():
         lp, ent = completion_logprobs(model, r, temperature=cfg.logprob_temperature, with_entropy=True)
@@ -224,7 +261,9 @@ def test_rollout_select_cat_to_and_decode():
 
     class CharTokenizer:
         def decode(self, ids, skip_special_tokens=True):
-            return "".join("<eos>" if i == 9 and not skip_special_tokens else ("" if i == 9 else chr(ord("a") + i)) for i in ids)
+            return "".join(
+                "<eos>" if i == 9 and not skip_special_tokens else ("" if i == 9 else chr(ord("a") + i)) for i in ids
+            )
 
     assert decode_completions(CharTokenizer(), both) == ["ghi", "i", "cdefghi"]
     assert decode_completions(CharTokenizer(), both, skip_special_tokens=False)[1] == "i<eos>"

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
+from posttrain.ops import lengths_to_mask
 from posttrain.rollout import Rollout
 from posttrain.scoring import (
     apply_missing_eos_penalty,
@@ -22,7 +23,6 @@ from posttrain.scoring import (
     reward_function_scores,
     reward_model_scores,
 )
-from posttrain.ops import lengths_to_mask
 
 
 class PositionalBackbone(nn.Module):
@@ -42,7 +42,9 @@ class ScoreModel(nn.Module):
         self.anchor = nn.Parameter(torch.zeros(1))
 
 
-def make_rollout(prompts: list[list[int]], completions: list[list[int]], T: int, pad: int, ended: list[bool]) -> Rollout:
+def make_rollout(
+    prompts: list[list[int]], completions: list[list[int]], T: int, pad: int, ended: list[bool]
+) -> Rollout:
     P = max(map(len, prompts))
     prompt_ids = torch.full((len(prompts), P), pad)
     prompt_mask = torch.zeros(len(prompts), P, dtype=torch.bool)
@@ -54,9 +56,15 @@ def make_rollout(prompts: list[list[int]], completions: list[list[int]], T: int,
             completion_ids[i, : len(c)] = torch.tensor(c)
     lengths = torch.tensor([len(c) for c in completions])
     return Rollout(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-        completion_mask=lengths_to_mask(lengths, T), completion_lengths=lengths, ended=torch.tensor(ended),
-        logprobs=None, entropy=None, pad_token_id=pad,
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=lengths_to_mask(lengths, T),
+        completion_lengths=lengths,
+        ended=torch.tensor(ended),
+        logprobs=None,
+        entropy=None,
+        pad_token_id=pad,
     )
 
 
@@ -109,7 +117,9 @@ def test_reward_tokenizer_retokenizes_and_reads_last_real_token():
     scores = reward_model_scores(ScoreModel(), r, batch_size=1, policy_tokenizer=policy, reward_tokenizer=reward)
     # "abd" -> bos,7,6,4 (last real at position 3); "cefg" -> bos,5,3,2,1 (position 4).
     assert scores.tolist() == [4 + 3000, 1 + 4000]
-    same = reward_model_scores(ScoreModel(), r, batch_size=2, policy_tokenizer=policy, reward_tokenizer=CharTokenizer("abcdefgh"))
+    same = reward_model_scores(
+        ScoreModel(), r, batch_size=2, policy_tokenizer=policy, reward_tokenizer=CharTokenizer("abcdefgh")
+    )
     assert same.tolist() == [8 + 3000, 6 + 3000]  # ids scored directly, no BOS
     with pytest.raises(ValueError, match="policy_tokenizer"):
         reward_model_scores(ScoreModel(), r, batch_size=1, reward_tokenizer=reward)
@@ -117,8 +127,9 @@ def test_reward_tokenizer_retokenizes_and_reads_last_real_token():
 
 def test_completion_logprobs_slice_matches_full_forward():
     torch.manual_seed(0)
-    model = GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                             intermediate_size=64, vocab_size=64)).eval()
+    model = GPTNeoXForCausalLM(
+        GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=64)
+    ).eval()
     r = make_rollout([[5, 6, 7], [9]], [[10, 11, 12], [13]], T=4, pad=0, ended=[False, False])
     lp, _ = completion_logprobs(model, r, temperature=0.5)
     with torch.no_grad():
@@ -139,7 +150,9 @@ def test_reward_function_scores_weights_and_columns():
     def matches(prompts, completions, answer, **kw):
         return [1.0 if c == a else 0.0 for c, a in zip(completions, answer)]
 
-    out = reward_function_scores([length, matches], ["p", "q"], ["ab", "c"], weights=[0.5, 2.0], columns={"answer": ["ab", "x"]})
+    out = reward_function_scores(
+        [length, matches], ["p", "q"], ["ab", "c"], weights=[0.5, 2.0], columns={"answer": ["ab", "x"]}
+    )
     assert out.tolist() == [3.0, 0.5]
     assert reward_function_matrix(length, ["p"], ["abc"]).tolist() == [[3.0]]
 
@@ -183,13 +196,22 @@ def test_reward_scores_match_hf_pooling_when_pad_is_distinct():
     from transformers import GPTNeoXForSequenceClassification
 
     torch.manual_seed(0)
-    config = GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                           vocab_size=64, num_labels=1, pad_token_id=63)
+    config = GPTNeoXConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=64,
+        num_labels=1,
+        pad_token_id=63,
+    )
     rm = GPTNeoXForSequenceClassification(config).eval()
     r = make_rollout([[5, 6, 7], [9]], [[10, 11], [13, 14, 15, 16]], T=4, pad=63, ended=[True, False])
     ours = reward_model_scores(rm, r, batch_size=2)
     with torch.no_grad():
-        hf = rm(input_ids=r.sequence_ids, attention_mask=r.sequence_mask.long(), position_ids=r.position_ids).logits[:, 0]
+        hf = rm(input_ids=r.sequence_ids, attention_mask=r.sequence_mask.long(), position_ids=r.position_ids).logits[
+            :, 0
+        ]
     assert torch.allclose(ours, hf, atol=1e-5)
 
 
@@ -207,5 +229,7 @@ def test_trl_grpo_style_reward_functions_get_keywords():
 
     prompts, completions = ["a", "b"], ["xy", "z"]
     assert reward_function_scores([trl_style], prompts, completions).tolist() == [2.0, 11.0]
-    assert reward_function_scores([with_solution], prompts, completions, columns={"solution": ["xy", "q"]}).tolist() == [1.0, 0.0]
+    assert reward_function_scores(
+        [with_solution], prompts, completions, columns={"solution": ["xy", "q"]}
+    ).tolist() == [1.0, 0.0]
     assert reward_function_scores([positional], prompts, completions).tolist() == [1.0, 1.0]

@@ -31,8 +31,14 @@ SENTENCES = [
 
 def config(tmp_path, name="run", **overrides) -> SFTConfig:
     values = dict(
-        output_dir=str(tmp_path / name), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3,
-        logging_steps=1, save_steps=0, report_to="none", max_length=64,
+        output_dir=str(tmp_path / name),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_steps=0,
+        report_to="none",
+        max_length=64,
     )
     values.update(overrides)
     return SFTConfig(**values)
@@ -40,15 +46,24 @@ def config(tmp_path, name="run", **overrides) -> SFTConfig:
 
 def make_trainer(tmp_path, tokenizer, train, eval_dataset=None, name="run", seed=0, model_kwargs=None, **overrides):
     model = build_tiny_causal_lm(tokenizer, seed=seed, **(model_kwargs or {}))
-    return SFTTrainer(model, args=config(tmp_path, name, **overrides), train_dataset=train,
-                      eval_dataset=eval_dataset, processing_class=copy.deepcopy(tokenizer))
+    return SFTTrainer(
+        model,
+        args=config(tmp_path, name, **overrides),
+        train_dataset=train,
+        eval_dataset=eval_dataset,
+        processing_class=copy.deepcopy(tokenizer),
+    )
 
 
 def reference_loss_sum(model, batch) -> torch.Tensor:
     """Full-vocabulary float32 cross-entropy summed over the trained next-token targets."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), batch["labels"][:, 1:].reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)),
+        batch["labels"][:, 1:].reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
 
 
 def read_metrics(path) -> list[dict]:
@@ -67,8 +82,13 @@ FORMATS = {
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_each_format_trains_on_the_right_tokens(tmp_path, tiny_tokenizer, fmt):
-    trainer = make_trainer(tmp_path, tiny_tokenizer, Dataset.from_list(FORMATS[fmt]), loss_chunk_tokens=3,
-                           assistant_only_loss=fmt == "messages")
+    trainer = make_trainer(
+        tmp_path,
+        tiny_tokenizer,
+        Dataset.from_list(FORMATS[fmt]),
+        loss_chunk_tokens=3,
+        assistant_only_loss=fmt == "messages",
+    )
     tok = trainer.processing_class
     row = trainer.train_dataset[0]
     trained_text = tok.decode([t for t in row["labels"] if t != IGNORE_INDEX])
@@ -97,14 +117,26 @@ def test_each_format_trains_on_the_right_tokens(tmp_path, tiny_tokenizer, fmt):
 
 
 def test_completion_only_loss_false_trains_on_the_prompt_too(tmp_path, tiny_tokenizer):
-    trainer = make_trainer(tmp_path, tiny_tokenizer, Dataset.from_list(FORMATS["prompt_completion"]),
-                           completion_only_loss=False, max_steps=1)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_tokenizer,
+        Dataset.from_list(FORMATS["prompt_completion"]),
+        completion_only_loss=False,
+        max_steps=1,
+    )
     assert all(t != IGNORE_INDEX for t in trainer.train_dataset[0]["labels"])
 
 
 def test_wrapped_packing_fills_max_length_rows(tmp_path, tiny_tokenizer):
-    trainer = make_trainer(tmp_path, tiny_tokenizer, Dataset.from_list([{"text": s} for s in SENTENCES]),
-                           packing=True, packing_strategy="wrapped", max_length=16, max_steps=1)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_tokenizer,
+        Dataset.from_list([{"text": s} for s in SENTENCES]),
+        packing=True,
+        packing_strategy="wrapped",
+        max_length=16,
+        max_steps=1,
+    )
     lengths = [len(r["input_ids"]) for r in trainer.train_dataset]
     assert lengths[:-1] == [16] * (len(lengths) - 1) and sum(lengths) > 16 * 4
     assert "position_ids" not in trainer.train_dataset.column_names  # wrapped: attention crosses examples
@@ -130,10 +162,20 @@ def test_sft_lowers_held_out_loss_and_saved_model_reloads(tmp_path, tiny_tokeniz
     from transformers import AutoModelForCausalLM
 
     # The held-out sentences share the training sentences' structure, not their exact text.
-    train = Dataset.from_list([{"text": f"the sea is blue and the dog is {w}."} for w in ["good", "calm", "wide", "true"] * 4])
+    train = Dataset.from_list(
+        [{"text": f"the sea is blue and the dog is {w}."} for w in ["good", "calm", "wide", "true"] * 4]
+    )
     held_out = Dataset.from_list([{"text": f"the sea is blue and the dog is {w}."} for w in ["blue", "little"]])
-    trainer = make_trainer(tmp_path, tiny_tokenizer, train, held_out, max_steps=30, learning_rate=3e-3,
-                           per_device_train_batch_size=4, logging_steps=10)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_tokenizer,
+        train,
+        held_out,
+        max_steps=30,
+        learning_rate=3e-3,
+        per_device_train_batch_size=4,
+        logging_steps=10,
+    )
     before = trainer.evaluate()["eval_loss"]
     trainer.train()
     after = read_metrics(tmp_path / "run")[-1]
@@ -153,10 +195,24 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, tiny_tokenizer):
     # Adam turns float-rounding noise on near-zero gradients into lr-sized steps.
     train = Dataset.from_list([{"text": s} for s in SENTENCES])
     common = dict(max_steps=2, learning_rate=0.1, adam_epsilon=1.0, max_grad_norm=None)
-    small = make_trainer(tmp_path, tiny_tokenizer, train, name="ga4", per_device_train_batch_size=1,
-                         gradient_accumulation_steps=4, **common)
-    big = make_trainer(tmp_path, tiny_tokenizer, train, name="ga1", per_device_train_batch_size=4,
-                       gradient_accumulation_steps=1, **common)
+    small = make_trainer(
+        tmp_path,
+        tiny_tokenizer,
+        train,
+        name="ga4",
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=4,
+        **common,
+    )
+    big = make_trainer(
+        tmp_path,
+        tiny_tokenizer,
+        train,
+        name="ga1",
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        **common,
+    )
     initial = [p.detach().clone() for p in small.model.parameters()]
     small.train()
     big.train()
@@ -178,8 +234,15 @@ def test_resume_is_bitwise_identical(tmp_path, tiny_tokenizer):
     assert (tmp_path / "straight" / "checkpoint-2").is_dir()
 
     torch.manual_seed(1234)  # a different global RNG state than the interrupted run had
-    resumed = make_trainer(tmp_path, tiny_tokenizer, train, name="resumed", seed=7,
-                           resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-2"), **common)
+    resumed = make_trainer(
+        tmp_path,
+        tiny_tokenizer,
+        train,
+        name="resumed",
+        seed=7,
+        resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-2"),
+        **common,
+    )
     assert resumed.run.global_step == 2
     resumed.train()
     for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
@@ -210,10 +273,16 @@ def test_config_errors_name_the_field(tmp_path):
         SFTConfig(output_dir=str(tmp_path), loss_type="mse")
     with pytest.raises(ConfigError, match="model_init_kwargs"):
         SFTConfig(output_dir=str(tmp_path), model_init_kwargs="{not json")
-    assert SFTConfig(output_dir=str(tmp_path), model_init_kwargs='{"revision": "main"}').model_init_kwargs == {"revision": "main"}
+    assert SFTConfig(output_dir=str(tmp_path), model_init_kwargs='{"revision": "main"}').model_init_kwargs == {
+        "revision": "main"
+    }
     defaults = SFTConfig()
     assert (defaults.learning_rate, defaults.max_length, defaults.truncation_mode, defaults.dataset_text_field) == (
-        2e-5, 1024, "keep_start", "text")
+        2e-5,
+        1024,
+        "keep_start",
+        "text",
+    )
     assert defaults.completion_only_loss is None and defaults.packing is False and defaults.logging_steps == 10
 
 
@@ -233,12 +302,44 @@ def test_cli_sft(tmp_path, tiny_tokenizer, tiny_policy_dir):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": "Q: hi? ", "completion": s}) + "\n" for s in SENTENCES))
     out = tmp_path / "cli"
-    code = main(["sft", "--model_name_or_path", str(tiny_policy_dir), "--dataset_name", str(data),
-                 "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size", "2",
-                 "--learning_rate", "1e-3", "--logging_steps", "1", "--report_to", "none"])
+    code = main(
+        [
+            "sft",
+            "--model_name_or_path",
+            str(tiny_policy_dir),
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "2",
+            "--learning_rate",
+            "1e-3",
+            "--logging_steps",
+            "1",
+            "--report_to",
+            "none",
+        ]
+    )
     assert code == 0
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
     assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size == len(tiny_tokenizer)
     # A second run into the same folder is refused with a message, not a traceback.
-    assert main(["sft", "--model_name_or_path", str(tiny_policy_dir), "--dataset_name", str(data),
-                 "--output_dir", str(out), "--max_steps", "1"]) == 2
+    assert (
+        main(
+            [
+                "sft",
+                "--model_name_or_path",
+                str(tiny_policy_dir),
+                "--dataset_name",
+                str(data),
+                "--output_dir",
+                str(out),
+                "--max_steps",
+                "1",
+            ]
+        )
+        == 2
+    )

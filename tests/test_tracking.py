@@ -10,8 +10,9 @@ from posttrain.tracking import MetricAccumulator, ProgressBar, Tracker, to_jsona
 def test_masked_mean_is_token_weighted_not_mean_of_means():
     acc = MetricAccumulator()
     # micro-batch 1: masked values 1, 2, 3 (the 100 is padding) -> sum 6, count 3
-    acc.add_mean("objective/entropy", torch.tensor([[1.0, 2.0], [3.0, 100.0]]),
-                 torch.tensor([[True, True], [True, False]]))
+    acc.add_mean(
+        "objective/entropy", torch.tensor([[1.0, 2.0], [3.0, 100.0]]), torch.tensor([[True, True], [True, False]])
+    )
     # micro-batch 2: 10 unmasked -> sum 10, count 1
     acc.add_mean("objective/entropy", torch.tensor([10.0]))
     # (6 + 10) / (3 + 1) = 4.0, whereas the mean of micro-batch means would be (2 + 10) / 2 = 6
@@ -106,8 +107,10 @@ def test_jsonl_one_object_per_log_and_nan_is_null(tmp_path, capsys):
 
 def test_log_table_prints_and_writes_samples(tmp_path, capsys):
     tracker = Tracker(tmp_path, report_to=[], config=None)
-    rows = [{"prompt": "hi", "completion": "there", "score": 0.5},
-            {"prompt": "a", "completion": "[b] stays literal", "score": float("nan")}]
+    rows = [
+        {"prompt": "hi", "completion": "there", "score": 0.5},
+        {"prompt": "a", "completion": "[b] stays literal", "score": float("nan")},
+    ]
     tracker.log_table("completions", rows, step=3)
     tracker.close()
     out = capsys.readouterr().out

@@ -21,12 +21,34 @@ from posttrain.trainers.online_dpo import reference_logps, reference_policy, sam
 from posttrain.trainers.xpo import XPOTrainer
 from posttrain.trainers.xpo_config import XPOConfig
 
-WORDS = ["Hello world", "The quick brown fox", "What is the capital", "Once upon a time",
-         "Write a poem", "Numbers 1 2 3", "Thank you", "Good morning"]
+WORDS = [
+    "Hello world",
+    "The quick brown fox",
+    "What is the capital",
+    "Once upon a time",
+    "Write a poem",
+    "Numbers 1 2 3",
+    "Thank you",
+    "Good morning",
+]
 SEED_METRICS = {
-    "loss/xpo", "loss/dpo", "objective/kl", "objective/entropy", "objective/model_scores", "objective/ref_scores",
-    "objective/scores_margin", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-    "logps/chosen", "logps/rejected", "val/model_contain_eos_token", "val/ref_contain_eos_token", "alpha", "beta",
+    "loss/xpo",
+    "loss/dpo",
+    "objective/kl",
+    "objective/entropy",
+    "objective/model_scores",
+    "objective/ref_scores",
+    "objective/scores_margin",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "val/model_contain_eos_token",
+    "val/ref_contain_eos_token",
+    "alpha",
+    "beta",
 }
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "xpo_quickstart.py"
 
@@ -37,9 +59,19 @@ def prompts(conversational: bool = False, n: int = 8) -> Dataset:
 
 
 def make_config(tmp_path, **overrides) -> XPOConfig:
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                  total_episodes=16, max_new_tokens=6, logging_steps=1, learning_rate=1e-3, report_to="none",
-                  save_steps=0, num_sample_generations=0, seed=0)
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        total_episodes=16,
+        max_new_tokens=6,
+        logging_steps=1,
+        learning_rate=1e-3,
+        report_to="none",
+        save_steps=0,
+        num_sample_generations=0,
+        seed=0,
+    )
     values.update(overrides)
     return XPOConfig(**values)
 
@@ -56,9 +88,16 @@ def test_config():
 def test_reward_model_run_logs_every_seed_metric(tmp_path, tiny_tokenizer, conversational):
     model = build_tiny_causal_lm(tiny_tokenizer)
     before = copy.deepcopy(model.state_dict())
-    cfg = make_config(tmp_path, alpha=0.5, total_episodes=8, gradient_accumulation_steps=1, per_device_train_batch_size=8)
-    trainer = XPOTrainer(model=model, reward_model=build_tiny_reward_model(tiny_tokenizer, seed=1), args=cfg,
-                         processing_class=tiny_tokenizer, train_dataset=prompts(conversational))
+    cfg = make_config(
+        tmp_path, alpha=0.5, total_episodes=8, gradient_accumulation_steps=1, per_device_train_batch_size=8
+    )
+    trainer = XPOTrainer(
+        model=model,
+        reward_model=build_tiny_reward_model(tiny_tokenizer, seed=1),
+        args=cfg,
+        processing_class=tiny_tokenizer,
+        train_dataset=prompts(conversational),
+    )
     trainer.train()
     log = trainer.log_history[0]
     assert SEED_METRICS <= set(log) and all(math.isfinite(v) for v in log.values())
@@ -68,7 +107,9 @@ def test_reward_model_run_logs_every_seed_metric(tmp_path, tiny_tokenizer, conve
     # logps/* are the POLICY sums only (TRL#6809 added the reference's): every pair is valid, so
     # the mean of chosen and rejected is the mean policy sum over all completions = −entropy.
     assert (log["logps/chosen"] + log["logps/rejected"]) / 2 == pytest.approx(-log["objective/entropy"], rel=1e-5)
-    assert log["objective/scores_margin"] == pytest.approx(log["objective/model_scores"] - log["objective/ref_scores"], abs=1e-6)
+    assert log["objective/scores_margin"] == pytest.approx(
+        log["objective/model_scores"] - log["objective/ref_scores"], abs=1e-6
+    )
     # α·Σ log π(y_ref) < 0, and with α = 0.5 it is half the policy sum of reference completions (−0.5·~6 tokens·~6 nats)
     assert log["loss/xpo"] < -5 and log["alpha"] == 0.5
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
@@ -82,12 +123,22 @@ def test_peft_reference_is_the_base_model(tmp_path, tiny_tokenizer):
     # Random (non-zero) LoRA weights, so the adapter changes the model from the first step.
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     cfg = make_config(tmp_path, total_episodes=8, gradient_accumulation_steps=1, per_device_train_batch_size=8)
-    trainer = XPOTrainer(model=base, judge=CallableJudge(lambda prompt, completion: -len(completion)), args=cfg,
-                         processing_class=tiny_tokenizer, train_dataset=prompts(), peft_config=lora)
+    trainer = XPOTrainer(
+        model=base,
+        judge=CallableJudge(lambda prompt, completion: -len(completion)),
+        args=cfg,
+        processing_class=tiny_tokenizer,
+        train_dataset=prompts(),
+        peft_config=lora,
+    )
     assert trainer.ref_model is None
     run = trainer.run
     batch = run.collate([run.train_dataset[i] for i in range(4)])
-    batch = {**batch, "input_ids": batch["input_ids"].to(run.device), "attention_mask": batch["attention_mask"].to(run.device)}
+    batch = {
+        **batch,
+        "input_ids": batch["input_ids"].to(run.device),
+        "attention_mask": batch["attention_mask"].to(run.device),
+    }
 
     def draw(model):
         return sample(run, model, batch, generator=torch.Generator().manual_seed(3))
@@ -97,7 +148,9 @@ def test_peft_reference_is_the_base_model(tmp_path, tiny_tokenizer):
     base_rollout = draw(frozen_base)
     policy_rollout = draw(trainer.model)
     assert torch.equal(ref_rollout.completion_ids, base_rollout.completion_ids)  # reference samples = base weights
-    assert not torch.equal(policy_rollout.completion_ids, base_rollout.completion_ids)  # the adapter is active otherwise
+    assert not torch.equal(
+        policy_rollout.completion_ids, base_rollout.completion_ids
+    )  # the adapter is active otherwise
     ref_sums = reference_logps(run, trainer.model, None, ref_rollout)
     base_sums = reference_logps(run, frozen_base, frozen_base, ref_rollout)
     assert torch.allclose(ref_sums, base_sums, atol=1e-5)
@@ -113,10 +166,21 @@ def test_peft_reference_is_the_base_model(tmp_path, tiny_tokenizer):
 
 def test_resume_equals_uninterrupted(tmp_path, tiny_tokenizer):
     def train(out, resume=None):
-        cfg = make_config(tmp_path, output_dir=str(out), total_episodes=32, save_steps=2, resume_from_checkpoint=resume,
-                          alpha=[1e-3, 1e-2])
-        trainer = XPOTrainer(build_tiny_causal_lm(tiny_tokenizer), reward_model=build_tiny_reward_model(tiny_tokenizer, seed=1),
-                             args=cfg, processing_class=tiny_tokenizer, train_dataset=prompts())
+        cfg = make_config(
+            tmp_path,
+            output_dir=str(out),
+            total_episodes=32,
+            save_steps=2,
+            resume_from_checkpoint=resume,
+            alpha=[1e-3, 1e-2],
+        )
+        trainer = XPOTrainer(
+            build_tiny_causal_lm(tiny_tokenizer),
+            reward_model=build_tiny_reward_model(tiny_tokenizer, seed=1),
+            args=cfg,
+            processing_class=tiny_tokenizer,
+            train_dataset=prompts(),
+        )
         trainer.train()
         return trainer
 
@@ -133,14 +197,27 @@ def test_quickstart_script_with_local_models(tmp_path, monkeypatch, tiny_policy_
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": w}]}) + "\n" for w in WORDS))
     out = tmp_path / "xpo-out"
-    argv = [str(EXAMPLE), "--model", str(tiny_policy_dir), "--dataset", str(data), "--output_dir", str(out),
-            "--total_episodes", "8", "--max_new_tokens", "4"]
+    argv = [
+        str(EXAMPLE),
+        "--model",
+        str(tiny_policy_dir),
+        "--dataset",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--total_episodes",
+        "8",
+        "--max_new_tokens",
+        "4",
+    ]
     argv += ["--judge", "random:0"] if feedback == "judge" else ["--reward_model", str(tiny_reward_model_dir)]
     monkeypatch.setattr(sys, "argv", argv)
     runpy.run_path(str(EXAMPLE), run_name="__main__")
     log = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert log["episode"] == 8 and "loss/xpo" in log
-    assert ("judge/failures" in log) == (feedback == "judge") and ("objective/model_scores" in log) == (feedback != "judge")
+    assert ("judge/failures" in log) == (feedback == "judge") and ("objective/model_scores" in log) == (
+        feedback != "judge"
+    )
     assert (out / "model.safetensors").is_file()
 
 
@@ -150,10 +227,33 @@ def test_cli_xpo_with_reward_model_path(tmp_path, tiny_policy_dir, tiny_reward_m
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in WORDS))
     out = tmp_path / "run"
-    code = main(["xpo", "--model_name_or_path", str(tiny_policy_dir), "--reward_model_path", str(tiny_reward_model_dir),
-                 "--dataset_name", str(data), "--output_dir", str(out), "--per_device_train_batch_size", "4",
-                 "--total_episodes", "8", "--max_new_tokens", "4", "--missing_eos_penalty", "1.0", "--alpha", "1e-3",
-                 "--learning_rate", "5e-7", "--report_to", "none"])
+    code = main(
+        [
+            "xpo",
+            "--model_name_or_path",
+            str(tiny_policy_dir),
+            "--reward_model_path",
+            str(tiny_reward_model_dir),
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(out),
+            "--per_device_train_batch_size",
+            "4",
+            "--total_episodes",
+            "8",
+            "--max_new_tokens",
+            "4",
+            "--missing_eos_penalty",
+            "1.0",
+            "--alpha",
+            "1e-3",
+            "--learning_rate",
+            "5e-7",
+            "--report_to",
+            "none",
+        ]
+    )
     assert code == 0
     logs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert logs[-1]["episode"] == 8 and logs[-1]["alpha"] == 1e-3 and math.isfinite(logs[-1]["objective/model_scores"])
@@ -172,11 +272,37 @@ def test_two_processes_cli(tmp_path, tiny_policy_dir, tiny_reward_model_dir):
     # launcher); torchrun with ACCELERATE_USE_CPU gives a real 2-rank gloo group.
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    subprocess.run([*launcher, "-m", "posttrain.cli", "xpo", "--model_name_or_path", str(tiny_policy_dir),
-                    "--reward_model_path", str(tiny_reward_model_dir), "--dataset_name", str(data), "--output_dir", str(out),
-                    "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--total_episodes", "16",
-                    "--max_new_tokens", "4", "--logging_steps", "1", "--report_to", "none"],
-                   check=True, env=env, timeout=180)
+    subprocess.run(
+        [
+            *launcher,
+            "-m",
+            "posttrain.cli",
+            "xpo",
+            "--model_name_or_path",
+            str(tiny_policy_dir),
+            "--reward_model_path",
+            str(tiny_reward_model_dir),
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(out),
+            "--per_device_train_batch_size",
+            "2",
+            "--gradient_accumulation_steps",
+            "2",
+            "--total_episodes",
+            "16",
+            "--max_new_tokens",
+            "4",
+            "--logging_steps",
+            "1",
+            "--report_to",
+            "none",
+        ],
+        check=True,
+        env=env,
+        timeout=180,
+    )
     logs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [log["episode"] for log in logs] == [8, 16]  # 2 ranks × 2 × 2 completions per rollout batch
     assert all(math.isfinite(v) for log in logs for v in log.values() if isinstance(v, float))

@@ -20,8 +20,16 @@ from posttrain.trainers.online_dpo_config import OnlineDPOConfig
 from posttrain.trainers.xpo import XPOTrainer
 from posttrain.trainers.xpo_config import XPOConfig
 
-WORDS = ["Hello world", "The quick brown fox", "What is the capital", "Once upon a time",
-         "Write a poem", "Numbers 1 2 3", "Thank you", "Good morning"]
+WORDS = [
+    "Hello world",
+    "The quick brown fox",
+    "What is the capital",
+    "Once upon a time",
+    "Write a poem",
+    "Numbers 1 2 3",
+    "Thank you",
+    "Good morning",
+]
 
 
 def prompts(n: int = 8) -> Dataset:
@@ -29,9 +37,21 @@ def prompts(n: int = 8) -> Dataset:
 
 
 def config(cls, tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, gradient_accumulation_steps=1,
-                  total_episodes=8, max_new_tokens=6, logging_steps=1, learning_rate=1.0, report_to="none",
-                  save_steps=0, num_sample_generations=0, seed=0, max_grad_norm=0.0, lr_scheduler_type="constant")
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+        total_episodes=8,
+        max_new_tokens=6,
+        logging_steps=1,
+        learning_rate=1.0,
+        report_to="none",
+        save_steps=0,
+        num_sample_generations=0,
+        seed=0,
+        max_grad_norm=0.0,
+        lr_scheduler_type="constant",
+    )
     values.update(overrides)
     return cls(**values)
 
@@ -48,10 +68,24 @@ def test_update_is_minus_gradient_of_mean_over_valid_pairs(tmp_path, tiny_tokeni
     judge = CallableJudge(lambda p, pairs: answers[: len(pairs)], mode="pairwise", seed=0)
     cls, cfg_cls = (XPOTrainer, XPOConfig) if algo == "xpo" else (OnlineDPOTrainer, OnlineDPOConfig)
     extra = {"alpha": 0.3} if algo == "xpo" else {}
-    cfg = config(cfg_cls, tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=4, beta=0.2,
-                 loss_type=loss_type, **extra)
-    trainer = cls(model=model, ref_model=copy.deepcopy(ref), judge=judge, args=cfg, processing_class=tiny_tokenizer,
-                  train_dataset=prompts(4), optimizers=(torch.optim.SGD(model.parameters(), lr=1.0), None))
+    cfg = config(
+        cfg_cls,
+        tmp_path,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+        beta=0.2,
+        loss_type=loss_type,
+        **extra,
+    )
+    trainer = cls(
+        model=model,
+        ref_model=copy.deepcopy(ref),
+        judge=judge,
+        args=cfg,
+        processing_class=tiny_tokenizer,
+        train_dataset=prompts(4),
+        optimizers=(torch.optim.SGD(model.parameters(), lr=1.0), None),
+    )
     captured = {}
     real_rank = trainer.feedback.rank
 

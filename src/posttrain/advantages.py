@@ -70,10 +70,13 @@ def kl_penalty(
     elif estimator == "full":
         raise ValueError(
             "kl_penalty works from sampled-token logprobs; the exact 'full' KL needs logits: "
-            f"call posttrain.advantages.full_kl(logits, ref_logits, mask). Valid estimators here: {', '.join(KL_ESTIMATORS)}."
+            "call posttrain.advantages.full_kl(logits, ref_logits, mask). "
+            f"Valid estimators here: {', '.join(KL_ESTIMATORS)}."
         )
     else:
-        raise ValueError(f"unknown KL estimator {estimator!r}; valid names: {', '.join(KL_ESTIMATORS)} (or full_kl for 'full').")
+        raise ValueError(
+            f"unknown KL estimator {estimator!r}; valid names: {', '.join(KL_ESTIMATORS)} (or full_kl for 'full')."
+        )
     if mask is not None:
         kl = kl.masked_fill(~mask.bool(), 0.0)
     return kl
@@ -94,7 +97,10 @@ def full_kl(
     are alive at a time. Gradients flow into `logits` (and `ref_logits` if it requires grad).
     """
     if logits.shape != ref_logits.shape:
-        raise ValueError(f"full_kl needs logits and ref_logits of the same shape, got {tuple(logits.shape)} and {tuple(ref_logits.shape)}.")
+        raise ValueError(
+            "full_kl needs logits and ref_logits of the same shape, "
+            f"got {tuple(logits.shape)} and {tuple(ref_logits.shape)}."
+        )
     lead = logits.shape[:-1]
     flat = logits.reshape(-1, logits.size(-1))
     ref_flat = ref_logits.reshape(-1, ref_logits.size(-1))
@@ -131,7 +137,10 @@ def last_token_indices(completion_mask: torch.Tensor) -> torch.Tensor:
     empty = ~mask.any(dim=-1)
     if bool(empty.any()):
         rows = torch.nonzero(empty).flatten().tolist()
-        raise ValueError(f"completion_mask rows {rows} have no completion token, so their score has nowhere to go; drop them before shaping rewards.")
+        raise ValueError(
+            f"completion_mask rows {rows} have no completion token, so their score has nowhere to go; "
+            "drop them before shaping rewards."
+        )
     return mask.size(-1) - 1 - mask.long().flip(-1).argmax(dim=-1)
 
 
@@ -292,7 +301,9 @@ class RunningMoments:
             return 0.0, 0.0
         var, mean = torch.var_mean(flat, unbiased=False)
         batch_mean, batch_var = float(mean), float(var)
-        self.mean, self.var, self.count = merge_moments(self.mean, self.var, self.count, batch_mean, batch_var, float(n))
+        self.mean, self.var, self.count = merge_moments(
+            self.mean, self.var, self.count, batch_mean, batch_var, float(n)
+        )
         batch_std = math.sqrt(batch_var * n / (n - 1)) if n > 1 else 0.0
         return batch_mean, batch_std
 
@@ -374,7 +385,9 @@ class AdaptiveKLController:
 
     def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
         if target <= 0 or horizon <= 0:
-            raise ValueError(f"AdaptiveKLController needs target > 0 and horizon > 0, got target={target}, horizon={horizon}.")
+            raise ValueError(
+                f"AdaptiveKLController needs target > 0 and horizon > 0, got target={target}, horizon={horizon}."
+            )
         self.value = float(init_kl_coef)
         self.target = float(target)
         self.horizon = float(horizon)
@@ -450,5 +463,7 @@ def normalize_advantages(advantages: torch.Tensor, eps: float = 1e-8) -> torch.T
     For per-token advantages with padding use `whiten_advantages` instead.
     """
     if advantages.numel() < 2:
-        raise ValueError(f"normalize_advantages needs at least 2 values for a standard deviation, got {advantages.numel()}.")
+        raise ValueError(
+            f"normalize_advantages needs at least 2 values for a standard deviation, got {advantages.numel()}."
+        )
     return (advantages - advantages.mean()) / (advantages.std() + eps)

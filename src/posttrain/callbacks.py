@@ -43,7 +43,9 @@ class LogCompletionsCallback(TrainerCallback):
 
     def __init__(self, trainer: Any, num_prompts: int = 8, freq: int | None = None) -> None:
         if getattr(trainer, "eval_dataset", None) is None:
-            raise ConfigError("LogCompletionsCallback needs a trainer built with eval_dataset= (the prompts it samples).")
+            raise ConfigError(
+                "LogCompletionsCallback needs a trainer built with eval_dataset= (the prompts it samples)."
+            )
         if num_prompts < 1:
             raise ConfigError(f"num_prompts={num_prompts} must be >= 1.")
         if freq is not None and freq < 1:

@@ -28,7 +28,9 @@ def _help(text: str, **kw: Any) -> Any:
 
 @dataclass
 class ChatConfig:
-    model_name_or_path: str | None = _help("The model to talk to (first positional argument): a folder or hub name.", default=None)
+    model_name_or_path: str | None = _help(
+        "The model to talk to (first positional argument): a folder or hub name.", default=None
+    )
     max_new_tokens: int = _help("Maximum tokens per reply.", default=256)
     temperature: float = _help("Sampling temperature; 0 = greedy.", default=0.7)
     system_prompt: str | None = _help("A system message placed before the conversation.", default=None)
@@ -48,8 +50,16 @@ class ChatConfig:
 class ChatSession:
     """A conversation with a model: `send(text)` appends the user turn, generates, keeps the reply."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, max_new_tokens: int = 256, temperature: float = 0.7,
-                 system_prompt: str | None = None, seed: int = 42) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.7,
+        system_prompt: str | None = None,
+        seed: int = 42,
+    ) -> None:
         import torch
 
         from posttrain.data import ensure_chat_template
@@ -68,8 +78,14 @@ class ChatSession:
         from posttrain.evaluate import generate_completions
 
         self.messages.append({"role": "user", "content": text})
-        reply = generate_completions(self.model, self.tokenizer, [list(self.messages)], max_new_tokens=self.max_new_tokens,
-                                     temperature=self.temperature, generator=self.generator)[0].strip()
+        reply = generate_completions(
+            self.model,
+            self.tokenizer,
+            [list(self.messages)],
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            generator=self.generator,
+        )[0].strip()
         self.messages.append({"role": "assistant", "content": reply})
         return reply
 
@@ -106,11 +122,21 @@ def run(config: ChatConfig) -> int:
     from posttrain.models import load_policy, load_tokenizer
 
     tokenizer = load_tokenizer(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
-    model = load_policy(config.model_name_or_path, dtype=config.torch_dtype, trust_remote_code=config.trust_remote_code,
-                        tokenizer=tokenizer)
+    model = load_policy(
+        config.model_name_or_path,
+        dtype=config.torch_dtype,
+        trust_remote_code=config.trust_remote_code,
+        tokenizer=tokenizer,
+    )
     model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
-    session = ChatSession(model, tokenizer, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                          system_prompt=config.system_prompt, seed=config.seed)
+    session = ChatSession(
+        model,
+        tokenizer,
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        system_prompt=config.system_prompt,
+        seed=config.seed,
+    )
     name = os.path.basename(os.path.normpath(config.model_name_or_path))
     chat_loop(session, name, sys.stdin, sys.stdout)
     return 0

@@ -548,9 +548,7 @@ class OutputDirGuard:
 
     def __enter__(self) -> OutputDirGuard:
         if self.output_dir.exists() and not self.output_dir.is_dir():
-            raise NotADirectoryError(
-                f"output_dir={os.fspath(self.output_dir)!r} is a file; pass a directory path."
-            )
+            raise NotADirectoryError(f"output_dir={os.fspath(self.output_dir)!r} is a file; pass a directory path.")
         self.created = not self.output_dir.exists()
         if self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,9 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from posttrain import __version__
 
@@ -31,21 +32,55 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "sft": Command("posttrain.trainers.sft_config:SFTConfig", "posttrain.trainers.sft:run", "Supervised fine-tuning (step 1)."),
+    "sft": Command(
+        "posttrain.trainers.sft_config:SFTConfig", "posttrain.trainers.sft:run", "Supervised fine-tuning (step 1)."
+    ),
     "reward": Command(
-        "posttrain.trainers.reward_config:RewardConfig", "posttrain.trainers.reward:run", "Train a reward model on preference pairs (step 2)."
+        "posttrain.trainers.reward_config:RewardConfig",
+        "posttrain.trainers.reward:run",
+        "Train a reward model on preference pairs (step 2).",
     ),
-    "ppo": Command("posttrain.trainers.ppo_config:PPOConfig", "posttrain.trainers.ppo:run", "PPO with a critic (actor, reference, reward, value)."),
-    "rloo": Command("posttrain.trainers.rloo_config:RLOOConfig", "posttrain.trainers.rloo:run", "REINFORCE leave-one-out (RLOO)."),
-    "grpo": Command("posttrain.trainers.grpo_config:GRPOConfig", "posttrain.trainers.grpo:run", "GRPO: group-normalised advantages."),
+    "ppo": Command(
+        "posttrain.trainers.ppo_config:PPOConfig",
+        "posttrain.trainers.ppo:run",
+        "PPO with a critic (actor, reference, reward, value).",
+    ),
+    "rloo": Command(
+        "posttrain.trainers.rloo_config:RLOOConfig", "posttrain.trainers.rloo:run", "REINFORCE leave-one-out (RLOO)."
+    ),
+    "grpo": Command(
+        "posttrain.trainers.grpo_config:GRPOConfig", "posttrain.trainers.grpo:run", "GRPO: group-normalised advantages."
+    ),
     "online-dpo": Command(
-        "posttrain.trainers.online_dpo_config:OnlineDPOConfig", "posttrain.trainers.online_dpo:run", "Online DPO with a reward model or judge."
+        "posttrain.trainers.online_dpo_config:OnlineDPOConfig",
+        "posttrain.trainers.online_dpo:run",
+        "Online DPO with a reward model or judge.",
     ),
-    "xpo": Command("posttrain.trainers.xpo_config:XPOConfig", "posttrain.trainers.xpo:run", "Exploratory Preference Optimization (XPO)."),
-    "judge": Command("posttrain.evaluate:JudgeConfig", "posttrain.evaluate:run", "Win-rate evaluation of a model with a judge."),
-    "chat": Command("posttrain.chat:ChatConfig", "posttrain.chat:run", "Talk to a trained model in the terminal.", "model_name_or_path"),
-    "demo": Command("posttrain.demo.pipeline:DemoConfig", "posttrain.demo.pipeline:run", "The offline one-command RLHF demo (SFT, RM, RL, report)."),
-    "plot": Command("posttrain.plots:PlotConfig", "posttrain.plots:run", "Redraw the plots of a run from its metrics.jsonl.", "output_dir"),
+    "xpo": Command(
+        "posttrain.trainers.xpo_config:XPOConfig",
+        "posttrain.trainers.xpo:run",
+        "Exploratory Preference Optimization (XPO).",
+    ),
+    "judge": Command(
+        "posttrain.evaluate:JudgeConfig", "posttrain.evaluate:run", "Win-rate evaluation of a model with a judge."
+    ),
+    "chat": Command(
+        "posttrain.chat:ChatConfig",
+        "posttrain.chat:run",
+        "Talk to a trained model in the terminal.",
+        "model_name_or_path",
+    ),
+    "demo": Command(
+        "posttrain.demo.pipeline:DemoConfig",
+        "posttrain.demo.pipeline:run",
+        "The offline one-command RLHF demo (SFT, RM, RL, report).",
+    ),
+    "plot": Command(
+        "posttrain.plots:PlotConfig",
+        "posttrain.plots:run",
+        "Redraw the plots of a run from its metrics.jsonl.",
+        "output_dir",
+    ),
 }
 
 
@@ -82,8 +117,12 @@ def build_parser(name: str, config_cls: type):
     """The HfArgumentParser of one command (also used by tests to check help and round trips)."""
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser(config_cls, prog=f"posttrain {name}", description=COMMANDS[name].summary, allow_abbrev=False)
-    parser.add_argument("--config", default=None, help="YAML file of field: value defaults; command-line flags override it.")
+    parser = HfArgumentParser(
+        config_cls, prog=f"posttrain {name}", description=COMMANDS[name].summary, allow_abbrev=False
+    )
+    parser.add_argument(
+        "--config", default=None, help="YAML file of field: value defaults; command-line flags override it."
+    )
     return parser
 
 
@@ -116,7 +155,8 @@ def parse_config(name: str, argv: list[str]) -> Any:
         for key in values:
             if key not in dests:
                 raise SystemExit(
-                    f"posttrain {name}: --config {known.config}: unknown field {key!r}.{_closest('--' + key, valid_flags)}"
+                    f"posttrain {name}: --config {known.config}: unknown field {key!r}."
+                    f"{_closest('--' + key, valid_flags)}"
                 )
         parser.set_defaults(**values)
 

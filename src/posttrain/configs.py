@@ -49,7 +49,9 @@ class TrainingConfig:
     per_device_train_batch_size: int = _help("Batch size per device per micro-step.", default=8)
     per_device_eval_batch_size: int = _help("Batch size per device for evaluation.", default=8)
     gradient_accumulation_steps: int = _help("Micro-steps accumulated before each optimizer step.", default=1)
-    num_train_epochs: float = _help("Passes over the training data (when max_steps / total_episodes are not set).", default=3.0)
+    num_train_epochs: float = _help(
+        "Passes over the training data (when max_steps / total_episodes are not set).", default=3.0
+    )
     max_steps: int = _help("If > 0: total optimizer steps, overriding num_train_epochs.", default=-1)
     lr_scheduler_type: str = _help(
         "Learning-rate schedule: linear, cosine, cosine_with_restarts, polynomial, constant, constant_with_warmup.",
@@ -61,7 +63,9 @@ class TrainingConfig:
     adam_beta1: float = _help("AdamW beta1.", default=0.9)
     adam_beta2: float = _help("AdamW beta2.", default=0.999)
     adam_epsilon: float = _help("AdamW epsilon.", default=1e-8)
-    max_grad_norm: float | None = _help("Clip the global gradient norm to this value (None or 0: no clipping).", default=1.0)
+    max_grad_norm: float | None = _help(
+        "Clip the global gradient norm to this value (None or 0: no clipping).", default=1.0
+    )
     seed: int = _help("Random seed for python, numpy and torch (sampling included).", default=42)
     bf16: bool = _help("bf16 mixed precision (autocast). Fast on GPUs and on CPUs with AMX.", default=False)
     fp16: bool = _help("fp16 mixed precision (GPU only).", default=False)
@@ -69,22 +73,29 @@ class TrainingConfig:
     trust_remote_code: bool = _help("Allow model code from the hub.", default=False)
     gradient_checkpointing: bool = _help("Recompute activations in backward to save memory.", default=False)
     disable_dropout: bool = _help("Turn off dropout in every model (needed for exact PPO ratios).", default=True)
-    logging_steps: int = _help("Log metrics every N optimizer steps (online trainers: every N rollout batches).", default=10)
+    logging_steps: int = _help(
+        "Log metrics every N optimizer steps (online trainers: every N rollout batches).", default=10
+    )
     eval_steps: int | None = _help("Evaluate every N steps (None: only at the end).", default=None)
     save_steps: int = _help("Save a resumable checkpoint every N steps (0: never during training).", default=500)
     save_total_limit: int | None = _help("Keep at most this many checkpoints (oldest deleted).", default=None)
     report_to: list[str] = _help(
-        "Metric sinks besides console and metrics.jsonl: none, tensorboard, wandb, all.", default_factory=lambda: ["none"]
+        "Metric sinks besides console and metrics.jsonl: none, tensorboard, wandb, all.",
+        default_factory=lambda: ["none"],
     )
     run_name: str | None = _help("Run name for trackers.", default=None)
     resume_from_checkpoint: str | None = _help(
         'Resume from a checkpoint folder, or "latest" for the newest one in output_dir.', default=None
     )
-    overwrite_output_dir: bool = _help("Allow writing into a non-empty output_dir that holds a finished run.", default=False)
+    overwrite_output_dir: bool = _help(
+        "Allow writing into a non-empty output_dir that holds a finished run.", default=False
+    )
     dataset_num_proc: int | None = _help("Processes for dataset preprocessing.", default=None)
     # LoRA flags of TRL's ModelConfig (same names and defaults), turned into a peft.LoraConfig by
     # posttrain.models.peft_config_from.
-    use_peft: bool = _help("Train LoRA adapters instead of the full model (needs `pip install posttrain[peft]`).", default=False)
+    use_peft: bool = _help(
+        "Train LoRA adapters instead of the full model (needs `pip install posttrain[peft]`).", default=False
+    )
     lora_r: int = _help("LoRA rank.", default=16)
     lora_alpha: int = _help("LoRA alpha (the update is scaled by lora_alpha / lora_r).", default=32)
     lora_dropout: float = _help("Dropout on the LoRA input.", default=0.05)
@@ -184,22 +195,33 @@ class OnPolicyConfig(TrainingConfig):
     sft_model_path: str | None = _help(
         "Policy / reference initialisation; defaults to model_name_or_path (TRL's script argument).", default=None
     )
-    reward_model_path: str | None = _help("Reward model: a sequence-classification model folder or hub name.", default=None)
+    reward_model_path: str | None = _help(
+        "Reward model: a sequence-classification model folder or hub name.", default=None
+    )
     reward_funcs: list[str] | None = _help(
-        "Text reward functions as dotted import paths, module:function or module.function (used instead of a reward model).",
+        "Text reward functions as dotted import paths, module:function or module.function "
+        "(used instead of a reward model).",
         default=None,
     )
-    max_prompt_length: int | None = _help("Prompts longer than this many tokens are handled by prompt_overflow.", default=None)
-    prompt_overflow: str = _help('What to do with overlong prompts: "truncate_left" or "drop".', default="truncate_left")
+    max_prompt_length: int | None = _help(
+        "Prompts longer than this many tokens are handled by prompt_overflow.", default=None
+    )
+    prompt_overflow: str = _help(
+        'What to do with overlong prompts: "truncate_left" or "drop".', default="truncate_left"
+    )
     ds3_gather_for_generation: bool = _help(
         "Under DeepSpeed ZeRO-3 gather the full policy once for generation (fast; needs the memory).", default=True
     )
     exp_name: str = _help("Experiment name.", default="posttrain")
 
     # Derived by derive_sizes(); None until then (TRL names).
-    world_size: int | None = field(default=None, init=False, metadata={"help": "Derived: number of processes.", "derived": True})
+    world_size: int | None = field(
+        default=None, init=False, metadata={"help": "Derived: number of processes.", "derived": True}
+    )
     local_batch_size: int | None = field(default=None, init=False, metadata={"help": "Derived.", "derived": True})
-    batch_size: int | None = field(default=None, init=False, metadata={"help": "Derived: episodes per rollout batch.", "derived": True})
+    batch_size: int | None = field(
+        default=None, init=False, metadata={"help": "Derived: episodes per rollout batch.", "derived": True}
+    )
     mini_batch_size: int | None = field(default=None, init=False, metadata={"help": "Derived.", "derived": True})
     local_mini_batch_size: int | None = field(default=None, init=False, metadata={"help": "Derived.", "derived": True})
     micro_batch_size: int | None = field(default=None, init=False, metadata={"help": "Derived.", "derived": True})
@@ -208,7 +230,9 @@ class OnPolicyConfig(TrainingConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.stop_token is not None and self.stop_token != "eos":
-            raise ConfigError(f'stop_token={self.stop_token!r}: the only supported value is "eos" (or use stop_token_id).')
+            raise ConfigError(
+                f'stop_token={self.stop_token!r}: the only supported value is "eos" (or use stop_token_id).'
+            )
         if self.stop_token is not None and self.stop_token_id is not None:
             raise ConfigError("stop_token and stop_token_id are both set; give one of them.")
         if self.num_mini_batches < 1:
@@ -242,7 +266,7 @@ class OnPolicyConfig(TrainingConfig):
         """Completions generated per prompt (1 for PPO; rloo_k / num_generations in subclasses)."""
         return 1
 
-    def derive_sizes(self, world_size: int = 1, dataset_size: int | None = None) -> "OnPolicyConfig":
+    def derive_sizes(self, world_size: int = 1, dataset_size: int | None = None) -> OnPolicyConfig:
         """Compute the derived batch sizes and check that every division is exact.
 
         Raises ConfigError naming both numbers when a size does not divide: this runs before any
@@ -257,8 +281,9 @@ class OnPolicyConfig(TrainingConfig):
         self.mini_batch_size = self.local_mini_batch_size * world_size
         if self.local_batch_size % k != 0:
             raise ConfigError(
-                f"per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches = {self.local_batch_size} "
-                f"completions per device must be divisible by the samples per prompt ({k}); change the batch size or k."
+                "per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches = "
+                f"{self.local_batch_size} completions per device must be divisible by the samples per prompt ({k}); "
+                "change the batch size or k."
             )
         if self.total_episodes is None:
             if dataset_size is None:
@@ -266,9 +291,10 @@ class OnPolicyConfig(TrainingConfig):
             self.total_episodes = int(self.num_train_epochs * dataset_size * k)
         if self.total_episodes < self.batch_size:
             raise ConfigError(
-                f"total_episodes ({self.total_episodes}) is smaller than one rollout batch (batch_size = {self.batch_size} = "
-                f"per_device_train_batch_size {self.per_device_train_batch_size} × gradient_accumulation_steps "
-                f"{self.gradient_accumulation_steps} × num_mini_batches {self.num_mini_batches} × world_size {world_size}); "
+                f"total_episodes ({self.total_episodes}) is smaller than one rollout batch "
+                f"(batch_size = {self.batch_size} = per_device_train_batch_size {self.per_device_train_batch_size} "
+                f"× gradient_accumulation_steps {self.gradient_accumulation_steps} "
+                f"× num_mini_batches {self.num_mini_batches} × world_size {world_size}); "
                 "raise total_episodes or lower the batch size."
             )
         self.num_total_batches = math.ceil(self.total_episodes / self.batch_size)
@@ -306,7 +332,8 @@ class SupervisedConfig(TrainingConfig):
     """Fields SFT and reward-model training share (TRL's SFTConfig / RewardConfig)."""
 
     model_init_kwargs: dict[str, Any] | str | None = _help(
-        'Extra keyword arguments for from_pretrained, as JSON on the command line (e.g. \'{"attn_implementation": "sdpa"}\').',
+        "Extra keyword arguments for from_pretrained, as JSON on the command line "
+        '(e.g. \'{"attn_implementation": "sdpa"}\').',
         default=None,
     )
     chat_template_path: str | None = _help(
@@ -314,7 +341,8 @@ class SupervisedConfig(TrainingConfig):
         default=None,
     )
     eos_token: str | None = _help(
-        "End-of-sequence token appended to plain-text examples (default: the tokenizer's). Must already exist in the vocabulary.",
+        "End-of-sequence token appended to plain-text examples (default: the tokenizer's). "
+        "Must already exist in the vocabulary.",
         default=None,
     )
     pad_token: str | None = _help(
@@ -322,7 +350,9 @@ class SupervisedConfig(TrainingConfig):
         default=None,
     )
     pad_to_multiple_of: int | None = _help("Pad every batch's length up to a multiple of this.", default=None)
-    activation_offloading: bool = _help("Keep activations saved for backward in CPU memory instead of the GPU.", default=False)
+    activation_offloading: bool = _help(
+        "Keep activations saved for backward in CPU memory instead of the GPU.", default=False
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -64,7 +64,12 @@ class DataError(ValueError):
         fix: str | None = None,
     ):
         self.problem, self.source, self.row, self.line, self.field, self.fix = (
-            problem, None if source is None else str(source), row, line, field, fix,
+            problem,
+            None if source is None else str(source),
+            row,
+            line,
+            field,
+            fix,
         )
         where = [str(source) if source is not None else "dataset"]
         if line is not None:
@@ -114,7 +119,10 @@ class _RecordChecker:
     def check(self, record: Any, *, line: int | None = None, row: int | None = None) -> None:
         if not isinstance(record, dict):
             raise DataError(
-                f"expected a JSON object, got {_kind(record)}", source=self.source, line=line, row=row,
+                f"expected a JSON object, got {_kind(record)}",
+                source=self.source,
+                line=line,
+                row=row,
                 fix='write one object per record, e.g. {"prompt": "..."}',
             )
         for key, value in record.items():
@@ -125,7 +133,10 @@ class _RecordChecker:
             if seen[0] != kind:
                 raise DataError(
                     f"is a {kind} here but a {seen[0]} at {'line' if line is not None else 'row'} {seen[1]}",
-                    source=self.source, line=line, row=row, field=key,
+                    source=self.source,
+                    line=line,
+                    row=row,
+                    field=key,
                     fix="give the field the same type in every record",
                 )
         self.count += 1
@@ -136,7 +147,9 @@ def _decode_utf8(raw: bytes, source: Path, line: int) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise DataError(
-            f"invalid UTF-8 (byte {err.start} of the line)", source=source, line=line,
+            f"invalid UTF-8 (byte {err.start} of the line)",
+            source=source,
+            line=line,
             fix="re-encode the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 in > out`",
         ) from None
 
@@ -152,7 +165,9 @@ def _validate_json_lines(path: Path) -> None:
                 record = json.loads(text)
             except json.JSONDecodeError as err:
                 raise DataError(
-                    f"malformed JSON ({err.msg} at column {err.colno})", source=path, line=lineno,
+                    f"malformed JSON ({err.msg} at column {err.colno})",
+                    source=path,
+                    line=lineno,
                     fix="each line must be one complete JSON object; check quotes, commas and brackets",
                 ) from None
             checker.check(record, line=lineno)
@@ -199,7 +214,7 @@ def _mark_source(dataset: Any, source: str) -> Any:
 def _source_of(dataset: Any, source: str | None) -> str:
     """Name used in error messages: the caller's name and/or the file recorded by `load_any_dataset`."""
     description = getattr(getattr(dataset, "info", None), "description", None) or ""
-    loaded_from = description[len(_SOURCE_MARK):] if description.startswith(_SOURCE_MARK) else None
+    loaded_from = description[len(_SOURCE_MARK) :] if description.startswith(_SOURCE_MARK) else None
     if source is not None and loaded_from is not None and loaded_from != source:
         return f"{source} ({loaded_from})"
     return source or loaded_from or "dataset"
@@ -212,7 +227,8 @@ def _select_split(dataset: Any, split: str | None, source: str) -> Any:
         return dataset
     if split not in dataset:
         raise DataError(
-            f"no split {split!r}; available splits: {', '.join(dataset.keys())}", source=source,
+            f"no split {split!r}; available splits: {', '.join(dataset.keys())}",
+            source=source,
             fix="pass one of the available split names",
         )
     return dataset[split]
@@ -227,9 +243,7 @@ def _check_not_empty(dataset: Any, source: str) -> None:
 
 def _looks_local(name: str) -> bool:
     return (
-        name.startswith(("/", "./", "../", "~"))
-        or Path(name).suffix.lower() in _FILE_BUILDERS
-        or name.count("/") > 1
+        name.startswith(("/", "./", "../", "~")) or Path(name).suffix.lower() in _FILE_BUILDERS or name.count("/") > 1
     )
 
 
@@ -254,12 +268,14 @@ def load_any_dataset(
         suffix = path.suffix.lower()
         if suffix not in _FILE_BUILDERS:
             raise DataError(
-                f"unsupported file type {suffix!r}", source=path,
+                f"unsupported file type {suffix!r}",
+                source=path,
                 fix="use .jsonl, .json, .parquet or .csv, or a folder saved with Dataset.save_to_disk",
             )
         if split is not None and not split.startswith("train"):
             raise DataError(
-                f"a single file has one split, 'train'; got split={split!r}", source=path,
+                f"a single file has one split, 'train'; got split={split!r}",
+                source=path,
                 fix="drop the split argument or use 'train'",
             )
         if suffix == ".jsonl":
@@ -272,7 +288,8 @@ def load_any_dataset(
             dataset = datasets.load_dataset(_FILE_BUILDERS[suffix], data_files=str(path), split=split or "train")
         except Exception as err:
             raise DataError(
-                f"datasets could not read the file ({type(err).__name__}: {err})", source=path,
+                f"datasets could not read the file ({type(err).__name__}: {err})",
+                source=path,
                 fix="check that every record has the same fields with the same types",
             ) from err
     elif path.is_dir():
@@ -283,7 +300,8 @@ def load_any_dataset(
                 dataset = datasets.load_dataset(str(path), config_name)
         except Exception as err:
             raise DataError(
-                f"could not load the folder ({type(err).__name__}: {err})", source=path,
+                f"could not load the folder ({type(err).__name__}: {err})",
+                source=path,
                 fix="pass a folder written by save_to_disk, a folder of data files, or one file",
             ) from err
         dataset = _select_split(dataset, split, str(path))
@@ -295,7 +313,8 @@ def load_any_dataset(
         except Exception as err:
             raise DataError(
                 f"not a local file or folder, and loading it from the Hugging Face hub failed "
-                f"({type(err).__name__}: {err})", source=name,
+                f"({type(err).__name__}: {err})",
+                source=name,
                 fix="check the dataset name, config and split, network access and HF_HUB_OFFLINE",
             ) from err
     _check_not_empty(dataset, name)
@@ -323,7 +342,8 @@ def detect_format(dataset: Any, dataset_text_field: str = "text") -> str:
     if isinstance(dataset, DatasetDict):
         raise DataError(
             f"got a DatasetDict with splits {list(dataset.keys())}, not one split",
-            source=_source_of(next(iter(dataset.values()), None), None), fix="select a split, e.g. split='train'",
+            source=_source_of(next(iter(dataset.values()), None), None),
+            fix="select a split, e.g. split='train'",
         )
     columns = set(dataset.column_names)
     if {"chosen", "rejected"} <= columns or {"chosen_input_ids", "rejected_input_ids"} <= columns:
@@ -339,7 +359,8 @@ def detect_format(dataset: Any, dataset_text_field: str = "text") -> str:
     if "input_ids" in columns:
         return "tokenized"
     raise DataError(
-        f"cannot tell the format from the columns {sorted(columns)}", source=_source_of(dataset, None),
+        f"cannot tell the format from the columns {sorted(columns)}",
+        source=_source_of(dataset, None),
         fix=f"provide 'prompt'; 'chosen'+'rejected'; '{dataset_text_field}'; 'messages'; "
         "'prompt'+'completion'; or 'input_ids'",
     )
@@ -373,14 +394,20 @@ def _validate_messages(messages: list[Any], source: str, row: int, field: str) -
     for turn, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise DataError(
-                f"message {turn} has no string 'role'", source=source, row=row, field=field,
+                f"message {turn} has no string 'role'",
+                source=source,
+                row=row,
+                field=field,
                 fix='write each message as {"role": "user", "content": "..."}',
             )
         content = message.get("content")
         if not isinstance(content, (str, list)):
             raise DataError(
                 f"message {turn} ({message['role']}) has content of type {type(content).__name__}, not a string",
-                source=source, row=row, field=field, fix="give every message a string 'content'",
+                source=source,
+                row=row,
+                field=field,
+                fix="give every message a string 'content'",
             )
 
 
@@ -399,7 +426,10 @@ def _as_text_or_messages(value: Any, source: str, row: int, field: str) -> str |
         return value
     raise DataError(
         f"has type {type(value).__name__}; expected a string or a list of {{role, content}} messages",
-        source=source, row=row, field=field, fix="convert the field to text or to a conversation",
+        source=source,
+        row=row,
+        field=field,
+        fix="convert the field to text or to a conversation",
     )
 
 
@@ -408,7 +438,9 @@ def _require_columns(dataset: Any, columns: Sequence[str], source: str, purpose:
     if missing:
         raise DataError(
             f"missing column(s) {missing} needed for {purpose}; available columns: {dataset.column_names}",
-            source=source, field=missing[0], fix="rename the right column or pass its name",
+            source=source,
+            field=missing[0],
+            fix="rename the right column or pass its name",
         )
 
 
@@ -436,7 +468,13 @@ def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str], conversational
             ids[i] = list(seq)
     eos, eos_text = tokenizer.eos_token_id, tokenizer.eos_token
     for i, seq in enumerate(ids):
-        if not conversational[i] and eos is not None and seq and seq[-1] == eos and not texts[i].endswith(eos_text or "\0"):
+        if (
+            not conversational[i]
+            and eos is not None
+            and seq
+            and seq[-1] == eos
+            and not texts[i].endswith(eos_text or "\0")
+        ):
             ids[i] = seq[:-1]
     return ids
 
@@ -498,7 +536,10 @@ def _assistant_spans(
         if not full_text.startswith(upto):
             raise DataError(
                 f"the chat template renders the conversation up to message {i} differently from the whole "
-                "conversation, so assistant tokens cannot be located", source=source, row=row, field=field,
+                "conversation, so assistant tokens cannot be located",
+                source=source,
+                row=row,
+                field=field,
                 fix="use a chat template whose rendering of a prefix is a prefix of the full rendering "
                 "(templates that rewrite earlier turns, e.g. by dropping reasoning, are not)",
             )
@@ -564,10 +605,15 @@ def prepare_prompt_dataset(
 
     def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         if tokenized:
-            ids = [_check_token_ids(seq, source, row, "input_ids", vocab_size) for seq, row in zip(batch["input_ids"], indices)]
+            ids = [
+                _check_token_ids(seq, source, row, "input_ids", vocab_size)
+                for seq, row in zip(batch["input_ids"], indices)
+            ]
             texts = tokenizer.batch_decode(ids, skip_special_tokens=False)
         else:
-            values = [_as_text_or_messages(v, source, row, prompt_column) for v, row in zip(batch[prompt_column], indices)]
+            values = [
+                _as_text_or_messages(v, source, row, prompt_column) for v, row in zip(batch[prompt_column], indices)
+            ]
             conversational = [isinstance(v, list) for v in values]
             texts = [
                 apply_chat_template(v, tokenizer, add_generation_prompt=True) if c else v
@@ -577,7 +623,10 @@ def prepare_prompt_dataset(
             for seq, row in zip(ids, indices):
                 if not seq:
                     raise DataError(
-                        "tokenizes to no tokens", source=source, row=row, field=prompt_column,
+                        "tokenizes to no tokens",
+                        source=source,
+                        row=row,
+                        field=prompt_column,
                         fix="remove the row or fill the prompt",
                     )
         overlong = [max_prompt_length is not None and len(seq) > max_prompt_length for seq in ids]
@@ -590,10 +639,17 @@ def prepare_prompt_dataset(
 
     out = dataset.map(encode, batched=True, with_indices=True, desc="Tokenizing prompts")
     out = _resolve_overflow(
-        out, len(dataset), overflow == "drop", f"prompts are longer than {max_prompt_length} tokens",
+        out,
+        len(dataset),
+        overflow == "drop",
+        f"prompts are longer than {max_prompt_length} tokens",
         "truncated from the left",
-        DataError(f"every prompt is longer than max_prompt_length={max_prompt_length}", source=source,
-                  field=prompt_column, fix="raise max_prompt_length or use overflow='truncate_left'"),
+        DataError(
+            f"every prompt is longer than max_prompt_length={max_prompt_length}",
+            source=source,
+            field=prompt_column,
+            fix="raise max_prompt_length or use overflow='truncate_left'",
+        ),
     )
     if prompt_column != "prompt" and prompt_column in out.column_names:
         out = out.remove_columns(prompt_column)
@@ -603,14 +659,20 @@ def prepare_prompt_dataset(
 def _check_token_ids(seq: Any, source: str, row: int, field: str, vocab_size: int | None = None) -> list[int]:
     if not isinstance(seq, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in seq):
         raise DataError(
-            f"must be a list of integer token ids, got {type(seq).__name__}", source=source, row=row, field=field,
+            f"must be a list of integer token ids, got {type(seq).__name__}",
+            source=source,
+            row=row,
+            field=field,
             fix="store token ids as lists of ints",
         )
     if not seq:
         raise DataError("is empty", source=source, row=row, field=field, fix="remove the row")
     if min(seq) < 0 or (vocab_size is not None and max(seq) >= vocab_size):
         raise DataError(
-            f"holds token ids outside the vocabulary [0, {vocab_size})", source=source, row=row, field=field,
+            f"holds token ids outside the vocabulary [0, {vocab_size})",
+            source=source,
+            row=row,
+            field=field,
             fix="tokenize with the same tokenizer as the model",
         )
     return seq
@@ -636,8 +698,8 @@ class PromptCollator:
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.bool)
         for i, (row, n) in enumerate(zip(rows, lengths)):
-            input_ids[i, width - n:] = torch.as_tensor(row["input_ids"], dtype=torch.long)
-            attention_mask[i, width - n:] = True
+            input_ids[i, width - n :] = torch.as_tensor(row["input_ids"], dtype=torch.long)
+            attention_mask[i, width - n :] = True
         batch: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
         for key in rows[0]:
             if key not in batch:
@@ -678,8 +740,11 @@ def prepare_preference_dataset(
     _require_rows(dataset, source)
     columns = dataset.column_names
     pretokenized = next(
-        ((c, r) for c, r in (("chosen_input_ids", "rejected_input_ids"), ("chosen_ids", "rejected_ids"))
-         if c in columns and r in columns),
+        (
+            (c, r)
+            for c, r in (("chosen_input_ids", "rejected_input_ids"), ("chosen_ids", "rejected_ids"))
+            if c in columns and r in columns
+        ),
         None,
     )
     if pretokenized is None:
@@ -692,16 +757,23 @@ def prepare_preference_dataset(
         out: dict[str, list] = {"chosen_input_ids": [], "rejected_input_ids": []}
         if pretokenized is not None:
             for key, field in zip(("chosen_input_ids", "rejected_input_ids"), pretokenized):
-                out[key] = [_check_token_ids(s, source, r, field, len(tokenizer)) for s, r in zip(batch[field], indices)]
+                out[key] = [
+                    _check_token_ids(s, source, r, field, len(tokenizer)) for s, r in zip(batch[field], indices)
+                ]
         else:
             for row_in_batch, row in enumerate(indices):
-                prompt = _as_text_or_messages(batch["prompt"][row_in_batch], source, row, "prompt") if has_prompt else None
+                prompt = (
+                    _as_text_or_messages(batch["prompt"][row_in_batch], source, row, "prompt") if has_prompt else None
+                )
                 for key, field in (("chosen_input_ids", "chosen"), ("rejected_input_ids", "rejected")):
                     answer = _as_text_or_messages(batch[field][row_in_batch], source, row, field)
                     if prompt is not None and isinstance(prompt, list) != isinstance(answer, list):
                         raise DataError(
-                            "mixes a conversational and a plain-text field with 'prompt'", source=source, row=row,
-                            field=field, fix="make prompt, chosen and rejected all strings or all conversations",
+                            "mixes a conversational and a plain-text field with 'prompt'",
+                            source=source,
+                            row=row,
+                            field=field,
+                            fix="make prompt, chosen and rejected all strings or all conversations",
                         )
                     if isinstance(answer, list):
                         text = apply_chat_template((prompt or []) + answer, tokenizer)
@@ -722,16 +794,26 @@ def prepare_preference_dataset(
 
     out = dataset.map(encode, batched=True, with_indices=True, remove_columns=columns, desc="Tokenizing pairs")
     return _resolve_overflow(
-        out, len(dataset), overflow == "drop", f"preference pairs are longer than {max_length} tokens", "truncated",
-        DataError(f"every pair is longer than max_length={max_length}", source=source,
-                  fix="raise max_length or use overflow='truncate'"),
+        out,
+        len(dataset),
+        overflow == "drop",
+        f"preference pairs are longer than {max_length} tokens",
+        "truncated",
+        DataError(
+            f"every pair is longer than max_length={max_length}",
+            source=source,
+            fix="raise max_length or use overflow='truncate'",
+        ),
     )
 
 
 def _check_number(value: Any, source: str, row: int, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise DataError(
-            f"must be a finite number, got {value!r}", source=source, row=row, field=field,
+            f"must be a finite number, got {value!r}",
+            source=source,
+            row=row,
+            field=field,
             fix="store a number (or drop the column)",
         )
     return float(value)
@@ -790,13 +872,16 @@ def prepare_sft_dataset(
     if fmt not in ("text", "messages", "prompt_completion"):
         raise DataError(
             f"SFT needs '{dataset_text_field}', 'messages' or 'prompt'+'completion' columns; "
-            f"available columns: {dataset.column_names}", source=source,
+            f"available columns: {dataset.column_names}",
+            source=source,
             fix="rename the text column or pass dataset_text_field",
         )
     if assistant_only_loss and fmt == "text":
         raise DataError(
             "assistant_only_loss needs conversational data ('messages' or conversational prompt/completion)",
-            source=source, field=dataset_text_field, fix="convert the data to conversations or turn the option off",
+            source=source,
+            field=dataset_text_field,
+            fix="convert the data to conversations or turn the option off",
         )
     if completion_only_loss is None:
         completion_only_loss = fmt == "prompt_completion"
@@ -805,8 +890,11 @@ def prepare_sft_dataset(
     def text_row(value: Any, row: int) -> tuple[list[int], list[bool]]:
         if not isinstance(value, str):
             raise DataError(
-                f"has type {type(value).__name__}, expected a string", source=source, row=row,
-                field=dataset_text_field, fix="store plain text in this column (or use 'messages' for conversations)",
+                f"has type {type(value).__name__}, expected a string",
+                source=source,
+                row=row,
+                field=dataset_text_field,
+                fix="store plain text in this column (or use 'messages' for conversations)",
             )
         _as_text_or_messages(value, source, row, dataset_text_field)
         ids = _append_eos(list(tokenizer(value)["input_ids"]), eos_id)
@@ -816,15 +904,21 @@ def prepare_sft_dataset(
         value = _as_text_or_messages(value, source, row, "messages")
         if not isinstance(value, list):
             raise DataError(
-                "is a string; expected a list of {role, content} messages", source=source, row=row,
-                field="messages", fix="store the conversation as a list of messages (or use a 'text' column)",
+                "is a string; expected a list of {role, content} messages",
+                source=source,
+                row=row,
+                field="messages",
+                fix="store the conversation as a list of messages (or use a 'text' column)",
             )
         text = apply_chat_template(value, tokenizer)
         if assistant_only_loss:
             spans = _assistant_spans(value, tokenizer, text, source, row, "messages")
             if not spans:
                 raise DataError(
-                    "has no assistant message to train on", source=source, row=row, field="messages",
+                    "has no assistant message to train on",
+                    source=source,
+                    row=row,
+                    field="messages",
                     fix="add an assistant turn or turn assistant_only_loss off",
                 )
         else:
@@ -836,8 +930,11 @@ def prepare_sft_dataset(
         completion = _as_text_or_messages(completion, source, row, "completion")
         if isinstance(prompt, list) != isinstance(completion, list):
             raise DataError(
-                "one of prompt / completion is a conversation and the other a string", source=source, row=row,
-                field="completion", fix="make both strings or both conversations",
+                "one of prompt / completion is a conversation and the other a string",
+                source=source,
+                row=row,
+                field="completion",
+                fix="make both strings or both conversations",
             )
         if isinstance(prompt, str):
             # Prompt and completion are tokenized separately (as TRL does, and as the policy sees them
@@ -853,8 +950,15 @@ def prepare_sft_dataset(
         conversation = prompt + completion
         text = apply_chat_template(conversation, tokenizer)
         if assistant_only_loss:
-            spans = _assistant_spans(conversation, tokenizer, text, source, row, "completion",
-                                     start_turn=len(prompt) if completion_only_loss else 0)
+            spans = _assistant_spans(
+                conversation,
+                tokenizer,
+                text,
+                source,
+                row,
+                "completion",
+                start_turn=len(prompt) if completion_only_loss else 0,
+            )
         elif completion_only_loss:
             start = apply_chat_template(prompt, tokenizer, add_generation_prompt=True)
             if not text.startswith(start):
@@ -862,7 +966,10 @@ def prepare_sft_dataset(
             if not text.startswith(start):
                 raise DataError(
                     "the chat template renders the prompt differently inside the full conversation, so the "
-                    "completion tokens cannot be located", source=source, row=row, field="completion",
+                    "completion tokens cannot be located",
+                    source=source,
+                    row=row,
+                    field="completion",
                     fix="use a template whose prompt rendering is a prefix of the full rendering",
                 )
             spans = [(len(start), len(text))]
@@ -889,17 +996,22 @@ def prepare_sft_dataset(
             out["__empty"].append(not any(mask))
         return out
 
-    out = dataset.map(encode, batched=True, with_indices=True, remove_columns=dataset.column_names,
-                      desc="Tokenizing SFT data")
-    _overflow_note(sum(out["__truncated"]), len(dataset),
-                   f"rows are longer than {max_length} tokens and were truncated ({truncation})")
+    out = dataset.map(
+        encode, batched=True, with_indices=True, remove_columns=dataset.column_names, desc="Tokenizing SFT data"
+    )
+    _overflow_note(
+        sum(out["__truncated"]),
+        len(dataset),
+        f"rows are longer than {max_length} tokens and were truncated ({truncation})",
+    )
     n_empty = sum(out["__empty"])
     if n_empty:
         out = out.filter(lambda flags: [not f for f in flags], input_columns="__empty", batched=True)
         _overflow_note(n_empty, len(dataset), "rows have no token to train on (after truncation) and were dropped")
         if len(out) == 0:
             raise DataError(
-                "no row has a token to train on", source=source,
+                "no row has a token to train on",
+                source=source,
                 fix="check completion_only_loss / assistant_only_loss and max_length",
             )
     out = out.remove_columns(["__truncated", "__empty"])
@@ -907,12 +1019,21 @@ def prepare_sft_dataset(
         out = out.map(_pack(max_length), batched=True, batch_size=1000, desc="Packing")
     elif packing:
         n_rows = len(out)
-        out = out.with_format("arrow").map(
-            _pack_bfd_table, fn_kwargs={"capacity": max_length, "split": packing_strategy == "bfd_split"},
-            batched=True, batch_size=_BFD_BATCH_ROWS, remove_columns=out.column_names, desc="Packing (BFD)",
-        ).with_format(None)
-        logger.info("packed %d rows into %d rows of at most %d tokens (%s)", n_rows, len(out), max_length,
-                    packing_strategy)
+        out = (
+            out.with_format("arrow")
+            .map(
+                _pack_bfd_table,
+                fn_kwargs={"capacity": max_length, "split": packing_strategy == "bfd_split"},
+                batched=True,
+                batch_size=_BFD_BATCH_ROWS,
+                remove_columns=out.column_names,
+                desc="Packing (BFD)",
+            )
+            .with_format(None)
+        )
+        logger.info(
+            "packed %d rows into %d rows of at most %d tokens (%s)", n_rows, len(out), max_length, packing_strategy
+        )
     return out
 
 
@@ -921,8 +1042,8 @@ def _pack(block: int) -> Callable[[dict[str, list]], dict[str, list]]:
         ids = [t for seq in batch["input_ids"] for t in seq]
         labels = [t for seq in batch["labels"] for t in seq]
         return {
-            "input_ids": [ids[i:i + block] for i in range(0, len(ids), block)],
-            "labels": [labels[i:i + block] for i in range(0, len(labels), block)],
+            "input_ids": [ids[i : i + block] for i in range(0, len(ids), block)],
+            "labels": [labels[i : i + block] for i in range(0, len(labels), block)],
         }
 
     return pack
@@ -1010,10 +1131,13 @@ def _pack_bfd_table(table: Any, capacity: int, split: bool) -> Any:
     def packed(values: Any) -> Any:
         return pa.ListArray.from_arrays(token_offsets, values)
 
-    return pa.table({
-        "input_ids": packed(ids.flatten().take(take)),
-        "labels": packed(labels.flatten().take(take)),
-        "position_ids": packed(pa.array(within, type=pa.int32())),
-        "seq_lengths": pa.ListArray.from_arrays(pa.array(piece_offsets, type=pa.int32()),
-                                                pa.array(seq_len, type=pa.int32())),
-    })
+    return pa.table(
+        {
+            "input_ids": packed(ids.flatten().take(take)),
+            "labels": packed(labels.flatten().take(take)),
+            "position_ids": packed(pa.array(within, type=pa.int32())),
+            "seq_lengths": pa.ListArray.from_arrays(
+                pa.array(piece_offsets, type=pa.int32()), pa.array(seq_len, type=pa.int32())
+            ),
+        }
+    )

@@ -36,13 +36,10 @@ def build_accelerator(
     """
     if mixed_precision not in MIXED_PRECISION_CHOICES:
         raise ValueError(
-            f"mixed_precision={mixed_precision!r} is not supported; "
-            f"use one of {', '.join(MIXED_PRECISION_CHOICES)}."
+            f"mixed_precision={mixed_precision!r} is not supported; use one of {', '.join(MIXED_PRECISION_CHOICES)}."
         )
     if gradient_accumulation_steps < 1:
-        raise ValueError(
-            f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1."
-        )
+        raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1.")
     from accelerate import Accelerator
 
     accelerator = Accelerator(

@@ -44,12 +44,16 @@ class JudgeConfig:
         "python:<module>:<function>, random[:seed].",
         default=None,
     )
-    dataset_name: str | None = _help("Prompt set: hub name, saved folder, or .jsonl/.json/.parquet/.csv file.", default=None)
+    dataset_name: str | None = _help(
+        "Prompt set: hub name, saved folder, or .jsonl/.json/.parquet/.csv file.", default=None
+    )
     dataset_config: str | None = _help("Configuration name of a hub dataset.", default=None)
     dataset_split: str = _help("Split to evaluate on.", default="test")
     prompt_column: str = _help("Column holding the prompts (text or chat messages).", default="prompt")
     reference_column: str | None = _help("Column holding the reference completions.", default=None)
-    reference_file: str | None = _help('.jsonl file of reference completions (field "completion"), in prompt order.', default=None)
+    reference_file: str | None = _help(
+        '.jsonl file of reference completions (field "completion"), in prompt order.', default=None
+    )
     reference_model: str | None = _help("Compare against this model's generations instead.", default=None)
     completions_file: str | None = _help(
         '.jsonl file of the model\'s completions (field "completion"; "prompt" too when no dataset is given), '
@@ -96,7 +100,9 @@ def as_text(value: Any) -> str:
         return value
     if isinstance(value, list) and value and isinstance(value[-1], dict) and "content" in value[-1]:
         return str(value[-1]["content"])
-    raise ConfigError(f"a completion must be text or a list of chat messages, got {type(value).__name__}: {value!r:.80}")
+    raise ConfigError(
+        f"a completion must be text or a list of chat messages, got {type(value).__name__}: {value!r:.80}"
+    )
 
 
 def read_jsonl(path: str, field_name: str) -> list[dict]:
@@ -117,8 +123,17 @@ def read_jsonl(path: str, field_name: str) -> list[dict]:
     return rows
 
 
-def generate_completions(model: Any, tokenizer: Any, prompts: list[Any], *, max_new_tokens: int, batch_size: int = 16,
-                         temperature: float = 0.0, seed: int = 42, generator: Any = None) -> list[str]:
+def generate_completions(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[Any],
+    *,
+    max_new_tokens: int,
+    batch_size: int = 16,
+    temperature: float = 0.0,
+    seed: int = 42,
+    generator: Any = None,
+) -> list[str]:
     """Completions for text or chat prompts (chat template applied), stopping at EOS, in prompt order.
 
     Sampling (temperature > 0) draws from `generator`, or from a fresh one seeded with `seed`."""
@@ -132,16 +147,24 @@ def generate_completions(model: Any, tokenizer: Any, prompts: list[Any], *, max_
     collate = PromptCollator(tokenizer.pad_token_id)
     device = next(model.parameters()).device
     stop = () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
-    sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=temperature > 0,
-                              stop_token_ids=stop)
+    sampling = SamplingConfig(
+        max_new_tokens=max_new_tokens, temperature=temperature, do_sample=temperature > 0, stop_token_ids=stop
+    )
     if generator is None:
         generator = torch.Generator(device=device).manual_seed(seed)
     out: list[str] = []
     with generation_mode(model):
         for start in range(0, len(dataset), batch_size):
             batch = collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
-            rollout = generate(model, batch["input_ids"].to(device), batch["attention_mask"].to(device), sampling,
-                               pad_token_id=tokenizer.pad_token_id, generator=generator, return_logprobs=False)
+            rollout = generate(
+                model,
+                batch["input_ids"].to(device),
+                batch["attention_mask"].to(device),
+                sampling,
+                pad_token_id=tokenizer.pad_token_id,
+                generator=generator,
+                return_logprobs=False,
+            )
             out.extend(decode_completions(tokenizer, rollout))
     return out
 
@@ -154,8 +177,15 @@ def _model_completions(path: str, prompts: list[Any], config: JudgeConfig) -> li
     tokenizer = load_tokenizer(path, trust_remote_code=config.trust_remote_code)
     model = load_policy(path, dtype=config.torch_dtype, trust_remote_code=config.trust_remote_code, tokenizer=tokenizer)
     model.to("cuda" if torch.cuda.is_available() else "cpu")
-    return generate_completions(model, tokenizer, prompts, max_new_tokens=config.max_new_tokens,
-                                batch_size=config.batch_size, temperature=config.temperature, seed=config.seed)
+    return generate_completions(
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens=config.max_new_tokens,
+        batch_size=config.batch_size,
+        temperature=config.temperature,
+        seed=config.seed,
+    )
 
 
 def evaluate(config: JudgeConfig, judge: Any = None) -> tuple[Any, list[dict]]:
@@ -170,7 +200,9 @@ def evaluate(config: JudgeConfig, judge: Any = None) -> tuple[Any, list[dict]]:
         dataset = load_any_dataset(config.dataset_name, split=config.dataset_split, config_name=config.dataset_config)
         for column in (config.prompt_column, config.reference_column):
             if column and column not in dataset.column_names:
-                raise ConfigError(f"dataset {config.dataset_name!r} has no column {column!r}; columns: {dataset.column_names}.")
+                raise ConfigError(
+                    f"dataset {config.dataset_name!r} has no column {column!r}; columns: {dataset.column_names}."
+                )
         if n is not None:
             dataset = dataset.select(range(min(n, len(dataset))))
         prompts = list(dataset[config.prompt_column])
@@ -178,7 +210,9 @@ def evaluate(config: JudgeConfig, judge: Any = None) -> tuple[Any, list[dict]]:
         rows = read_jsonl(config.completions_file, "completion")
         if dataset is None:
             if not all("prompt" in r for r in rows):
-                raise ConfigError(f'{config.completions_file}: without --dataset_name every line needs a "prompt" field.')
+                raise ConfigError(
+                    f'{config.completions_file}: without --dataset_name every line needs a "prompt" field.'
+                )
             rows = rows[:n] if n is not None else rows
             prompts = [r["prompt"] for r in rows]
         if len(rows) < len(prompts):
@@ -204,8 +238,10 @@ def evaluate(config: JudgeConfig, judge: Any = None) -> tuple[Any, list[dict]]:
         judge = judge_from_spec(config.judge, **({"seed": config.seed} if seeded else {}))
     judgements = judge.judge(prompts, [[c, r] for c, r in zip(completions, references)])
     names = {0: "model", 1: "reference", -1: "failure"}
-    rows = [{"prompt": p, "completion": c, "reference": r, "winner": names[j]}
-            for p, c, r, j in zip(prompts, completions, references, judgements)]
+    rows = [
+        {"prompt": p, "completion": c, "reference": r, "winner": names[j]}
+        for p, c, r, j in zip(prompts, completions, references, judgements)
+    ]
     return win_rate(judgements, index=0), rows
 
 
@@ -222,6 +258,8 @@ def run(config: JudgeConfig) -> int:
     if result.n == 0:
         print(f"Model win rate: undefined (every judgement failed); judge failures: {result.failures}")
         return 1
-    print(f"Model win rate: {result.rate:.2%} (95% CI [{result.ci_low:.2%}, {result.ci_high:.2%}], "
-          f"n={result.n}); judge failures: {result.failures}")
+    print(
+        f"Model win rate: {result.rate:.2%} (95% CI [{result.ci_low:.2%}, {result.ci_high:.2%}], "
+        f"n={result.n}); judge failures: {result.failures}"
+    )
     return 0

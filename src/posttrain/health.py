@@ -62,19 +62,24 @@ class HealthMonitor:
         issued = []
         ratio = metrics.get("val/ratio")
         if ratio is not None and math.isfinite(ratio) and not self.ratio_low <= ratio <= self.ratio_high:
-            issued.append(self._warn(
-                "ratio",
-                f"val/ratio = {ratio:.3g} at step {step} left [{self.ratio_low}, {self.ratio_high}]: updates between "
-                "consecutive policies are too drastic. Lower --learning_rate, raise --num_mini_batches or lower "
-                "--num_ppo_epochs.",
-            ))
+            issued.append(
+                self._warn(
+                    "ratio",
+                    f"val/ratio = {ratio:.3g} at step {step} left [{self.ratio_low}, {self.ratio_high}]: "
+                    "updates between consecutive policies are too drastic. Lower --learning_rate, "
+                    "raise --num_mini_batches or lower --num_ppo_epochs.",
+                )
+            )
         kl = metrics.get("objective/kl")
         if kl is not None and math.isfinite(kl) and kl > self.kl_threshold:
-            issued.append(self._warn(
-                "kl",
-                f"objective/kl = {kl:.3g} at step {step} exceeds {self.kl_threshold}: the policy is drifting far from "
-                "the reference (possible reward hacking). Raise --kl_coef or lower --learning_rate.",
-            ))
+            issued.append(
+                self._warn(
+                    "kl",
+                    f"objective/kl = {kl:.3g} at step {step} exceeds {self.kl_threshold}: "
+                    "the policy is drifting far from the reference (possible reward hacking). "
+                    "Raise --kl_coef or lower --learning_rate.",
+                )
+            )
         reward = metrics.get("objective/rlhf_reward")
         if reward is not None and math.isfinite(reward):
             self._rewards.append(float(reward))
@@ -83,11 +88,14 @@ class HealthMonitor:
                 recent = sum(self._rewards[-w:]) / w
                 before = sum(self._rewards[-2 * w : -w]) / w
                 if recent <= before:
-                    issued.append(self._warn(
-                        "reward",
-                        f"objective/rlhf_reward has not risen over the last {w} logging steps (mean {recent:.4g} vs "
-                        f"{before:.4g} before, step {step}). Check the reward model, the learning rate and kl_coef.",
-                    ))
+                    issued.append(
+                        self._warn(
+                            "reward",
+                            f"objective/rlhf_reward has not risen over the last {w} logging steps "
+                            f"(mean {recent:.4g} vs {before:.4g} before, step {step}). "
+                            "Check the reward model, the learning rate and kl_coef.",
+                        )
+                    )
         for key in ("loss/policy_avg", "loss/value_avg", "objective/scores"):
             value = metrics.get(key)
             if value is not None and not math.isfinite(value):

@@ -71,7 +71,10 @@ __all__ = [
 
 # The pairwise prompt TRL's API judges use (itself adapted from AlpacaEval's leaderboard prompt), so
 # win rates stay comparable with published TRL numbers. Literal braces are doubled for str.format.
-DEFAULT_PAIRWISE_SYSTEM_PROMPT = '''I require a leaderboard for various large language models. I'll provide you with prompts given to these models and their corresponding outputs. Your task is to assess these responses, and select the model that produces the best output from a human perspective.
+# A trailing backslash joins a long line to the next without a newline.
+DEFAULT_PAIRWISE_SYSTEM_PROMPT = '''I require a leaderboard for various large language models. I'll provide you with \
+prompts given to these models and their corresponding outputs. Your task is to assess these responses, and select the \
+model that produces the best output from a human perspective.
 
 ## Instruction
 
@@ -81,7 +84,8 @@ DEFAULT_PAIRWISE_SYSTEM_PROMPT = '''I require a leaderboard for various large la
 
 ## Model Outputs
 
-Here are the unordered outputs from the models. Each output is associated with a specific model, identified by a unique model identifier.
+Here are the unordered outputs from the models. Each output is associated with a specific model, identified by a \
+unique model identifier.
 
 {{
     {{
@@ -96,7 +100,10 @@ Here are the unordered outputs from the models. Each output is associated with a
 
 ## Task
 
-Evaluate the models on the basis of the quality and relevance of their results, and select the model that generated the best result. Reply with the identifier of the best model. Our evaluation will only take into account the first character of your answer, so make sure it contains only one of the identifiers and nothing else (no quotation marks, no spaces, no new lines, ...).
+Evaluate the models on the basis of the quality and relevance of their results, and select the model that generated \
+the best result. Reply with the identifier of the best model. Our evaluation will only take into account the first \
+character of your answer, so make sure it contains only one of the identifiers and nothing else (no quotation marks, \
+no spaces, no new lines, ...).
 '''
 
 OPENAI_BASE_URL = "https://api.openai.com/v1"
@@ -435,7 +442,8 @@ class CallableJudge(BasePairwiseJudge):
         name = getattr(fn, "__name__", type(fn).__name__)
         try:
             params = [
-                p for p in inspect.signature(fn).parameters.values()
+                p
+                for p in inspect.signature(fn).parameters.values()
                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
             ]
         except (TypeError, ValueError):
@@ -538,7 +546,11 @@ class HTTPPairwiseJudge(BasePairwiseJudge):
         super().__init__(seed)
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
-        limits = (("max_concurrency", max_concurrency, 1), ("max_retries", max_retries, 0), ("max_requests", max_requests, 0))
+        limits = (
+            ("max_concurrency", max_concurrency, 1),
+            ("max_retries", max_retries, 0),
+            ("max_requests", max_requests, 0),
+        )
         for field, value, low in limits:
             if value < low:
                 raise ValueError(f"{field} must be >= {low}, got {value}")
@@ -604,7 +616,9 @@ class HTTPPairwiseJudge(BasePairwiseJudge):
         if warn_cap:
             logger.warning(
                 "%s reached max_requests=%d; this and every later pair is judged -1 (no preference). "
-                "Raise max_requests to judge more.", type(self).__name__, self.max_requests,
+                "Raise max_requests to judge more.",
+                type(self).__name__,
+                self.max_requests,
             )
         answers = [-1] * n
         reasons: Counter[str] = Counter()
@@ -624,7 +638,10 @@ class HTTPPairwiseJudge(BasePairwiseJudge):
             detail = ", ".join(f"{reason} x{count}" for reason, count in reasons.most_common())
             logger.warning(
                 "%s: %d of %d pairs failed (%s); they count as -1 (no preference)",
-                type(self).__name__, failed, allowed, self._redact(detail),
+                type(self).__name__,
+                failed,
+                allowed,
+                self._redact(detail),
             )
         return answers
 
@@ -756,7 +773,8 @@ class PairRMJudge(BasePairwiseJudge):
             ) from err
         except ImportError as err:
             raise ImportError(
-                f"llm-blender is installed but failed to import ({err}); it needs transformers<5. {_PAIRRM_INSTALL_HINT}"
+                f"llm-blender is installed but failed to import ({err}); it needs transformers<5. "
+                f"{_PAIRRM_INSTALL_HINT}"
             ) from err
         super().__init__(seed)
         if device is None:

@@ -34,7 +34,9 @@ def _aggregate(per_item: torch.Tensor, mask: torch.Tensor | None, normalizer: No
     if normalizer is None:
         return total / (count.clamp(min=1) if torch.is_tensor(count) else max(count, 1))
     if not torch.is_tensor(normalizer) and normalizer <= 0:
-        raise ValueError(f"normalizer must be > 0 (the number of tokens or sequences in the whole minibatch), got {normalizer}.")
+        raise ValueError(
+            f"normalizer must be > 0 (the number of tokens or sequences in the whole minibatch), got {normalizer}."
+        )
     return total / normalizer
 
 
@@ -87,7 +89,10 @@ def ppo_policy_loss(
         diff = torch.where(m, logprobs - old_logprobs, torch.zeros_like(logprobs))
         log_ratio = diff.sum(dim=-1)
         if advantages.shape != log_ratio.shape:
-            raise ValueError(f"level='sequence' needs one advantage per sequence, shape {tuple(log_ratio.shape)}; got {tuple(advantages.shape)}.")
+            raise ValueError(
+                f"level='sequence' needs one advantage per sequence, shape {tuple(log_ratio.shape)}; "
+                f"got {tuple(advantages.shape)}."
+            )
         adv = advantages
         item_mask = torch.ones_like(log_ratio, dtype=torch.bool)
     else:

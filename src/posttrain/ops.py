@@ -173,5 +173,7 @@ def logprobs_and_entropy(
 def exact_div(a: int, b: int, what_a: str, what_b: str) -> int:
     """a / b when b divides a, else a ValueError naming both quantities and their values."""
     if b == 0 or a % b != 0:
-        raise ValueError(f"{what_a} ({a}) must be divisible by {what_b} ({b}); change one of them so it divides exactly.")
+        raise ValueError(
+            f"{what_a} ({a}) must be divisible by {what_b} ({b}); change one of them so it divides exactly."
+        )
     return a // b

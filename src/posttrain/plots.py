@@ -71,7 +71,9 @@ def _filename(key: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", key) + ".png"
 
 
-def plot_run(output_dir: str | Path, metrics: list[str] | None = None, plots_dir: str | Path | None = None) -> list[Path]:
+def plot_run(
+    output_dir: str | Path, metrics: list[str] | None = None, plots_dir: str | Path | None = None
+) -> list[Path]:
     """Write one PNG per metric; return the files written."""
     try:
         import matplotlib

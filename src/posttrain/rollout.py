@@ -138,7 +138,9 @@ class Rollout:
             raise ValueError("Rollout.cat needs at least one rollout")
         pad = rollouts[0].pad_token_id
         if any(r.pad_token_id != pad for r in rollouts):
-            raise ValueError(f"cannot concatenate rollouts with different pad_token_id: {[r.pad_token_id for r in rollouts]}")
+            raise ValueError(
+                f"cannot concatenate rollouts with different pad_token_id: {[r.pad_token_id for r in rollouts]}"
+            )
         P = max(r.prompt_ids.size(1) for r in rollouts)
         T = max(r.completion_ids.size(1) for r in rollouts)
 
@@ -227,7 +229,9 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = N
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.size(-1) - 1)
 
 
-def _make_sampler(sampling: SamplingConfig, generator: torch.Generator | None, return_logprobs: bool, return_entropy: bool):
+def _make_sampler(
+    sampling: SamplingConfig, generator: torch.Generator | None, return_logprobs: bool, return_entropy: bool
+):
     """Returns fn(logits (B, V)) -> (tokens (B,), logprobs (B,) | None, entropy (B,) | None).
 
     Chosen once so the decode loop does no per-step branching. One float32 (B, V) log-softmax per
@@ -399,7 +403,10 @@ def generate(
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     if prompt_ids.dim() != 2 or prompt_ids.shape != prompt_mask.shape:
-        raise ValueError(f"prompt_ids and prompt_mask must both be (B, P), got {tuple(prompt_ids.shape)} and {tuple(prompt_mask.shape)}")
+        raise ValueError(
+            "prompt_ids and prompt_mask must both be (B, P), "
+            f"got {tuple(prompt_ids.shape)} and {tuple(prompt_mask.shape)}"
+        )
     device = next(model.parameters()).device
     prompt_ids = prompt_ids.to(device=device, dtype=torch.long)
     prompt_mask = prompt_mask.to(device=device, dtype=torch.bool)
@@ -420,8 +427,15 @@ def generate(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     chunks = [
         _generate_chunk(
-            model, prompt_ids[s : s + step], prompt_mask[s : s + step], sampling, pad_token_id,
-            sampler, keep_kwargs, return_logprobs, return_entropy,
+            model,
+            prompt_ids[s : s + step],
+            prompt_mask[s : s + step],
+            sampling,
+            pad_token_id,
+            sampler,
+            keep_kwargs,
+            return_logprobs,
+            return_entropy,
         )
         for s in range(0, n, step)
     ]

@@ -24,7 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.ops import lengths_to_mask, logprobs_and_entropy, selective_log_softmax
-from posttrain.rollout import Rollout, accepts_logits_to_keep, decode_completions, decode_prompts, position_ids_from_mask
+from posttrain.rollout import (
+    Rollout,
+    accepts_logits_to_keep,
+    decode_completions,
+    decode_prompts,
+    position_ids_from_mask,
+)
 
 RewardFunction = Callable[..., Sequence[float]]
 
@@ -52,7 +58,9 @@ def _trimmed_inputs(rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch
     return ids.masked_fill(~mask, 0), mask, position_ids_from_mask(mask), P - start, end - P
 
 
-def _lm_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, P: int, T: int) -> torch.Tensor:
+def _lm_logits(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, P: int, T: int
+) -> torch.Tensor:
     """Logits (B, T, V) at positions P−1 … P+T−2, i.e. the ones predicting completion tokens 0 … T−1."""
     if accepts_logits_to_keep(model):
         # An index tensor keeps exactly positions P−1 … P+T−2: the LM head never runs on prompt
@@ -70,7 +78,11 @@ def _pad_to(x: torch.Tensor, T: int) -> torch.Tensor:
 
 
 def completion_logprobs(
-    model: torch.nn.Module, rollout: Rollout, *, temperature: float = 1.0, with_entropy: bool = False,
+    model: torch.nn.Module,
+    rollout: Rollout,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
     entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature)[completion token], (B, T) float32, 0 off-mask; entropy too.
@@ -104,7 +116,9 @@ def batched_completion_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`completion_logprobs` without grad, `batch_size` rows per forward (old / reference logprobs)."""
     parts = [
-        completion_logprobs(model, rollout.select(slice(s, s + batch_size)), temperature=temperature, with_entropy=with_entropy)
+        completion_logprobs(
+            model, rollout.select(slice(s, s + batch_size)), temperature=temperature, with_entropy=with_entropy
+        )
         for s in range(0, len(rollout), batch_size)
     ]
     logprobs = torch.cat([p[0] for p in parts])
@@ -112,7 +126,9 @@ def batched_completion_logprobs(
     return logprobs, entropy
 
 
-def _backbone_hidden(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _backbone_hidden(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
     """Last hidden states (B, L, H) of a model exposing `base_model_prefix` + `score` (a transformers
     *ForSequenceClassification, or models.CausalLMWithValueHead): the backbone is called directly so
     the per-token scores are ours to index (HF's own pooling finds the last token via pad ids)."""
@@ -130,7 +146,9 @@ def _backbone_hidden(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tens
 def _score(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     out = model.score(hidden)
     if out.size(-1) != 1:
-        raise ValueError(f"{type(model).__name__}.score must output one value per token (num_labels=1), got {out.size(-1)}")
+        raise ValueError(
+            f"{type(model).__name__}.score must output one value per token (num_labels=1), got {out.size(-1)}"
+        )
     return out.squeeze(-1).float()
 
 
@@ -152,7 +170,10 @@ def completion_values(value_model: torch.nn.Module, rollout: Rollout) -> torch.T
 def batched_completion_values(value_model: torch.nn.Module, rollout: Rollout, *, batch_size: int) -> torch.Tensor:
     """`completion_values` without grad, `batch_size` rows per forward."""
     return torch.cat(
-        [completion_values(value_model, rollout.select(slice(s, s + batch_size))) for s in range(0, len(rollout), batch_size)]
+        [
+            completion_values(value_model, rollout.select(slice(s, s + batch_size)))
+            for s in range(0, len(rollout), batch_size)
+        ]
     )
 
 
@@ -177,7 +198,9 @@ def _compare_tokenizers(a: Any, b: Any) -> bool:
     )
 
 
-def last_token_scores(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+def last_token_scores(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor
+) -> torch.Tensor:
     """Score head at index `last` of each row (B,), backbone over the whole padded row."""
     hidden = _backbone_hidden(model, ids.masked_fill(~mask, 0), mask, position_ids_from_mask(mask))
     picked = hidden[torch.arange(ids.size(0), device=ids.device), last]
@@ -203,10 +226,17 @@ def reward_model_scores(
     and scored at the last real token of each row by length (TRL#1979 / #3595 wanted this).
     """
     device = _device(reward_model)
-    if reward_tokenizer is not None and (policy_tokenizer is None or not _same_tokenizer(policy_tokenizer, reward_tokenizer)):
+    if reward_tokenizer is not None and (
+        policy_tokenizer is None or not _same_tokenizer(policy_tokenizer, reward_tokenizer)
+    ):
         if policy_tokenizer is None:
-            raise ValueError("reward_model_scores needs policy_tokenizer to decode completions for a different reward_tokenizer")
-        texts = [p + c for p, c in zip(decode_prompts(policy_tokenizer, rollout), decode_completions(policy_tokenizer, rollout))]
+            raise ValueError(
+                "reward_model_scores needs policy_tokenizer to decode completions for a different reward_tokenizer"
+            )
+        texts = [
+            p + c
+            for p, c in zip(decode_prompts(policy_tokenizer, rollout), decode_completions(policy_tokenizer, rollout))
+        ]
         encoded = reward_tokenizer(texts, add_special_tokens=True)["input_ids"]
         scores = []
         for s in range(0, len(texts), batch_size):
@@ -240,7 +270,11 @@ def _takes_keywords(func: Callable) -> bool:
     except (TypeError, ValueError):
         return False
     var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    named = {n for n, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    named = {
+        n
+        for n, p in params.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
     return "completions" in named and ("prompts" in named or var_kw)
 
 
@@ -281,14 +315,16 @@ def reward_function_matrix(
         try:
             n = len(result)
         except TypeError:
-            raise ValueError(f"reward function {name!r} returned {type(result).__name__}, expected a list of {B} floats") from None
+            raise ValueError(
+                f"reward function {name!r} returned {type(result).__name__}, expected a list of {B} floats"
+            ) from None
         if n != B:
             raise ValueError(f"reward function {name!r} returned {n} values for {B} completions")
         for i, value in enumerate(result):
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
                 raise ValueError(
-                    f"reward function {name!r} returned {value!r} at row {i} (completion {str(completions[i])[:80]!r}); "
-                    "every value must be a finite number"
+                    f"reward function {name!r} returned {value!r} at row {i} "
+                    f"(completion {str(completions[i])[:80]!r}); every value must be a finite number"
                 )
             out[i, j] = float(value)
     return out

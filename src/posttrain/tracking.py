@@ -92,9 +92,7 @@ class MetricAccumulator:
             return
         # float64 keeps sum(x^2) - sum(x)^2 / n from cancelling catastrophically.
         values = values.detach().to(torch.float64 if values.device.type != "mps" else torch.float32)
-        weights = (
-            torch.ones_like(values) if mask is None else mask.to(dtype=values.dtype, device=values.device)
-        )
+        weights = torch.ones_like(values) if mask is None else mask.to(dtype=values.dtype, device=values.device)
         slot[1] = slot[1] + (values * weights).sum()
         slot[2] = slot[2] + (values * values * weights).sum()
         slot[3] = slot[3] + weights.sum()
@@ -112,10 +110,7 @@ class MetricAccumulator:
 
     def state(self) -> dict[str, tuple[str, float, float, float]]:
         """Host copy of the raw sums: name -> (kind, sum, sum_of_squares, count)."""
-        return {
-            name: (kind, float(s), float(sq), float(n))
-            for name, (kind, s, sq, n) in self._metrics.items()
-        }
+        return {name: (kind, float(s), float(sq), float(n)) for name, (kind, s, sq, n) in self._metrics.items()}
 
     def merge(self, other: MetricAccumulator | Mapping[str, tuple[str, float, float, float]]) -> None:
         """Add another accumulator's raw sums into this one (what the all-reduce does across ranks)."""
@@ -141,11 +136,7 @@ class MetricAccumulator:
         rows = []
         for name in names:
             _, s, sq, n = self._metrics[name]
-            rows.append(
-                torch.stack(
-                    [torch.as_tensor(v, dtype=dtype).to(dev).reshape(()) for v in (s, sq, n)]
-                )
-            )
+            rows.append(torch.stack([torch.as_tensor(v, dtype=dtype).to(dev).reshape(()) for v in (s, sq, n)]))
         totals = distributed.reduce_sum(torch.stack(rows), accelerator).cpu().tolist()
         out: dict[str, float] = {}
         for name, (s, sq, n) in zip(names, totals):
@@ -250,10 +241,28 @@ def _format_number(value: Any) -> str:
 # The console line shows these (when logged) so a step stays readable; every metric still goes to
 # metrics.jsonl, TensorBoard and W&B. Runs that log few metrics (<= CONSOLE_MAX) show them all.
 CONSOLE_KEYS = (
-    "loss", "eval_loss", "accuracy", "eval_accuracy", "mean_token_accuracy",
-    "objective/scores", "objective/rlhf_reward", "objective/kl", "objective/entropy", "objective/scores_margin",
-    "loss/policy_avg", "loss/value_avg", "loss/dpo", "loss/xpo", "rewards/accuracies", "val/ratio",
-    "policy/approxkl_avg", "policy/clipfrac_avg", "gold/score", "lr", "eps", "episode",
+    "loss",
+    "eval_loss",
+    "accuracy",
+    "eval_accuracy",
+    "mean_token_accuracy",
+    "objective/scores",
+    "objective/rlhf_reward",
+    "objective/kl",
+    "objective/entropy",
+    "objective/scores_margin",
+    "loss/policy_avg",
+    "loss/value_avg",
+    "loss/dpo",
+    "loss/xpo",
+    "rewards/accuracies",
+    "val/ratio",
+    "policy/approxkl_avg",
+    "policy/clipfrac_avg",
+    "gold/score",
+    "lr",
+    "eps",
+    "episode",
 )
 CONSOLE_MAX = 16
 

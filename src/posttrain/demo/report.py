@@ -31,14 +31,18 @@ def _mean(values: Sequence[float]) -> float:
 def summarize(results: dict) -> dict[str, float]:
     """Means of the evaluation results (see pipeline.evaluate)."""
     return {
-        "gold_before": _mean(results["gold_before"]), "gold_after": _mean(results["gold_after"]),
-        "proxy_before": _mean(results["proxy_before"]), "proxy_after": _mean(results["proxy_after"]),
-        "win_rate": results["win_rate"], "kl": results["kl"],
+        "gold_before": _mean(results["gold_before"]),
+        "gold_after": _mean(results["gold_after"]),
+        "proxy_before": _mean(results["proxy_before"]),
+        "proxy_after": _mean(results["proxy_after"]),
+        "win_rate": results["win_rate"],
+        "kl": results["kl"],
     }
 
 
-def overoptimization_warning(proxy_before: float, proxy_after: float, gold_before: float, gold_after: float,
-                             where: str = "on held-out prompts") -> str | None:
+def overoptimization_warning(
+    proxy_before: float, proxy_after: float, gold_before: float, gold_after: float, where: str = "on held-out prompts"
+) -> str | None:
     """The sentence that flags reward over-optimisation, or None when the proxy did not rise while gold fell."""
     if proxy_after > proxy_before and gold_after < gold_before:
         return (
@@ -120,7 +124,9 @@ def make_plots(output_dir: Path) -> list[Path]:
         written += plot_run(rl_dir, metrics=list(RL_PLOT_METRICS), plots_dir=plots)
     if gold_file.is_file():
         written += plot_run(gold_file, metrics=["gold/score"], plots_dir=plots)
-    both = _plot_proxy_vs_gold(_read_jsonl(rl_dir / "metrics.jsonl"), _read_jsonl(gold_file), plots / "proxy_vs_gold.png")
+    both = _plot_proxy_vs_gold(
+        _read_jsonl(rl_dir / "metrics.jsonl"), _read_jsonl(gold_file), plots / "proxy_vs_gold.png"
+    )
     if both is not None:
         written.append(both)
     return written
@@ -144,8 +150,18 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
     return format(value, spec) if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"
 
 
-def render(*, config: dict, rm_stats: dict, sft_eval: dict, results: dict, timings: dict, rl_args: dict,
-           rl_records: list[dict], gold_records: list[dict], plots: list[str]) -> str:
+def render(
+    *,
+    config: dict,
+    rm_stats: dict,
+    sft_eval: dict,
+    results: dict,
+    timings: dict,
+    rl_args: dict,
+    rl_records: list[dict],
+    gold_records: list[dict],
+    plots: list[str],
+) -> str:
     """report.md as a string (pure: tests call it with made-up numbers)."""
     s = summarize(results)
     algo, n = config.get("algo", "ppo"), len(results["prompts"])
@@ -169,7 +185,8 @@ def render(*, config: dict, rm_stats: dict, sft_eval: dict, results: dict, timin
         f"- KL(RL ‖ SFT) per completion on held-out prompts: **{_fmt(s['kl'], '.2f')}** nats "
         f"(final training `objective/kl`: {_fmt((rl_records[-1] if rl_records else {}).get('objective/kl'), '.2f')}).",
         f"- Reward model held-out accuracy: **{_fmt(rm_stats.get('accuracy'), '.1%')}**.",
-        f"- Mean completion length (tokens, stop token included): {_fmt(results['length_before'], '.1f')} → {_fmt(results['length_after'], '.1f')}.",
+        "- Mean completion length (tokens, stop token included): "
+        f"{_fmt(results['length_before'], '.1f')} → {_fmt(results['length_after'], '.1f')}.",
         "",
     ]
     warnings = []
@@ -178,8 +195,13 @@ def render(*, config: dict, rm_stats: dict, sft_eval: dict, results: dict, timin
         warnings.append(held_out)
     proxy_curve, gold_curve = curve_ends(rl_records, _proxy_key(rl_records)), curve_ends(gold_records, "gold/score")
     if proxy_curve and gold_curve:
-        during = overoptimization_warning(proxy_curve[0], proxy_curve[1], gold_curve[0], gold_curve[1],
-                                          where="over training (first vs last fifth of the run)")
+        during = overoptimization_warning(
+            proxy_curve[0],
+            proxy_curve[1],
+            gold_curve[0],
+            gold_curve[1],
+            where="over training (first vs last fifth of the run)",
+        )
         if during:
             warnings.append(during)
     if warnings:
@@ -189,16 +211,21 @@ def render(*, config: dict, rm_stats: dict, sft_eval: dict, results: dict, timin
 
     health = health_warnings(rl_records)
     lines += ["## Health checks", ""]
-    lines += [f"- {w}" for w in health] if health else [
-        "The health monitor (val/ratio within [0.5, 2], objective/kl below 10, objective/rlhf_reward rising) "
-        "raised no warning during RL."
-    ]
+    lines += (
+        [f"- {w}" for w in health]
+        if health
+        else [
+            "The health monitor (val/ratio within [0.5, 2], objective/kl below 10, objective/rlhf_reward rising) "
+            "raised no warning during RL."
+        ]
+    )
     lines += [
         "",
         "## Step 1: supervised fine-tuning",
         "",
         f"A {config.get('model', 'tiny Llama')} trained from scratch on the generated reviews. Held-out loss "
-        f"**{_fmt(sft_eval.get('eval_loss'))}** (perplexity {_fmt(math.exp(sft_eval['eval_loss']) if 'eval_loss' in sft_eval else None, '.2f')}), "
+        f"**{_fmt(sft_eval.get('eval_loss'))}** "
+        f"(perplexity {_fmt(math.exp(sft_eval['eval_loss']) if 'eval_loss' in sft_eval else None, '.2f')}), "
         f"next-token accuracy {_fmt(sft_eval.get('eval_mean_token_accuracy'), '.1%')}. Model and metrics: `sft/`.",
         "",
         "## Step 2: reward model",
@@ -217,7 +244,8 @@ def render(*, config: dict, rm_stats: dict, sft_eval: dict, results: dict, timin
         f"## Step 3: RL ({algo})",
         "",
         f"{_fmt(rl_args.get('total_episodes'), 'd')} episodes, learning rate {rl_args.get('learning_rate')}, "
-        f"KL coefficient {rl_args.get('kl_coef', rl_args.get('beta'))}, sampling temperature {rl_args.get('temperature')}. "
+        f"KL coefficient {rl_args.get('kl_coef', rl_args.get('beta'))}, "
+        f"sampling temperature {rl_args.get('temperature')}. "
         "The gold curve is the gold score of the very completions the trainer scored at each logging step.",
         "",
     ]
@@ -240,8 +268,9 @@ def render(*, config: dict, rm_stats: dict, sft_eval: dict, results: dict, timin
     return "\n".join(lines)
 
 
-def write_report(output_dir: Path | str, *, config: dict, rm_stats: dict, sft_eval: dict, results: dict,
-                 timings: dict, rl_args: dict) -> Path:
+def write_report(
+    output_dir: Path | str, *, config: dict, rm_stats: dict, sft_eval: dict, results: dict, timings: dict, rl_args: dict
+) -> Path:
     """Write plots/, before_after.jsonl and report.md; return the report's path."""
     output_dir = Path(output_dir)
     written = make_plots(output_dir)
@@ -249,14 +278,31 @@ def write_report(output_dir: Path | str, *, config: dict, rm_stats: dict, sft_ev
     gold_records = _read_jsonl(output_dir / "rl" / "gold_metrics.jsonl")
     with open(output_dir / "before_after.jsonl", "w", encoding="utf-8") as f:
         for i, prompt in enumerate(results["prompts"]):
-            f.write(json.dumps({
-                "prompt": prompt, "before": results["before"][i], "after": results["after"][i],
-                "gold_before": results["gold_before"][i], "gold_after": results["gold_after"][i],
-                "proxy_before": results["proxy_before"][i], "proxy_after": results["proxy_after"][i],
-            }) + "\n")
-    text = render(config=config, rm_stats=rm_stats, sft_eval=sft_eval, results=results, timings=timings,
-                  rl_args=rl_args, rl_records=rl_records, gold_records=gold_records,
-                  plots=[p.relative_to(output_dir).as_posix() for p in written])
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "before": results["before"][i],
+                        "after": results["after"][i],
+                        "gold_before": results["gold_before"][i],
+                        "gold_after": results["gold_after"][i],
+                        "proxy_before": results["proxy_before"][i],
+                        "proxy_after": results["proxy_after"][i],
+                    }
+                )
+                + "\n"
+            )
+    text = render(
+        config=config,
+        rm_stats=rm_stats,
+        sft_eval=sft_eval,
+        results=results,
+        timings=timings,
+        rl_args=rl_args,
+        rl_records=rl_records,
+        gold_records=gold_records,
+        plots=[p.relative_to(output_dir).as_posix() for p in written],
+    )
     path = output_dir / "report.md"
     tmp = path.with_suffix(".md.tmp")
     tmp.write_text(text, encoding="utf-8")

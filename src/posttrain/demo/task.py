@@ -30,21 +30,95 @@ from typing import Any
 # the lexicon
 # ---------------------------------------------------------------------------------------------
 POSITIVE_ADJECTIVES = (
-    "great", "good", "lovely", "excellent", "friendly", "tasty", "delicious", "clean", "fresh", "amazing",
-    "wonderful", "perfect", "nice", "pleasant", "helpful", "comfortable", "beautiful", "fantastic",
-    "brilliant", "charming", "superb", "cozy", "fun", "enjoyable", "impressive", "gorgeous", "warm",
-    "generous", "smooth", "reliable",
+    "great",
+    "good",
+    "lovely",
+    "excellent",
+    "friendly",
+    "tasty",
+    "delicious",
+    "clean",
+    "fresh",
+    "amazing",
+    "wonderful",
+    "perfect",
+    "nice",
+    "pleasant",
+    "helpful",
+    "comfortable",
+    "beautiful",
+    "fantastic",
+    "brilliant",
+    "charming",
+    "superb",
+    "cozy",
+    "fun",
+    "enjoyable",
+    "impressive",
+    "gorgeous",
+    "warm",
+    "generous",
+    "smooth",
+    "reliable",
 )
 NEGATIVE_ADJECTIVES = (
-    "bad", "awful", "terrible", "rude", "dirty", "bland", "stale", "boring", "horrible", "poor", "slow",
-    "noisy", "broken", "disappointing", "greasy", "overpriced", "uncomfortable", "ugly", "weak", "messy",
-    "dull", "annoying", "mediocre", "unpleasant", "unhelpful", "confusing", "smelly", "crowded", "soggy",
+    "bad",
+    "awful",
+    "terrible",
+    "rude",
+    "dirty",
+    "bland",
+    "stale",
+    "boring",
+    "horrible",
+    "poor",
+    "slow",
+    "noisy",
+    "broken",
+    "disappointing",
+    "greasy",
+    "overpriced",
+    "uncomfortable",
+    "ugly",
+    "weak",
+    "messy",
+    "dull",
+    "annoying",
+    "mediocre",
+    "unpleasant",
+    "unhelpful",
+    "confusing",
+    "smelly",
+    "crowded",
+    "soggy",
     "cramped",
 )
 NEUTRAL_ADJECTIVES = (
-    "big", "small", "large", "average", "typical", "simple", "red", "blue", "green", "old", "new", "modern",
-    "normal", "standard", "short", "long", "busy", "dark", "square", "round", "early", "late", "usual",
-    "different", "local",
+    "big",
+    "small",
+    "large",
+    "average",
+    "typical",
+    "simple",
+    "red",
+    "blue",
+    "green",
+    "old",
+    "new",
+    "modern",
+    "normal",
+    "standard",
+    "short",
+    "long",
+    "busy",
+    "dark",
+    "square",
+    "round",
+    "early",
+    "late",
+    "usual",
+    "different",
+    "local",
 )
 POSITIVE_VERBS = ("loved", "liked", "enjoyed", "adored")
 NEGATIVE_VERBS = ("hated", "disliked", "regretted")
@@ -62,23 +136,75 @@ CLAUSE_BREAKS = frozenset({"and", "but", "so", "although", ",", ".", "!"})
 DOMAINS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "food": (
         ("restaurant", "cafe", "diner", "bistro", "bakery"),
-        ("food", "pizza", "pasta", "soup", "salad", "coffee", "dessert", "bread", "waiter", "menu",
-         "service", "kitchen", "wine", "burger", "cake", "fries"),
+        (
+            "food",
+            "pizza",
+            "pasta",
+            "soup",
+            "salad",
+            "coffee",
+            "dessert",
+            "bread",
+            "waiter",
+            "menu",
+            "service",
+            "kitchen",
+            "wine",
+            "burger",
+            "cake",
+            "fries",
+        ),
     ),
     "hotel": (
         ("hotel", "hostel", "resort", "inn"),
-        ("room", "bed", "pool", "lobby", "view", "breakfast", "shower", "staff", "location", "balcony",
-         "gym", "towels"),
+        (
+            "room",
+            "bed",
+            "pool",
+            "lobby",
+            "view",
+            "breakfast",
+            "shower",
+            "staff",
+            "location",
+            "balcony",
+            "gym",
+            "towels",
+        ),
     ),
     "film": (
         ("cinema", "theater"),
-        ("movie", "film", "plot", "acting", "ending", "music", "cast", "story", "script", "soundtrack",
-         "seats", "screen"),
+        (
+            "movie",
+            "film",
+            "plot",
+            "acting",
+            "ending",
+            "music",
+            "cast",
+            "story",
+            "script",
+            "soundtrack",
+            "seats",
+            "screen",
+        ),
     ),
     "shop": (
         ("shop", "store", "market"),
-        ("phone", "laptop", "battery", "camera", "charger", "keyboard", "speaker", "headphones", "price",
-         "design", "delivery", "packaging"),
+        (
+            "phone",
+            "laptop",
+            "battery",
+            "camera",
+            "charger",
+            "keyboard",
+            "speaker",
+            "headphones",
+            "price",
+            "design",
+            "delivery",
+            "packaging",
+        ),
     ),
     "book": (
         ("library", "bookshop"),
@@ -239,7 +365,13 @@ def generate_reviews(prompts: Sequence[str], n: int, seed: int) -> list[Review]:
 def vocabulary() -> list[str]:
     """Every word the grammar can write, sorted."""
     words: set[str] = set(POSITIVE_WORDS | NEGATIVE_WORDS)
-    words.update(NEUTRAL_ADJECTIVES + NEUTRAL_VERBS + ADVERBS + CONJUNCTIONS + (NEGATION, ".", "i", "the", "was", "were", "is", "are"))
+    words.update(
+        NEUTRAL_ADJECTIVES
+        + NEUTRAL_VERBS
+        + ADVERBS
+        + CONJUNCTIONS
+        + (NEGATION, ".", "i", "the", "was", "were", "is", "are")
+    )
     for text in (*OPENERS, *CLOSERS_POSITIVE, *CLOSERS_NEGATIVE, *CLOSERS_NEUTRAL):
         words.update(w for w in text.split() if not w.startswith("{"))
     for places, nouns in DOMAINS.values():
@@ -272,8 +404,9 @@ def build_task(seed: int = 42, num_reviews: int = 4000, heldout_fraction: float 
     reviews = generate_reviews(train, num_reviews, seed)
     n_eval = max(1, num_reviews // 20)
     texts = [r.text for r in reviews]
-    return Task(sft_train=texts[n_eval:], sft_eval=texts[:n_eval], train_prompts=train,
-                heldout_prompts=heldout, seed=seed)
+    return Task(
+        sft_train=texts[n_eval:], sft_eval=texts[:n_eval], train_prompts=train, heldout_prompts=heldout, seed=seed
+    )
 
 
 EOS_TOKEN = "<|endoftext|>"
@@ -295,8 +428,12 @@ def build_tokenizer(corpus: Iterable[str], save_dir: str | None = None) -> Any:
     trainer = trainers.WordLevelTrainer(special_tokens=[EOS_TOKEN, PAD_TOKEN, UNK_TOKEN], show_progress=False)
     backend.train_from_iterator(corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
-        unk_token=UNK_TOKEN, padding_side="left",
+        tokenizer_object=backend,
+        eos_token=EOS_TOKEN,
+        bos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        padding_side="left",
     )
     if save_dir is not None:
         tokenizer.save_pretrained(save_dir)

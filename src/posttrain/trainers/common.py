@@ -135,8 +135,16 @@ class PromptStream:
     rank takes its own contiguous slice of every global batch.
     """
 
-    def __init__(self, dataset: Any, batch_size: int, collate: Callable[[list[dict]], dict], seed: int,
-                 rank: int = 0, world_size: int = 1, shuffle: bool = True) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        collate: Callable[[list[dict]], dict],
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+    ) -> None:
         global_batch = batch_size * world_size
         if len(dataset) < global_batch:
             raise ConfigError(
@@ -258,16 +266,27 @@ class RewardSource:
     penalty looks at the completion only (`rollout.ended`, set by the configured stop tokens).
     """
 
-    def __init__(self, reward: Any, *, policy_tokenizer: Any, reward_tokenizer: Any = None,
-                 weights: Sequence[float] | None = None, batch_size: int = 64,
-                 missing_eos_penalty: float | None = None) -> None:
+    def __init__(
+        self,
+        reward: Any,
+        *,
+        policy_tokenizer: Any,
+        reward_tokenizer: Any = None,
+        weights: Sequence[float] | None = None,
+        batch_size: int = 64,
+        missing_eos_penalty: float | None = None,
+    ) -> None:
         items = list(reward) if isinstance(reward, (list, tuple)) else [reward]
         if not items or any(r is None for r in items):
-            raise ConfigError("no reward given: pass a reward model (reward_model_path) or reward functions (reward_funcs).")
+            raise ConfigError(
+                "no reward given: pass a reward model (reward_model_path) or reward functions (reward_funcs)."
+            )
         self.models = [r for r in items if isinstance(r, nn.Module)]
         self.funcs = [r for r in items if not isinstance(r, nn.Module)]
         if weights is not None and len(weights) != len(items):
-            raise ConfigError(f"reward_weights has {len(weights)} entries for {len(items)} rewards; give one weight per reward.")
+            raise ConfigError(
+                f"reward_weights has {len(weights)} entries for {len(items)} rewards; give one weight per reward."
+            )
         weights = list(weights) if weights is not None else [1.0] * len(items)
         self.model_weights = [w for r, w in zip(items, weights) if isinstance(r, nn.Module)]
         self.func_weights = [w for r, w in zip(items, weights) if not isinstance(r, nn.Module)]
@@ -275,16 +294,20 @@ class RewardSource:
         self.batch_size, self.missing_eos_penalty = batch_size, missing_eos_penalty
 
     @torch.no_grad()
-    def __call__(self, rollout: Rollout, prompts: list[str], completions: list[str],
-                 columns: dict[str, list] | None = None) -> torch.Tensor:
+    def __call__(
+        self, rollout: Rollout, prompts: list[str], completions: list[str], columns: dict[str, list] | None = None
+    ) -> torch.Tensor:
         from posttrain.scoring import apply_missing_eos_penalty, reward_function_scores, reward_model_scores
 
         device = rollout.completion_ids.device
         scores = torch.zeros(len(rollout), dtype=torch.float32, device=device)
         for model, w in zip(self.models, self.model_weights):
             s = reward_model_scores(
-                model, rollout, batch_size=self.batch_size,
-                policy_tokenizer=self.policy_tokenizer, reward_tokenizer=self.reward_tokenizer,
+                model,
+                rollout,
+                batch_size=self.batch_size,
+                policy_tokenizer=self.policy_tokenizer,
+                reward_tokenizer=self.reward_tokenizer,
             )
             scores = scores + w * s.to(device=device, dtype=torch.float32)
         if self.funcs:
@@ -314,8 +337,15 @@ class OnlineRun:
     accumulation, sample tables, checkpointing and resume.
     """
 
-    def __init__(self, config: OnPolicyConfig, tokenizer: Any, train_dataset: Any, eval_dataset: Any = None,
-                 *, accelerator: Any = None) -> None:
+    def __init__(
+        self,
+        config: OnPolicyConfig,
+        tokenizer: Any,
+        train_dataset: Any,
+        eval_dataset: Any = None,
+        *,
+        accelerator: Any = None,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.accelerator = accelerator or dist.build_accelerator(mixed_precision=config.mixed_precision)
@@ -324,25 +354,36 @@ class OnlineRun:
         self.device = dist.device(self.accelerator)
         self.is_main = dist.is_main(self.accelerator)
         if train_dataset is None:
-            raise ConfigError("train_dataset is required: pass a prompt dataset (or --dataset_name on the command line).")
+            raise ConfigError(
+                "train_dataset is required: pass a prompt dataset (or --dataset_name on the command line)."
+            )
         self.train_dataset = prompt_dataset(config, tokenizer, train_dataset, source="train_dataset")
         # Sizes count the prompts that survived validation (overflow="drop" may remove some).
         config.derive_sizes(self.world_size, len(self.train_dataset))
-        self.eval_dataset = prompt_dataset(config, tokenizer, eval_dataset, source="eval_dataset") if eval_dataset is not None else None
+        self.eval_dataset = (
+            prompt_dataset(config, tokenizer, eval_dataset, source="eval_dataset") if eval_dataset is not None else None
+        )
         from posttrain.data import PromptCollator
 
         self.collate = PromptCollator(tokenizer.pad_token_id)
         self.prompts = PromptStream(
-            self.train_dataset, config.prompts_per_rollout, self.collate, config.seed,
-            rank=dist.process_index(self.accelerator), world_size=self.world_size,
+            self.train_dataset,
+            config.prompts_per_rollout,
+            self.collate,
+            config.seed,
+            rank=dist.process_index(self.accelerator),
+            world_size=self.world_size,
         )
         self.sampling = sampling_config(config, tokenizer)
         # Sampling stream: one per rank, seeded so runs are reproducible and ranks differ.
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed + 7919 * dist.process_index(self.accelerator))
+        self.generator = torch.Generator(device=self.device).manual_seed(
+            config.seed + 7919 * dist.process_index(self.accelerator)
+        )
         self.state = RunState()
         self.metrics = MetricAccumulator()
-        self.tracker = Tracker(config.output_dir, config.report_to, config=config.to_dict(),
-                               run_name=config.run_name, is_main=self.is_main)
+        self.tracker = Tracker(
+            config.output_dir, config.report_to, config=config.to_dict(), run_name=config.run_name, is_main=self.is_main
+        )
         self.health = HealthMonitor(enabled=self.is_main)
         self.progress: ProgressBar | None = None
         self.start_time = time.time()
@@ -427,8 +468,11 @@ class OnlineRun:
     def save(self, models: dict[str, nn.Module], optimizer: Any, scheduler: Any, extra: dict | None = None) -> None:
         """A resumable checkpoint after the current rollout batch (counters already advanced)."""
         state = {
-            "run": {"update": self.state.update + 1, "episode": self.state.episode + self.config.batch_size,
-                    "optimizer_steps": self.state.optimizer_steps},
+            "run": {
+                "update": self.state.update + 1,
+                "episode": self.state.episode + self.config.batch_size,
+                "optimizer_steps": self.state.optimizer_steps,
+            },
             "prompts": self.prompts.state_dict(),
             "generator": self.generator.get_state(),
             "health": self.health.state_dict(),
@@ -436,9 +480,16 @@ class OnlineRun:
         }
         unwrapped = {k: dist.unwrap(m, self.accelerator) for k, m in models.items()}
         ckpt.save_checkpoint(
-            self.config.output_dir, self.state.update + 1, models=unwrapped, tokenizer=self.tokenizer,
-            config=self.config.to_dict(), optimizer=optimizer, scheduler=scheduler, trainer_state=state,
-            save_total_limit=self.config.save_total_limit, accelerator=self.accelerator,
+            self.config.output_dir,
+            self.state.update + 1,
+            models=unwrapped,
+            tokenizer=self.tokenizer,
+            config=self.config.to_dict(),
+            optimizer=optimizer,
+            scheduler=scheduler,
+            trainer_state=state,
+            save_total_limit=self.config.save_total_limit,
+            accelerator=self.accelerator,
         )
 
     def maybe_resume(self, models: dict[str, nn.Module], optimizer: Any, scheduler: Any) -> dict:
@@ -447,7 +498,9 @@ class OnlineRun:
         if path is None:
             return {}
         unwrapped = {k: dist.unwrap(m, self.accelerator) for k, m in models.items()}
-        state = ckpt.load_checkpoint(path, models=unwrapped, optimizer=optimizer, scheduler=scheduler, accelerator=self.accelerator)
+        state = ckpt.load_checkpoint(
+            path, models=unwrapped, optimizer=optimizer, scheduler=scheduler, accelerator=self.accelerator
+        )
         run = state.pop("run")
         self.state = RunState(update=run["update"], episode=run["episode"], optimizer_steps=run["optimizer_steps"])
         self.prompts.load_state_dict(state.pop("prompts"))
@@ -462,7 +515,9 @@ class OnlineRun:
         Called on every rank: under ZeRO-3 / FSDP the full weights are gathered collectively."""
         dist.wait_for_everyone(self.accelerator)
         ckpt.save_final(
-            self.config.output_dir, dist.unwrap(model, self.accelerator), tokenizer=self.tokenizer,
+            self.config.output_dir,
+            dist.unwrap(model, self.accelerator),
+            tokenizer=self.tokenizer,
             config=self.config.to_dict(),
             extra_models={k: dist.unwrap(m, self.accelerator) for k, m in (extra_models or {}).items()},
             accelerator=self.accelerator,

@@ -47,9 +47,9 @@ from torch import nn
 
 from posttrain import advantages as adv
 from posttrain import checkpoint as ckpt
-from posttrain.health import oom_advice
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError
+from posttrain.health import oom_advice
 from posttrain.losses import ppo_policy_loss
 from posttrain.rollout import Rollout
 from posttrain.trainers.grpo_config import GRPOConfig
@@ -70,11 +70,23 @@ class GRPOTrainer:
     `accelerator=` shares an existing Accelerator.
     """
 
-    def __init__(self, model: nn.Module | str, reward_funcs: Any = None, args: GRPOConfig | None = None,
-                 train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
-                 reward_processing_classes: Any = None, callbacks: Sequence[Any] | None = None,
-                 optimizers: tuple[Any, Any] = (None, None), *, ref_model: nn.Module | None = None,
-                 data_collator: Callable | None = None, accelerator: Any = None, peft_config: Any = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module | str,
+        reward_funcs: Any = None,
+        args: GRPOConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        reward_processing_classes: Any = None,
+        callbacks: Sequence[Any] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        *,
+        ref_model: nn.Module | None = None,
+        data_collator: Callable | None = None,
+        accelerator: Any = None,
+        peft_config: Any = None,
+    ) -> None:
         from posttrain.models import load_policy, load_reward_model, load_tokenizer
 
         if not isinstance(args, GRPOConfig):
@@ -83,7 +95,9 @@ class GRPOTrainer:
         common = dict(dtype=args.torch_dtype, trust_remote_code=args.trust_remote_code)
         if isinstance(model, str):
             processing_class = processing_class or load_tokenizer(model, trust_remote_code=args.trust_remote_code)
-            model = load_policy(model, gradient_checkpointing=args.gradient_checkpointing, tokenizer=processing_class, **common)
+            model = load_policy(
+                model, gradient_checkpointing=args.gradient_checkpointing, tokenizer=processing_class, **common
+            )
         rewards = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         if isinstance(reward_processing_classes, (list, tuple)):
             # One reward tokenizer is supported: the first one given for a reward model.
@@ -98,13 +112,28 @@ class GRPOTrainer:
                     except (OSError, ValueError):
                         pass  # no tokenizer saved with the reward model: it shares the policy's
                     break
-        rewards = [load_reward_model(r, tokenizer=reward_processing_classes or processing_class, **common)
-                   if isinstance(r, str) else r for r in rewards]
+        rewards = [
+            load_reward_model(r, tokenizer=reward_processing_classes or processing_class, **common)
+            if isinstance(r, str)
+            else r
+            for r in rewards
+        ]
         self.setup = TrainerSetup.create(
-            args, processing_class, model, ref_model, rewards, train_dataset, eval_dataset,
-            data_collator=data_collator, optimizers=optimizers, callbacks=callbacks,
-            reward_processing_class=reward_processing_classes, accelerator=accelerator,
-            needs_reference=args.beta > 0, reward_weights=args.reward_weights, peft_config=peft_config,
+            args,
+            processing_class,
+            model,
+            ref_model,
+            rewards,
+            train_dataset,
+            eval_dataset,
+            data_collator=data_collator,
+            optimizers=optimizers,
+            callbacks=callbacks,
+            reward_processing_class=reward_processing_classes,
+            accelerator=accelerator,
+            needs_reference=args.beta > 0,
+            reward_weights=args.reward_weights,
+            peft_config=peft_config,
         )
         self.log_history: list[dict[str, float]] = self.setup.log_history
 
@@ -120,11 +149,14 @@ class GRPOTrainer:
             s.resume()
             for update in run.updates():
                 # 1. rollout G completions per prompt (G blocks of P prompts) and score them
-                exp = sample_and_score(run, s.policy, s.ref_policy, s.reward, run.next_batch(), G,
-                                       adapter_reference=s.adapter_reference)
+                exp = sample_and_score(
+                    run, s.policy, s.ref_policy, s.reward, run.next_batch(), G, adapter_reference=s.adapter_reference
+                )
                 # 2. group-relative advantages on the explicit (num_prompts, G) grid
                 grid = exp.scores.view(G, exp.num_prompts).T  # (P, G)
-                advantages = adv.group_advantages(grid, scale_std=config.scale_rewards).T.reshape(-1)  # (B,) block layout
+                advantages = adv.group_advantages(grid, scale_std=config.scale_rewards).T.reshape(
+                    -1
+                )  # (B,) block layout
                 metrics.add_mean("frac_reward_zero_std", (grid.max(dim=1).values == grid.min(dim=1).values).float())
                 loss_mask = exp.rollout.completion_mask
                 if config.mask_truncated_completions:
@@ -132,15 +164,32 @@ class GRPOTrainer:
                 ref_logprobs = exp.ref_logprobs if config.beta > 0 else None
 
                 # 3. token-level PPO-clip + beta·KL(π‖π_ref), token mean over the global token count
-                def loss_fn(rows: torch.Tensor, mb: Rollout, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
-                            normalizer: float) -> torch.Tensor:
+                def loss_fn(
+                    rows: torch.Tensor,
+                    mb: Rollout,
+                    logprobs: torch.Tensor,
+                    old_logprobs: torch.Tensor,
+                    normalizer: float,
+                ) -> torch.Tensor:
                     mask = loss_mask[rows]
-                    loss, stats = ppo_policy_loss(logprobs, old_logprobs, advantages[rows], mask, config.epsilon,
-                                                  cliprange_high=config.epsilon_high, level="token", normalizer=normalizer)
+                    loss, stats = ppo_policy_loss(
+                        logprobs,
+                        old_logprobs,
+                        advantages[rows],
+                        mask,
+                        config.epsilon,
+                        cliprange_high=config.epsilon_high,
+                        level="token",
+                        normalizer=normalizer,
+                    )
                     n = stats["count"]
-                    for name, key in (("loss/policy_avg", "pg_loss"), ("policy/approxkl_avg", "approxkl"),
-                                      ("policy/clipfrac_avg", "clipfrac"), ("clip_ratio/low_mean", "clipfrac_low"),
-                                      ("clip_ratio/high_mean", "clipfrac_high")):
+                    for name, key in (
+                        ("loss/policy_avg", "pg_loss"),
+                        ("policy/approxkl_avg", "approxkl"),
+                        ("policy/clipfrac_avg", "clipfrac"),
+                        ("clip_ratio/low_mean", "clipfrac_low"),
+                        ("clip_ratio/high_mean", "clipfrac_high"),
+                    ):
                         metrics.add(name, stats[key] * n, n)
                     if ref_logprobs is not None:
                         kl3 = adv.kl_penalty(logprobs, ref_logprobs[rows], "k3", mask)  # (b, T), 0 off-mask
@@ -152,8 +201,15 @@ class GRPOTrainer:
                         metrics.add_var("val/ratio_var", ratio, mask)
                     return loss
 
-                policy_update(run, s.policy, s.optimizer, exp.rollout, num_epochs=config.num_iterations,
-                              count=lambda rows: loss_mask[rows].sum(), loss_fn=loss_fn)
+                policy_update(
+                    run,
+                    s.policy,
+                    s.optimizer,
+                    exp.rollout,
+                    num_epochs=config.num_iterations,
+                    count=lambda rows: loss_mask[rows].sum(),
+                    loss_fn=loss_fn,
+                )
                 s.end_of_update(update)
             s.finish()
         return self.log_history[-1] if self.log_history else {}
@@ -165,8 +221,20 @@ class GRPOTrainer:
 
 def run(config: GRPOConfig) -> int:
     """`posttrain grpo`: load tokenizer, policy, reference (beta > 0), rewards and prompts; train."""
-    return run_from_config("grpo", config, lambda parts: GRPOTrainer(
-        parts.policy, parts.rewards, config, parts.train_dataset, parts.eval_dataset, parts.tokenizer,
-        reward_processing_classes=parts.reward_tokenizer, ref_model=parts.reference, accelerator=parts.accelerator,
-        peft_config=parts.peft_config,
-    ), needs_reference=config.beta > 0)
+    return run_from_config(
+        "grpo",
+        config,
+        lambda parts: GRPOTrainer(
+            parts.policy,
+            parts.rewards,
+            config,
+            parts.train_dataset,
+            parts.eval_dataset,
+            parts.tokenizer,
+            reward_processing_classes=parts.reward_tokenizer,
+            ref_model=parts.reference,
+            accelerator=parts.accelerator,
+            peft_config=parts.peft_config,
+        ),
+        needs_reference=config.beta > 0,
+    )

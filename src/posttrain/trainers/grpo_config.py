@@ -37,11 +37,17 @@ class GRPOConfig(OnPolicyConfig):
     temperature: float = _help("Sampling temperature; also divides logits when scoring logprobs.", default=1.0)
     num_generations: int = _help("Completions sampled per prompt (the group size G, ≥ 2).", default=8)
     max_completion_length: int | None = _help("Alias of response_length (TRL GRPO's name).", default=None)
-    beta: float = _help("Coefficient of the KL(π‖π_ref) loss term (k3 estimator); 0 loads no reference model.", default=0.05)
-    epsilon: float = _help("Lower clip range of the token-level ratio: clip(ρ, 1 − epsilon, 1 + epsilon_high).", default=0.2)
+    beta: float = _help(
+        "Coefficient of the KL(π‖π_ref) loss term (k3 estimator); 0 loads no reference model.", default=0.05
+    )
+    epsilon: float = _help(
+        "Lower clip range of the token-level ratio: clip(ρ, 1 − epsilon, 1 + epsilon_high).", default=0.2
+    )
     epsilon_high: float | None = _help("Upper clip range (DAPO's clip-higher); None means epsilon.", default=None)
     num_iterations: int = _help("Passes over each rollout batch (GRPO's μ, PPO epochs).", default=1)
-    scale_rewards: bool = _help("Divide the group-centred rewards by the group std (False: Dr. GRPO, centring only).", default=True)
+    scale_rewards: bool = _help(
+        "Divide the group-centred rewards by the group std (False: Dr. GRPO, centring only).", default=True
+    )
     reward_weights: list[float] | None = _help(
         "One weight per reward: the reward model first (when reward_model_path is set), then reward_funcs in order.",
         default=None,
@@ -61,7 +67,9 @@ class GRPOConfig(OnPolicyConfig):
         super().__post_init__()
         self.max_completion_length = self.response_length
         if self.num_generations < 2:
-            raise ConfigError(f"num_generations={self.num_generations}: GRPO needs at least 2 completions per prompt to form a group.")
+            raise ConfigError(
+                f"num_generations={self.num_generations}: GRPO needs at least 2 completions per prompt to form a group."
+            )
         if self.num_iterations < 1:
             raise ConfigError(f"num_iterations={self.num_iterations} must be >= 1.")
         if self.beta < 0:
@@ -75,8 +83,8 @@ class GRPOConfig(OnPolicyConfig):
         expected = int(bool(self.reward_model_path)) + len(self.reward_funcs or [])
         if self.reward_weights is not None and expected and len(self.reward_weights) != expected:
             raise ConfigError(
-                f"reward_weights has {len(self.reward_weights)} entries for {expected} rewards (reward_model_path first, "
-                "then each of reward_funcs); give one weight per reward."
+                f"reward_weights has {len(self.reward_weights)} entries for {expected} rewards "
+                "(reward_model_path first, then each of reward_funcs); give one weight per reward."
             )
 
     @property

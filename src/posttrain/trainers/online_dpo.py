@@ -74,8 +74,9 @@ from posttrain.trainers.online_dpo_config import OnlineDPOConfig
 # ---------------------------------------------------------------------------------------------
 # models and the reference policy
 # ---------------------------------------------------------------------------------------------
-def prepare_models(model: Any, ref_model: Any, tokenizer: Any, config: OnlineDPOConfig,
-                   peft_config: Any = None) -> tuple[nn.Module, nn.Module | None]:
+def prepare_models(
+    model: Any, ref_model: Any, tokenizer: Any, config: OnlineDPOConfig, peft_config: Any = None
+) -> tuple[nn.Module, nn.Module | None]:
     """(policy, reference); reference None means "the policy with its PEFT adapter disabled".
 
     `model` / `ref_model` may be modules or paths. Without a reference model and without PEFT the
@@ -85,8 +86,13 @@ def prepare_models(model: Any, ref_model: Any, tokenizer: Any, config: OnlineDPO
 
     def load(m: Any) -> nn.Module:
         if isinstance(m, str):
-            return models.load_policy(m, dtype=config.torch_dtype, trust_remote_code=config.trust_remote_code,
-                                      disable_dropout=config.disable_dropout, tokenizer=tokenizer)
+            return models.load_policy(
+                m,
+                dtype=config.torch_dtype,
+                trust_remote_code=config.trust_remote_code,
+                disable_dropout=config.disable_dropout,
+                tokenizer=tokenizer,
+            )
         if config.disable_dropout:
             models.disable_dropout(m)
         return m
@@ -122,8 +128,9 @@ class Feedback:
     def __init__(self, reward: RewardSource | None = None, judge: Any = None) -> None:
         self.reward, self.judge = reward, judge
 
-    def rank(self, rollout: Rollout, prompts: list[str], completions: list[str],
-             columns: dict[str, list] | None = None) -> Ranking:
+    def rank(
+        self, rollout: Rollout, prompts: list[str], completions: list[str], columns: dict[str, list] | None = None
+    ) -> Ranking:
         """Rank pairs (rows 2i, 2i+1) given per-row prompt and completion texts."""
         device = rollout.completion_ids.device
         if self.judge is not None:
@@ -132,8 +139,11 @@ class Feedback:
             return Ranking(first_wins=answers == 0, valid=answers != -1, scores=None)
         scores = self.reward(rollout, prompts, completions, columns)  # (2B,)
         # TRL: mask = first_half >= second_half, a tie goes to the first completion.
-        return Ranking(first_wins=scores[0::2] >= scores[1::2],
-                       valid=torch.ones(len(rollout) // 2, dtype=torch.bool, device=device), scores=scores)
+        return Ranking(
+            first_wins=scores[0::2] >= scores[1::2],
+            valid=torch.ones(len(rollout) // 2, dtype=torch.bool, device=device),
+            scores=scores,
+        )
 
     # A pairwise judge flips pair order with its own RNG; saving it keeps resume exact.
     _JUDGE_RNGS = ("_flip_rng", "_answer_rng")
@@ -152,8 +162,16 @@ class Feedback:
             getattr(self.judge, name).setstate((version, tuple(internal), gauss))
 
 
-def build_feedback(config: OnlineDPOConfig, tokenizer: Any, device: torch.device, *, reward_model: Any = None,
-                   judge: Any = None, reward_funcs: Any = None, reward_processing_class: Any = None) -> Feedback:
+def build_feedback(
+    config: OnlineDPOConfig,
+    tokenizer: Any,
+    device: torch.device,
+    *,
+    reward_model: Any = None,
+    judge: Any = None,
+    reward_funcs: Any = None,
+    reward_processing_class: Any = None,
+) -> Feedback:
     """Objects passed to the trainer win; otherwise config.judge / reward_model_path / reward_funcs."""
     rewards: list[Any] = []
     if reward_model is not None:
@@ -168,43 +186,73 @@ def build_feedback(config: OnlineDPOConfig, tokenizer: Any, device: torch.device
         if config.reward_model_path:
             from posttrain.models import load_reward_model, load_tokenizer
 
-            reward_processing_class = load_tokenizer(config.reward_model_path, padding_side="right",
-                                                     trust_remote_code=config.trust_remote_code)
-            rewards.append(load_reward_model(config.reward_model_path, dtype=config.torch_dtype,
-                                             trust_remote_code=config.trust_remote_code, tokenizer=reward_processing_class))
+            reward_processing_class = load_tokenizer(
+                config.reward_model_path, padding_side="right", trust_remote_code=config.trust_remote_code
+            )
+            rewards.append(
+                load_reward_model(
+                    config.reward_model_path,
+                    dtype=config.torch_dtype,
+                    trust_remote_code=config.trust_remote_code,
+                    tokenizer=reward_processing_class,
+                )
+            )
         rewards.extend(import_callable(path) for path in config.reward_funcs or [])
     if judge is not None and rewards:
-        raise ConfigError("both a judge and a reward (reward_model / reward_funcs / reward_model_path) are given; "
-                          "pass one source of preferences.")
+        raise ConfigError(
+            "both a judge and a reward (reward_model / reward_funcs / reward_model_path) are given; "
+            "pass one source of preferences."
+        )
     if judge is not None:
         if not callable(getattr(judge, "judge", None)):
-            raise ConfigError(f"judge must be a pairwise judge with a judge(prompts, pairs) method, got {type(judge).__name__}.")
+            raise ConfigError(
+                f"judge must be a pairwise judge with a judge(prompts, pairs) method, got {type(judge).__name__}."
+            )
         return Feedback(judge=judge)
     if not rewards:
-        raise ConfigError("no source of preferences: pass judge= or reward_model= / reward_funcs= "
-                          "(CLI: --judge, --reward_model_path or --reward_funcs).")
+        raise ConfigError(
+            "no source of preferences: pass judge= or reward_model= / reward_funcs= "
+            "(CLI: --judge, --reward_model_path or --reward_funcs)."
+        )
     for r in rewards:
         if isinstance(r, nn.Module):
             r.to(device).eval().requires_grad_(False)
-    return Feedback(reward=RewardSource(
-        rewards, policy_tokenizer=tokenizer, reward_tokenizer=reward_processing_class, weights=config.reward_weights,
-        batch_size=config.local_rollout_forward_batch_size, missing_eos_penalty=config.missing_eos_penalty,
-    ))
+    return Feedback(
+        reward=RewardSource(
+            rewards,
+            policy_tokenizer=tokenizer,
+            reward_tokenizer=reward_processing_class,
+            weights=config.reward_weights,
+            batch_size=config.local_rollout_forward_batch_size,
+            missing_eos_penalty=config.missing_eos_penalty,
+        )
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # sampling and layout
 # ---------------------------------------------------------------------------------------------
-def sample(run: OnlineRun, model: nn.Module, batch: dict, num_samples: int = 1,
-           generator: torch.Generator | None = None) -> Rollout:
+def sample(
+    run: OnlineRun, model: nn.Module, batch: dict, num_samples: int = 1, generator: torch.Generator | None = None
+) -> Rollout:
     """Completions for the batch's prompts from `model` (the policy, or a reference in eval mode)."""
     config = run.config
-    with dist.unwrap_for_generation(model, run.accelerator, config.ds3_gather_for_generation) as m, \
-            generation_mode(m), run.autocast():
-        return generate(m, batch["input_ids"], batch["attention_mask"], run.sampling,
-                        pad_token_id=run.tokenizer.pad_token_id, num_samples=num_samples,
-                        batch_size=config.local_rollout_forward_batch_size,
-                        generator=run.generator if generator is None else generator, return_logprobs=False)
+    with (
+        dist.unwrap_for_generation(model, run.accelerator, config.ds3_gather_for_generation) as m,
+        generation_mode(m),
+        run.autocast(),
+    ):
+        return generate(
+            m,
+            batch["input_ids"],
+            batch["attention_mask"],
+            run.sampling,
+            pad_token_id=run.tokenizer.pad_token_id,
+            num_samples=num_samples,
+            batch_size=config.local_rollout_forward_batch_size,
+            generator=run.generator if generator is None else generator,
+            return_logprobs=False,
+        )
 
 
 def interleave_pairs(first: Rollout, second: Rollout) -> Rollout:
@@ -240,7 +288,9 @@ def reference_logps(run: OnlineRun, model: nn.Module, ref_model: nn.Module | Non
     return logprobs.sum(-1)
 
 
-def sample_completions(run: OnlineRun, model: nn.Module, num_prompts: int, feedback: Feedback | None = None) -> list[dict]:
+def sample_completions(
+    run: OnlineRun, model: nn.Module, num_prompts: int, feedback: Feedback | None = None
+) -> list[dict]:
     """(prompt, completion[, score]) rows for the first eval prompts, sampled with a fixed seed so the
     table is comparable across steps and never moves the training sampler."""
     if run.eval_dataset is None:
@@ -277,8 +327,15 @@ def pair_rows(pairs: torch.Tensor) -> torch.Tensor:
     return torch.stack([2 * pairs, 2 * pairs + 1], dim=1).reshape(-1)
 
 
-def train_on_pairs(run: OnlineRun, model: nn.Module, optimizer: Any, scheduler: Any, rollout: Rollout,
-                   valid: torch.Tensor, pair_loss: PairLoss) -> torch.Tensor:
+def train_on_pairs(
+    run: OnlineRun,
+    model: nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    rollout: Rollout,
+    valid: torch.Tensor,
+    pair_loss: PairLoss,
+) -> torch.Tensor:
     """num_mini_batches optimizer steps over the pairs of `rollout` (rows 2i, 2i+1).
 
     pair_loss(pair_idx, policy_first, policy_second, normalizer) -> (loss, stats) gets the summed
@@ -300,8 +357,9 @@ def train_on_pairs(run: OnlineRun, model: nn.Module, optimizer: Any, scheduler: 
             # No valid pair anywhere: no step, but the KL / entropy metrics still need these rows.
             rows = pair_rows(mini)
             with torch.no_grad(), run.autocast():
-                logprobs, _ = batched_completion_logprobs(dist.unwrap(model, acc), rollout.select(rows),
-                                                          batch_size=config.local_rollout_forward_batch_size)
+                logprobs, _ = batched_completion_logprobs(
+                    dist.unwrap(model, acc), rollout.select(rows), batch_size=config.local_rollout_forward_batch_size
+                )
             policy_logps[rows] = logprobs.sum(-1)
             continue
         micros = list(mini.split(pairs_per_micro))
@@ -332,8 +390,13 @@ def train_on_pairs(run: OnlineRun, model: nn.Module, optimizer: Any, scheduler: 
     return policy_logps
 
 
-def valid_pair_loss(loss_fn: Callable[..., tuple[torch.Tensor, dict]], idx: torch.Tensor, policy_first: torch.Tensor,
-                    policy_second: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def valid_pair_loss(
+    loss_fn: Callable[..., tuple[torch.Tensor, dict]],
+    idx: torch.Tensor,
+    policy_first: torch.Tensor,
+    policy_second: torch.Tensor,
+    valid: torch.Tensor,
+) -> tuple[torch.Tensor, dict]:
     """loss_fn(pair_rows_kept, policy_first_kept, policy_second_kept) over the valid pairs of a
     micro-batch; with none valid, a zero loss still connected to the graph (DDP needs a backward)."""
     keep = valid[idx]
@@ -342,8 +405,13 @@ def valid_pair_loss(loss_fn: Callable[..., tuple[torch.Tensor, dict]], idx: torc
     return loss_fn(idx[keep], policy_first[keep], policy_second[keep])
 
 
-def record_sequence_metrics(metrics: Any, policy_logps: torch.Tensor, ref_logps: torch.Tensor,
-                            beta: float | None = None, scores: torch.Tensor | None = None) -> None:
+def record_sequence_metrics(
+    metrics: Any,
+    policy_logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    beta: float | None = None,
+    scores: torch.Tensor | None = None,
+) -> None:
     """objective/kl, objective/entropy (and, given beta, non_score_reward; given scores, rlhf_reward)
     from per-completion sums over real tokens (2B,)."""
     kl = policy_logps - ref_logps
@@ -376,10 +444,24 @@ def check_pairs_fit(config: OnlineDPOConfig) -> None:
 # ---------------------------------------------------------------------------------------------
 # trainer plumbing shared with XPO (functions, not a base class)
 # ---------------------------------------------------------------------------------------------
-def init_trainer(trainer: Any, *, model: Any, ref_model: Any, reward_model: Any, judge: Any, args: OnlineDPOConfig,
-                 data_collator: Any, train_dataset: Any, eval_dataset: Any, processing_class: Any,
-                 reward_processing_class: Any, peft_config: Any, callbacks: list | None, optimizers: tuple,
-                 reward_funcs: Any) -> None:
+def init_trainer(
+    trainer: Any,
+    *,
+    model: Any,
+    ref_model: Any,
+    reward_model: Any,
+    judge: Any,
+    args: OnlineDPOConfig,
+    data_collator: Any,
+    train_dataset: Any,
+    eval_dataset: Any,
+    processing_class: Any,
+    reward_processing_class: Any,
+    peft_config: Any,
+    callbacks: list | None,
+    optimizers: tuple,
+    reward_funcs: Any,
+) -> None:
     """Set the attributes both trainers have: args, processing_class, run, model, ref_model,
     feedback, optimizer, lr_scheduler, callbacks, log_history."""
     check_pairs_fit(args)
@@ -393,9 +475,15 @@ def init_trainer(trainer: Any, *, model: Any, ref_model: Any, reward_model: Any,
     trainer.model, trainer.ref_model = prepare_models(model, ref_model, trainer.processing_class, args, peft_config)
     if trainer.ref_model is not None:
         trainer.ref_model.to(trainer.run.device)
-    trainer.feedback = build_feedback(args, trainer.processing_class, trainer.run.device, reward_model=reward_model,
-                                      judge=judge, reward_funcs=reward_funcs,
-                                      reward_processing_class=reward_processing_class)
+    trainer.feedback = build_feedback(
+        args,
+        trainer.processing_class,
+        trainer.run.device,
+        reward_model=reward_model,
+        judge=judge,
+        reward_funcs=reward_funcs,
+        reward_processing_class=reward_processing_class,
+    )
     trainer.model, trainer.optimizer, trainer.lr_scheduler = setup_optimization(trainer.run, trainer.model, optimizers)
     trainer.callbacks = list(callbacks or [])
     trainer.log_history = []
@@ -420,8 +508,12 @@ def finish_update(trainer: Any, update: int) -> None:
     for cb in trainer.callbacks:
         getattr(cb, "on_step_end", lambda t, step, logs: None)(trainer, update + 1, logs)
     if run.should_save(update):
-        run.save({"policy": trainer.model}, trainer.optimizer, trainer.lr_scheduler,
-                 extra={"feedback": trainer.feedback.state_dict()})
+        run.save(
+            {"policy": trainer.model},
+            trainer.optimizer,
+            trainer.lr_scheduler,
+            extra={"feedback": trainer.feedback.state_dict()},
+        )
 
 
 def end_training(trainer: Any) -> None:
@@ -447,7 +539,6 @@ class PairTrainerAPI:
         return sample_completions(self.run, self.model, num_prompts, self.feedback)
 
 
-
 class OnlineDPOTrainer(PairTrainerAPI):
     """Online DPO with a reward model, reward functions or a pairwise judge (TRL's older API).
 
@@ -457,16 +548,40 @@ class OnlineDPOTrainer(PairTrainerAPI):
     Callbacks get `on_train_begin(trainer)`, `on_step_end(trainer, step, logs)`, `on_train_end(trainer)`.
     """
 
-    def __init__(self, model: Any, ref_model: Any = None, reward_model: Any = None, judge: Any = None,
-                 args: OnlineDPOConfig | None = None, data_collator: Any = None, train_dataset: Any = None,
-                 eval_dataset: Any = None, processing_class: Any = None, reward_processing_class: Any = None,
-                 peft_config: Any = None, callbacks: list | None = None, optimizers: tuple = (None, None),
-                 reward_funcs: Any = None) -> None:
-        init_trainer(self, model=model, ref_model=ref_model, reward_model=reward_model, judge=judge,
-                     args=args if args is not None else OnlineDPOConfig(), data_collator=data_collator,
-                     train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
-                     reward_processing_class=reward_processing_class, peft_config=peft_config, callbacks=callbacks,
-                     optimizers=optimizers, reward_funcs=reward_funcs)
+    def __init__(
+        self,
+        model: Any,
+        ref_model: Any = None,
+        reward_model: Any = None,
+        judge: Any = None,
+        args: OnlineDPOConfig | None = None,
+        data_collator: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        reward_processing_class: Any = None,
+        peft_config: Any = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        reward_funcs: Any = None,
+    ) -> None:
+        init_trainer(
+            self,
+            model=model,
+            ref_model=ref_model,
+            reward_model=reward_model,
+            judge=judge,
+            args=args if args is not None else OnlineDPOConfig(),
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_class=reward_processing_class,
+            peft_config=peft_config,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            reward_funcs=reward_funcs,
+        )
 
     def train(self) -> None:
         run, config = self.run, self.args
@@ -491,12 +606,15 @@ class OnlineDPOTrainer(PairTrainerAPI):
             def dpo_on_pairs(idx: torch.Tensor, first: torch.Tensor, second: torch.Tensor, normalizer: float):
                 def loss(kept: torch.Tensor, f: torch.Tensor, s: torch.Tensor):
                     chosen, rejected = choose(f, s, ranking.first_wins[kept])
-                    return dpo_loss(chosen, rejected, ref_chosen[kept], ref_rejected[kept], beta,
-                                    config.loss_type, normalizer)
+                    return dpo_loss(
+                        chosen, rejected, ref_chosen[kept], ref_rejected[kept], beta, config.loss_type, normalizer
+                    )
+
                 return valid_pair_loss(loss, idx, first, second, ranking.valid)
 
-            policy_logps = train_on_pairs(run, self.model, self.optimizer, self.lr_scheduler, rollout,
-                                          ranking.valid, dpo_on_pairs)
+            policy_logps = train_on_pairs(
+                run, self.model, self.optimizer, self.lr_scheduler, rollout, ranking.valid, dpo_on_pairs
+            )
 
             # 5. metrics
             m = run.metrics
@@ -536,9 +654,14 @@ def run_trainer(trainer_cls: type, config: OnlineDPOConfig) -> int:
     train_dataset = load_split(config, config.dataset_train_split)
     eval_dataset = load_split(config, config.dataset_test_split, required=False)
     # With --use_peft and no reference model, the reference is the base with the adapter disabled.
-    trainer = trainer_cls(model=config.model_name_or_path, args=config, processing_class=tokenizer,
-                          train_dataset=train_dataset, eval_dataset=eval_dataset,
-                          peft_config=peft_config_from(config))
+    trainer = trainer_cls(
+        model=config.model_name_or_path,
+        args=config,
+        processing_class=tokenizer,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        peft_config=peft_config_from(config),
+    )
     with OutputDirGuard(config.output_dir, is_main=trainer.run.is_main), oom_advice():
         trainer.train()
     return 0

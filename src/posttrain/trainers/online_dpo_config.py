@@ -49,7 +49,9 @@ class OnlineDPOConfig(OnPolicyConfig):
         "there (generation sees the whole prompt), as in TRL.",
         default=512,
     )
-    temperature: float = _help("Sampling temperature (log-probs of the DPO loss are taken at temperature 1).", default=0.9)
+    temperature: float = _help(
+        "Sampling temperature (log-probs of the DPO loss are taken at temperature 1).", default=0.9
+    )
     beta: list[float] = _help(
         "DPO beta / IPO tau: one value, or one value per epoch (the last one is kept after the list ends).",
         default_factory=lambda: [0.1],
@@ -66,7 +68,11 @@ class OnlineDPOConfig(OnPolicyConfig):
 
     def __post_init__(self) -> None:
         # The alias must be settled before OnPolicyConfig validates response_length.
-        if self.max_new_tokens is not None and self.response_length is not None and self.max_new_tokens != self.response_length:
+        if (
+            self.max_new_tokens is not None
+            and self.response_length is not None
+            and self.max_new_tokens != self.response_length
+        ):
             raise ConfigError(
                 f"max_new_tokens={self.max_new_tokens} and response_length={self.response_length} disagree; "
                 "they are the same setting, give one of them."

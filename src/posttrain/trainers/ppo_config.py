@@ -48,9 +48,12 @@ class PPOConfig(OnPolicyConfig):
     """PPO with a critic (TRL PPOConfig, both generations); see the module docstring for aliases."""
 
     # -- PPO (TRL on-policy names) ------------------------------------------------------------
-    num_ppo_epochs: int | None = _help("Epochs of PPO updates over each rollout batch (default 4; alias ppo_epochs).", default=None)
+    num_ppo_epochs: int | None = _help(
+        "Epochs of PPO updates over each rollout batch (default 4; alias ppo_epochs).", default=None
+    )
     kl_coef: float | None = _help(
-        "KL penalty coefficient in the per-token reward; the initial value when adap_kl_ctrl (default 0.05; alias init_kl_coef).",
+        "KL penalty coefficient in the per-token reward; the initial value when adap_kl_ctrl "
+        "(default 0.05; alias init_kl_coef).",
         default=None,
     )
     kl_estimator: str | None = _help(
@@ -59,10 +62,14 @@ class PPOConfig(OnPolicyConfig):
         default=None,
     )
     whiten_rewards: bool = _help("Whiten the per-token rewards (scale only, mean kept) before GAE.", default=False)
-    whiten_advantages: bool = _help("Whiten the advantages over the batch (mean 0, std 1), as TRL always does.", default=True)
+    whiten_advantages: bool = _help(
+        "Whiten the advantages over the batch (mean 0, std 1), as TRL always does.", default=True
+    )
     cliprange: float = _help("PPO policy clip range ε: the ratio is clipped to [1 − ε, 1 + ε].", default=0.2)
     vf_coef: float = _help("Weight of the value loss in the total loss.", default=0.1)
-    cliprange_value: float = _help("Value clip range: V is clipped to V_old ± cliprange_value in the value loss.", default=0.2)
+    cliprange_value: float = _help(
+        "Value clip range: V is clipped to V_old ± cliprange_value in the value loss.", default=0.2
+    )
     gamma: float = _help("Discount factor of GAE.", default=1.0)
     lam: float = _help("λ of GAE.", default=0.95)
     entropy_coef: float = _help(
@@ -70,7 +77,8 @@ class PPOConfig(OnPolicyConfig):
         default=0.0,
     )
     value_model_path: str | None = _help(
-        "Critic initialisation from this folder / hub name (a reward or causal LM checkpoint); overrides value_model_init.",
+        "Critic initialisation from this folder / hub name (a reward or causal LM checkpoint); "
+        "overrides value_model_init.",
         default=None,
     )
     value_model_init: str | None = _help(
@@ -84,10 +92,14 @@ class PPOConfig(OnPolicyConfig):
     use_score_norm: bool = _help("With use_score_scaling: also subtract the running mean.", default=False)
     score_clip: float | None = _help("Clip (scaled) scores to [−score_clip, score_clip].", default=None)
     # -- KL control and safety switches (classic PPOConfig) ------------------------------------
-    adap_kl_ctrl: bool = _help("Adapt the KL coefficient towards `target` (Ziegler et al. 2019); off = fixed kl_coef.", default=False)
+    adap_kl_ctrl: bool = _help(
+        "Adapt the KL coefficient towards `target` (Ziegler et al. 2019); off = fixed kl_coef.", default=False
+    )
     target: float = _help("Target KL (sum over a completion) of the adaptive controller.", default=6.0)
     horizon: float = _help("Horizon of the adaptive KL controller, in episodes.", default=10000.0)
-    early_stopping: bool = _help("Stop a batch's PPO epochs once the minibatch policy KL exceeds 1.5 × target_kl.", default=False)
+    early_stopping: bool = _help(
+        "Stop a batch's PPO epochs once the minibatch policy KL exceeds 1.5 × target_kl.", default=False
+    )
     target_kl: float = _help("KL threshold of early_stopping.", default=1.0)
     ratio_threshold: float = _help(
         "Skip (zero the loss of) a micro-batch whose mean ratio exceeds this (classic PPO's guard).", default=10.0
@@ -100,7 +112,8 @@ class PPOConfig(OnPolicyConfig):
     log_with: str | None = _help("Classic name of report_to: wandb or tensorboard.", default=None)
     # Settable here (derived in OnPolicyConfig): step() reads them, train() checks them.
     batch_size: int | None = _help(
-        "step(): rows per step() call (None: any). train(): derived; if set it must equal the derived value.", default=None
+        "step(): rows per step() call (None: any). train(): derived; if set it must equal the derived value.",
+        default=None,
     )
     mini_batch_size: int | None = _help(
         "step(): rows per forward/backward micro-batch (None: the whole batch). train(): derived episodes per "
@@ -112,7 +125,9 @@ class PPOConfig(OnPolicyConfig):
         self.total_episodes = self._alias("total_episodes", self.total_episodes, "steps", self.steps, None)
         self.steps = self.total_episodes
         super().__post_init__()
-        self.num_ppo_epochs = self.ppo_epochs = self._alias("num_ppo_epochs", self.num_ppo_epochs, "ppo_epochs", self.ppo_epochs, 4)
+        self.num_ppo_epochs = self.ppo_epochs = self._alias(
+            "num_ppo_epochs", self.num_ppo_epochs, "ppo_epochs", self.ppo_epochs, 4
+        )
         self.kl_coef = self.init_kl_coef = self._alias("kl_coef", self.kl_coef, "init_kl_coef", self.init_kl_coef, 0.05)
         for name in ("kl_estimator", "kl_penalty"):
             value = getattr(self, name)
@@ -127,7 +142,8 @@ class PPOConfig(OnPolicyConfig):
                 raise ConfigError(f'log_with={self.log_with!r} must be "wandb" or "tensorboard" (or use report_to).')
             if self.report_to not in (["none"], [], [self.log_with]):
                 raise ConfigError(
-                    f"log_with={self.log_with!r} and report_to={self.report_to!r} are the same setting; give one of them."
+                    f"log_with={self.log_with!r} and report_to={self.report_to!r} are the same setting; "
+                    "give one of them."
                 )
             self.report_to = [self.log_with]
         # What the user set for step(); train() compares the derived sizes against it.
@@ -153,11 +169,18 @@ class PPOConfig(OnPolicyConfig):
             if not ok:
                 raise ConfigError(f"{name}={getattr(self, name)!r} {why}.")
         if self.use_score_norm and not self.use_score_scaling:
-            raise ConfigError("use_score_norm=True needs use_score_scaling=True (TRL silently ignored it); set both or neither.")
+            raise ConfigError(
+                "use_score_norm=True needs use_score_scaling=True (TRL silently ignored it); set both or neither."
+            )
         if self.value_model_init is not None and self.value_model_init not in VALUE_MODEL_INITS:
-            raise ConfigError(f"value_model_init={self.value_model_init!r} must be one of {', '.join(VALUE_MODEL_INITS)}.")
+            raise ConfigError(
+                f"value_model_init={self.value_model_init!r} must be one of {', '.join(VALUE_MODEL_INITS)}."
+            )
         if self.value_model_path is not None and self.value_model_init == "head":
-            raise ConfigError('value_model_path and value_model_init="head" contradict each other: a value head has no separate weights.')
+            raise ConfigError(
+                'value_model_path and value_model_init="head" contradict each other: '
+                "a value head has no separate weights."
+            )
 
     @staticmethod
     def _alias(new: str, new_value, old: str, old_value, default):
@@ -187,8 +210,9 @@ class PPOConfig(OnPolicyConfig):
             derived = getattr(self, name)
             if user is not None and user != derived:
                 raise ConfigError(
-                    f"{name}={user} was set, but train() derives {name} = {derived} from per_device_train_batch_size "
-                    f"{self.per_device_train_batch_size} × gradient_accumulation_steps {self.gradient_accumulation_steps}"
+                    f"{name}={user} was set, but train() derives {name} = {derived} from "
+                    f"per_device_train_batch_size {self.per_device_train_batch_size} "
+                    f"× gradient_accumulation_steps {self.gradient_accumulation_steps}"
                     + (f" × num_mini_batches {self.num_mini_batches}" if name == "batch_size" else "")
                     + f" × world_size {world_size}. {name} is the step() size; leave it unset for train()."
                 )

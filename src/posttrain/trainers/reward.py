@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from posttrain import checkpoint as ckpt
-from posttrain.health import oom_advice
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError
+from posttrain.health import oom_advice
 from posttrain.losses import bradley_terry_loss
 from posttrain.models import apply_peft
 from posttrain.ops import lengths_to_mask
@@ -77,8 +77,9 @@ def score_head(model: nn.Module) -> nn.Module:
     )
 
 
-def last_token_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      lengths: torch.Tensor, head: nn.Module) -> torch.Tensor:
+def last_token_scores(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, lengths: torch.Tensor, head: nn.Module
+) -> torch.Tensor:
     """(N,) float32 score of each row at its last real token (position length − 1)."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
     hidden = out.hidden_states[-1]  # (N, T, H), the states the head reads
@@ -112,7 +113,9 @@ class RewardTrainer:
         )
         self.args = args
         if getattr(model.config, "num_labels", 1) != 1:
-            raise ConfigError(f"the reward model has num_labels={model.config.num_labels}; it must output one score (num_labels=1).")
+            raise ConfigError(
+                f"the reward model has num_labels={model.config.num_labels}; it must output one score (num_labels=1)."
+            )
         # TRL #937: without pad_token_id transformers' head cannot batch and, when it can, scores
         # the wrong token; saved with the model so plain transformers reads it back.
         model.config.pad_token_id = self.processing_class.pad_token_id
@@ -125,8 +128,14 @@ class RewardTrainer:
         self.train_dataset = self._prepare(train_dataset, "train_dataset")
         self.eval_dataset = self._prepare(eval_dataset, "eval_dataset") if eval_dataset is not None else None
         self.collator = PreferenceCollator(self.processing_class.pad_token_id, args.pad_to_multiple_of)
-        self.run = SupervisedRun(args, model, self.processing_class, self.train_dataset, accelerator=self.accelerator,
-                                 activation_offloading=args.activation_offloading)
+        self.run = SupervisedRun(
+            args,
+            model,
+            self.processing_class,
+            self.train_dataset,
+            accelerator=self.accelerator,
+            activation_offloading=args.activation_offloading,
+        )
         self.head = score_head(self.run.unwrapped())
 
     @property
@@ -138,11 +147,18 @@ class RewardTrainer:
 
         with dist.main_process_first(self.accelerator):
             prepared = prepare_preference_dataset(
-                dataset, self.processing_class, self.args.max_length, overflow=self.args.max_length_overflow, source=source
+                dataset,
+                self.processing_class,
+                self.args.max_length,
+                overflow=self.args.max_length_overflow,
+                source=source,
             )
         if dist.is_main(self.accelerator) and len(prepared) < len(dataset):
-            print(f"{source}: dropped {len(dataset) - len(prepared)} of {len(dataset)} pairs longer than "
-                  f"max_length={self.args.max_length} (max_length_overflow='drop').", file=sys.stderr)
+            print(
+                f"{source}: dropped {len(dataset) - len(prepared)} of {len(dataset)} pairs longer than "
+                f"max_length={self.args.max_length} (max_length_overflow='drop').",
+                file=sys.stderr,
+            )
         return prepared
 
     # -- the loss ---------------------------------------------------------------------------
@@ -152,12 +168,17 @@ class RewardTrainer:
         half = scores.size(0) // 2
         return scores[:half], scores[half:]
 
-    def compute_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def compute_loss(
+        self, model: nn.Module, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Σ over the micro-batch's pairs of the Bradley–Terry loss (not divided) and the scores."""
         chosen, rejected = self.compute_scores(model, batch)
         loss_sum, _ = bradley_terry_loss(
-            chosen, rejected, margin=batch.get("margin"),
-            center_rewards_coefficient=self.args.center_rewards_coefficient, normalizer=1.0,
+            chosen,
+            rejected,
+            margin=batch.get("margin"),
+            center_rewards_coefficient=self.args.center_rewards_coefficient,
+            normalizer=1.0,
         )
         return loss_sum, {"chosen": chosen.detach(), "rejected": rejected.detach(), "loss": loss_sum.detach()}
 
@@ -210,7 +231,9 @@ class RewardTrainer:
         samples: list[dict[str, Any]] = []
         low = torch.tensor(float("inf"), device=run.device)
         high = torch.tensor(float("-inf"), device=run.device)
-        for indices, keep in eval_shards(len(self.eval_dataset), self.args.per_device_eval_batch_size, self.accelerator):
+        for indices, keep in eval_shards(
+            len(self.eval_dataset), self.args.per_device_eval_batch_size, self.accelerator
+        ):
             examples = rows(self.eval_dataset, indices)
             batch = run.to_device(self.collator(examples))
             keep = keep.to(run.device)
@@ -219,8 +242,11 @@ class RewardTrainer:
             margin = batch.get("margin")
             # Repeats that only keep ranks in step are left out of every sum.
             loss_sum, _ = bradley_terry_loss(
-                chosen[keep], rejected[keep], margin=None if margin is None else margin[keep],
-                center_rewards_coefficient=self.args.center_rewards_coefficient, normalizer=1.0,
+                chosen[keep],
+                rejected[keep],
+                margin=None if margin is None else margin[keep],
+                center_rewards_coefficient=self.args.center_rewards_coefficient,
+                normalizer=1.0,
             )
             stats = {"chosen": chosen, "rejected": rejected, "loss": loss_sum}
             self._add_metrics(metrics, stats, "eval_", keep)
@@ -257,13 +283,15 @@ class RewardTrainer:
             k = 0
             while k < min(len(c), len(r)) and c[k] == r[k]:
                 k += 1
-            out.append({
-                "prompt": tok.decode(c[:k], skip_special_tokens=True).strip(),
-                "chosen": tok.decode(c[k:], skip_special_tokens=True).strip(),
-                "rejected": tok.decode(r[k:], skip_special_tokens=True).strip(),
-                "chosen_score": round(float(stats["chosen"][i]), 4),
-                "rejected_score": round(float(stats["rejected"][i]), 4),
-            })
+            out.append(
+                {
+                    "prompt": tok.decode(c[:k], skip_special_tokens=True).strip(),
+                    "chosen": tok.decode(c[k:], skip_special_tokens=True).strip(),
+                    "rejected": tok.decode(r[k:], skip_special_tokens=True).strip(),
+                    "chosen_score": round(float(stats["chosen"][i]), 4),
+                    "rejected_score": round(float(stats["rejected"][i]), 4),
+                }
+            )
         return out
 
     def save_model(self, output_dir: str | None = None) -> None:
@@ -283,8 +311,13 @@ def run(config: RewardConfig) -> int:
             raise ConfigError("model_name_or_path is not set: pass --model_name_or_path (a folder or a hub name).")
         train_dataset = load_split(config, config.dataset_train_split)
         eval_dataset = load_split(config, config.dataset_test_split, required=False)
-        trainer = RewardTrainer(config.model_name_or_path, args=config, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                                peft_config=peft_config_from(config, task_type="SEQ_CLS"))
+        trainer = RewardTrainer(
+            config.model_name_or_path,
+            args=config,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            peft_config=peft_config_from(config, task_type="SEQ_CLS"),
+        )
         trainer.train()
     except (ConfigError, DataError, ckpt.CheckpointError) as err:
         print(f"posttrain reward: {err}", file=sys.stderr)

@@ -71,9 +71,9 @@ from torch import nn
 
 from posttrain import advantages as adv
 from posttrain import checkpoint as ckpt
-from posttrain.health import oom_advice
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError, OnPolicyConfig
+from posttrain.health import oom_advice
 from posttrain.losses import ppo_policy_loss
 from posttrain.rollout import Rollout, decode_completions, generate, generation_mode
 from posttrain.scoring import batched_completion_logprobs, completion_logprobs
@@ -110,12 +110,24 @@ class RLOOTrainer:
     `on_train_end(config, state, control)` (the transformers TrainerCallback method names).
     """
 
-    def __init__(self, config: RLOOConfig, processing_class: Any = None, policy: nn.Module | None = None,
-                 ref_policy: nn.Module | None = None, reward_model: Any = None, train_dataset: Any = None,
-                 data_collator: Callable | None = None, eval_dataset: Any = None,
-                 optimizers: tuple[Any, Any] = (None, None), callbacks: Sequence[Any] | None = None, *,
-                 tokenizer: Any = None, reward_processing_class: Any = None, accelerator: Any = None,
-                 peft_config: Any = None) -> None:
+    def __init__(
+        self,
+        config: RLOOConfig,
+        processing_class: Any = None,
+        policy: nn.Module | None = None,
+        ref_policy: nn.Module | None = None,
+        reward_model: Any = None,
+        train_dataset: Any = None,
+        data_collator: Callable | None = None,
+        eval_dataset: Any = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        callbacks: Sequence[Any] | None = None,
+        *,
+        tokenizer: Any = None,
+        reward_processing_class: Any = None,
+        accelerator: Any = None,
+        peft_config: Any = None,
+    ) -> None:
         if not isinstance(config, RLOOConfig):
             raise ConfigError(f"config must be an RLOOConfig, got {type(config).__name__}.")
         self.config = config
@@ -124,10 +136,20 @@ class RLOOTrainer:
         elif reward_model is not None:
             reward_model = full_text_reward(reward_model)
         self.setup = TrainerSetup.create(
-            config, processing_class if processing_class is not None else tokenizer, policy, ref_policy,
-            reward_model, train_dataset, eval_dataset, data_collator=data_collator, optimizers=optimizers,
-            callbacks=callbacks, reward_processing_class=reward_processing_class, accelerator=accelerator,
-            needs_reference=config.kl_coef > 0, peft_config=peft_config,
+            config,
+            processing_class if processing_class is not None else tokenizer,
+            policy,
+            ref_policy,
+            reward_model,
+            train_dataset,
+            eval_dataset,
+            data_collator=data_collator,
+            optimizers=optimizers,
+            callbacks=callbacks,
+            reward_processing_class=reward_processing_class,
+            accelerator=accelerator,
+            needs_reference=config.kl_coef > 0,
+            peft_config=peft_config,
         )
         self.log_history: list[dict[str, float]] = self.setup.log_history
 
@@ -143,8 +165,9 @@ class RLOOTrainer:
             s.resume()
             for update in run.updates():
                 # 1-2. rollout k completions per prompt (seed layout: k blocks of P prompts) and score them
-                exp = sample_and_score(run, s.policy, s.ref_policy, s.reward, run.next_batch(), k,
-                                       adapter_reference=s.adapter_reference)
+                exp = sample_and_score(
+                    run, s.policy, s.ref_policy, s.reward, run.next_batch(), k, adapter_reference=s.adapter_reference
+                )
                 mask = exp.rollout.completion_mask
                 scores = exp.scores
                 if config.normalize_reward:
@@ -165,10 +188,22 @@ class RLOOTrainer:
                     advantages = batch_wide(run, advantages, adv.normalize_advantages)
 
                 # 5. sequence-level PPO-clip updates
-                def loss_fn(rows: torch.Tensor, mb: Rollout, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
-                            normalizer: float) -> torch.Tensor:
-                    loss, stats = ppo_policy_loss(logprobs, old_logprobs, advantages[rows], mb.completion_mask,
-                                                  config.cliprange, level="sequence", normalizer=normalizer)
+                def loss_fn(
+                    rows: torch.Tensor,
+                    mb: Rollout,
+                    logprobs: torch.Tensor,
+                    old_logprobs: torch.Tensor,
+                    normalizer: float,
+                ) -> torch.Tensor:
+                    loss, stats = ppo_policy_loss(
+                        logprobs,
+                        old_logprobs,
+                        advantages[rows],
+                        mb.completion_mask,
+                        config.cliprange,
+                        level="sequence",
+                        normalizer=normalizer,
+                    )
                     n = stats["count"]
                     metrics.add("loss/policy_avg", stats["pg_loss"] * n, n)
                     metrics.add("policy/approxkl_avg", stats["approxkl"] * n, n)
@@ -179,8 +214,15 @@ class RLOOTrainer:
                         metrics.add_var("val/ratio_var", log_ratio.exp())
                     return loss
 
-                policy_update(run, s.policy, s.optimizer, exp.rollout, num_epochs=config.num_ppo_epochs,
-                              count=lambda rows: rows.numel(), loss_fn=loss_fn)
+                policy_update(
+                    run,
+                    s.policy,
+                    s.optimizer,
+                    exp.rollout,
+                    num_epochs=config.num_ppo_epochs,
+                    count=lambda rows: rows.numel(),
+                    loss_fn=loss_fn,
+                )
                 s.end_of_update(update, extra={"val/clipfrac_avg": 0.0})
             s.finish()
         return self.log_history[-1] if self.log_history else {}
@@ -213,11 +255,23 @@ def full_text_reward(reward: Any) -> Any:
 
 def run(config: RLOOConfig) -> int:
     """`posttrain rloo`: load tokenizer, policy, reference, reward and prompts from the config; train."""
-    return run_from_config("rloo", config, lambda parts: RLOOTrainer(
-        config, parts.tokenizer, parts.policy, parts.reference, parts.rewards, parts.train_dataset,
-        eval_dataset=parts.eval_dataset, reward_processing_class=parts.reward_tokenizer, accelerator=parts.accelerator,
-        peft_config=parts.peft_config,
-    ), needs_reference=True)
+    return run_from_config(
+        "rloo",
+        config,
+        lambda parts: RLOOTrainer(
+            config,
+            parts.tokenizer,
+            parts.policy,
+            parts.reference,
+            parts.rewards,
+            parts.train_dataset,
+            eval_dataset=parts.eval_dataset,
+            reward_processing_class=parts.reward_tokenizer,
+            accelerator=parts.accelerator,
+            peft_config=parts.peft_config,
+        ),
+        needs_reference=True,
+    )
 
 
 # =============================================================================================
@@ -238,8 +292,16 @@ class Experience:
 
 
 @torch.no_grad()
-def sample_and_score(run: OnlineRun, policy: nn.Module, ref_policy: nn.Module | None, reward: RewardSource,
-                     batch: dict, k: int, *, adapter_reference: bool = False) -> Experience:
+def sample_and_score(
+    run: OnlineRun,
+    policy: nn.Module,
+    ref_policy: nn.Module | None,
+    reward: RewardSource,
+    batch: dict,
+    k: int,
+    *,
+    adapter_reference: bool = False,
+) -> Experience:
     """Generate k completions per prompt, score them, and take the reference logprobs (from
     ref_policy, or with `adapter_reference` from the PEFT policy with its adapter disabled).
 
@@ -251,17 +313,29 @@ def sample_and_score(run: OnlineRun, policy: nn.Module, ref_policy: nn.Module | 
     num_prompts = batch["input_ids"].size(0)
     prompt_ids = batch["input_ids"].repeat(k, 1)  # (k·P, L)
     prompt_mask = batch["attention_mask"].repeat(k, 1)
-    with dist.unwrap_for_generation(policy, run.accelerator, config.ds3_gather_for_generation) as model, \
-            generation_mode(model), run.autocast():
-        rollout = generate(model, prompt_ids, prompt_mask, run.sampling, pad_token_id=tokenizer.pad_token_id,
-                           batch_size=config.local_rollout_forward_batch_size, generator=run.generator)
+    with (
+        dist.unwrap_for_generation(policy, run.accelerator, config.ds3_gather_for_generation) as model,
+        generation_mode(model),
+        run.autocast(),
+    ):
+        rollout = generate(
+            model,
+            prompt_ids,
+            prompt_mask,
+            run.sampling,
+            pad_token_id=tokenizer.pad_token_id,
+            batch_size=config.local_rollout_forward_batch_size,
+            generator=run.generator,
+        )
     scores = score(run, reward, rollout, batch, k)
     mask = rollout.completion_mask
     ref_logprobs = kl = None
     if ref_policy is not None or adapter_reference:
         with reference_policy(policy, ref_policy, run.accelerator) as ref, run.autocast():
             ref_logprobs, _ = batched_completion_logprobs(
-                ref, rollout, batch_size=config.local_rollout_forward_batch_size,
+                ref,
+                rollout,
+                batch_size=config.local_rollout_forward_batch_size,
                 temperature=run.sampling.logprob_temperature,
             )
         kl = adv.kl_penalty(rollout.logprobs, ref_logprobs, "k1", mask)
@@ -275,7 +349,9 @@ def sample_and_score(run: OnlineRun, policy: nn.Module, ref_policy: nn.Module | 
 
 
 def score(run: OnlineRun, reward: RewardSource, rollout: Rollout, batch: dict, k: int) -> torch.Tensor:
-    """Scores (B,) of a rollout whose prompts are `batch` repeated as k blocks; texts decoded only for reward functions."""
+    """Scores (B,) of a rollout whose prompts are `batch` repeated as k blocks; texts decoded only
+    for reward functions.
+    """
     n = len(rollout)
     prompts, completions, columns = [""] * n, [""] * n, {}
     if reward.funcs:
@@ -299,8 +375,16 @@ def batch_wide(run: OnlineRun, values: torch.Tensor, fn: Callable[[torch.Tensor]
 LossFn = Callable[[torch.Tensor, Rollout, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
-def policy_update(run: OnlineRun, policy: nn.Module, optimizer: torch.optim.Optimizer, rollout: Rollout, *,
-                  num_epochs: int, count: Callable[[torch.Tensor], Any], loss_fn: LossFn) -> None:
+def policy_update(
+    run: OnlineRun,
+    policy: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rollout: Rollout,
+    *,
+    num_epochs: int,
+    count: Callable[[torch.Tensor], Any],
+    loss_fn: LossFn,
+) -> None:
     """num_epochs × num_mini_batches optimizer steps over one rollout batch (PPO's inner loops).
 
     Each epoch draws a permutation of the rows; each minibatch (local_mini_batch_size rows) is split
@@ -312,8 +396,10 @@ def policy_update(run: OnlineRun, policy: nn.Module, optimizer: torch.optim.Opti
     config, acc = run.config, run.accelerator
     temperature = run.sampling.logprob_temperature
     n = len(rollout)
-    orders = [torch.randperm(n, generator=run.generator, device=run.generator.device).to(run.device)
-              for _ in range(num_epochs)]
+    orders = [
+        torch.randperm(n, generator=run.generator, device=run.generator.device).to(run.device)
+        for _ in range(num_epochs)
+    ]
     reuse_update_forward = num_epochs == 1 and config.num_mini_batches == 1
     policy.train()
     old_logprobs = None
@@ -345,8 +431,9 @@ def policy_update(run: OnlineRun, policy: nn.Module, optimizer: torch.optim.Opti
 
 
 @torch.no_grad()
-def old_policy_logprobs(run: OnlineRun, policy: nn.Module, rollout: Rollout, first_order: torch.Tensor,
-                        temperature: float) -> torch.Tensor:
+def old_policy_logprobs(
+    run: OnlineRun, policy: nn.Module, rollout: Rollout, first_order: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """log π_old per completion token (B, T), computed in the first epoch's micro-batches with the same
     function and mode as the update forward, so the first minibatch's ratio is exactly 1."""
     out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=rollout.completion_ids.device)
@@ -374,11 +461,25 @@ class TrainerSetup:
     adapter_reference: bool = False
 
     @classmethod
-    def create(cls, config: OnPolicyConfig, tokenizer: Any, policy: nn.Module | None, ref_policy: nn.Module | None,
-               reward: Any, train_dataset: Any, eval_dataset: Any, *, data_collator: Callable | None,
-               optimizers: tuple[Any, Any], callbacks: Sequence[Any] | None, reward_processing_class: Any,
-               accelerator: Any, needs_reference: bool, reward_weights: Sequence[float] | None = None,
-               peft_config: Any = None) -> TrainerSetup:
+    def create(
+        cls,
+        config: OnPolicyConfig,
+        tokenizer: Any,
+        policy: nn.Module | None,
+        ref_policy: nn.Module | None,
+        reward: Any,
+        train_dataset: Any,
+        eval_dataset: Any,
+        *,
+        data_collator: Callable | None,
+        optimizers: tuple[Any, Any],
+        callbacks: Sequence[Any] | None,
+        reward_processing_class: Any,
+        accelerator: Any,
+        needs_reference: bool,
+        reward_weights: Sequence[float] | None = None,
+        peft_config: Any = None,
+    ) -> TrainerSetup:
         from posttrain.models import apply_peft, disable_dropout, is_peft_model
 
         if tokenizer is None:
@@ -388,8 +489,10 @@ class TrainerSetup:
         if ref_policy is not None and ref_policy is policy:
             raise ConfigError("ref_policy is the policy object itself; pass a separate copy (or None to copy it).")
         if reward is None or (isinstance(reward, (list, tuple)) and not reward):
-            raise ConfigError("no reward: pass reward_model (a reward model or reward functions), or on the command "
-                              "line --reward_model_path / --reward_funcs.")
+            raise ConfigError(
+                "no reward: pass reward_model (a reward model or reward functions), or on the command "
+                "line --reward_model_path / --reward_funcs."
+            )
         run = OnlineRun(config, tokenizer, train_dataset, eval_dataset, accelerator=accelerator)
         if data_collator is not None:
             run.collate = run.prompts.collate = data_collator
@@ -409,9 +512,14 @@ class TrainerSetup:
         for r in rewards:
             if isinstance(r, nn.Module):
                 r.to(run.device).eval()
-        source = RewardSource(rewards, policy_tokenizer=tokenizer, reward_tokenizer=reward_processing_class,
-                              weights=reward_weights, batch_size=config.local_rollout_forward_batch_size,
-                              missing_eos_penalty=config.missing_eos_penalty)
+        source = RewardSource(
+            rewards,
+            policy_tokenizer=tokenizer,
+            reward_tokenizer=reward_processing_class,
+            weights=reward_weights,
+            batch_size=config.local_rollout_forward_batch_size,
+            missing_eos_penalty=config.missing_eos_penalty,
+        )
         optimizer, scheduler = optimizers
         if optimizer is None:
             optimizer = build_optimizer(policy.parameters(), config)
@@ -448,21 +556,38 @@ class TrainerSetup:
         run, config = self.run, self.run.config
         batch = run.eval_prompts(config.per_device_eval_batch_size)
         greedy = dataclasses.replace(run.sampling, temperature=0.0, do_sample=False)
-        with dist.unwrap_for_generation(self.policy, run.accelerator, config.ds3_gather_for_generation) as model, \
-                generation_mode(model), run.autocast():
-            rollout = generate(model, batch["input_ids"], batch["attention_mask"], greedy,
-                               pad_token_id=run.tokenizer.pad_token_id, batch_size=config.local_rollout_forward_batch_size,
-                               return_logprobs=False)
+        with (
+            dist.unwrap_for_generation(self.policy, run.accelerator, config.ds3_gather_for_generation) as model,
+            generation_mode(model),
+            run.autocast(),
+        ):
+            rollout = generate(
+                model,
+                batch["input_ids"],
+                batch["attention_mask"],
+                greedy,
+                pad_token_id=run.tokenizer.pad_token_id,
+                batch_size=config.local_rollout_forward_batch_size,
+                return_logprobs=False,
+            )
         scores = score(run, self.reward, rollout, batch, 1)
         shown = decode_completions(run.tokenizer, rollout, skip_special_tokens=False)
-        rows = [{"query": q, "model response": r, "score": float(s)} for q, r, s in zip(batch["prompt"], shown, scores.tolist())]
+        rows = [
+            {"query": q, "model response": r, "score": float(s)}
+            for q, r, s in zip(batch["prompt"], shown, scores.tolist())
+        ]
         run.sample_table(update, rows)
 
     def save_model(self, output_dir: str | None = None) -> None:
         run = self.run
         target = output_dir or run.config.output_dir
-        ckpt.save_final(target, dist.unwrap(self.policy, run.accelerator), tokenizer=run.tokenizer,
-                        config=run.config.to_dict(), accelerator=run.accelerator)
+        ckpt.save_final(
+            target,
+            dist.unwrap(self.policy, run.accelerator),
+            tokenizer=run.tokenizer,
+            config=run.config.to_dict(),
+            accelerator=run.accelerator,
+        )
 
     def finish(self) -> None:
         self.run.finish(self.policy)
@@ -496,7 +621,9 @@ def load_parts(config: OnPolicyConfig, needs_reference: bool) -> LoadedParts:
     if not config.sft_model_path:
         raise ConfigError("no policy: pass --model_name_or_path (or --sft_model_path), a folder or a hub name.")
     if not config.reward_model_path and not config.reward_funcs:
-        raise ConfigError("no reward: pass --reward_model_path (a reward model) and/or --reward_funcs (module:function ...).")
+        raise ConfigError(
+            "no reward: pass --reward_model_path (a reward model) and/or --reward_funcs (module:function ...)."
+        )
     funcs = [import_callable(path) for path in config.reward_funcs or []]
     peft_config = peft_config_from(config)
     # With LoRA the reference is the base model with the adapter disabled: no copy is loaded.
@@ -504,9 +631,15 @@ def load_parts(config: OnPolicyConfig, needs_reference: bool) -> LoadedParts:
     train_dataset = load_split(config, config.dataset_train_split)
     eval_dataset = load_split(config, config.dataset_test_split, required=False)
     accelerator = dist.build_accelerator(mixed_precision=config.mixed_precision)
-    common = dict(dtype=config.torch_dtype, trust_remote_code=config.trust_remote_code, disable_dropout=config.disable_dropout)
-    tokenizer = load_tokenizer(config.model_name_or_path or config.sft_model_path, trust_remote_code=config.trust_remote_code)
-    policy = load_policy(config.sft_model_path, gradient_checkpointing=config.gradient_checkpointing, tokenizer=tokenizer, **common)
+    common = dict(
+        dtype=config.torch_dtype, trust_remote_code=config.trust_remote_code, disable_dropout=config.disable_dropout
+    )
+    tokenizer = load_tokenizer(
+        config.model_name_or_path or config.sft_model_path, trust_remote_code=config.trust_remote_code
+    )
+    policy = load_policy(
+        config.sft_model_path, gradient_checkpointing=config.gradient_checkpointing, tokenizer=tokenizer, **common
+    )
     reference = load_policy(config.sft_model_path, tokenizer=tokenizer, **common) if needs_reference else None
     rewards: list[Any] = []
     reward_tokenizer = None
@@ -517,11 +650,14 @@ def load_parts(config: OnPolicyConfig, needs_reference: bool) -> LoadedParts:
             reward_tokenizer = None  # no tokenizer saved with the reward model: it shares the policy's
         rewards.append(load_reward_model(config.reward_model_path, tokenizer=reward_tokenizer or tokenizer, **common))
     rewards.extend(funcs)
-    return LoadedParts(tokenizer, policy, reference, rewards, reward_tokenizer, train_dataset, eval_dataset, accelerator,
-                       peft_config)
+    return LoadedParts(
+        tokenizer, policy, reference, rewards, reward_tokenizer, train_dataset, eval_dataset, accelerator, peft_config
+    )
 
 
-def run_from_config(command: str, config: OnPolicyConfig, build: Callable[[LoadedParts], Any], needs_reference: bool) -> int:
+def run_from_config(
+    command: str, config: OnPolicyConfig, build: Callable[[LoadedParts], Any], needs_reference: bool
+) -> int:
     """Shared body of `posttrain rloo` / `posttrain grpo`: refuse to overwrite a finished run, load,
     build the trainer, train. Errors meant for people print one line and exit with code 2."""
     from posttrain.data import DataError

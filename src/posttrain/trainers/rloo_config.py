@@ -58,7 +58,9 @@ class RLOOConfig(OnPolicyConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.rloo_k < 2:
-            raise ConfigError(f"rloo_k={self.rloo_k}: RLOO needs at least 2 completions per prompt for a leave-one-out baseline.")
+            raise ConfigError(
+                f"rloo_k={self.rloo_k}: RLOO needs at least 2 completions per prompt for a leave-one-out baseline."
+            )
         if self.num_ppo_epochs < 1:
             raise ConfigError(f"num_ppo_epochs={self.num_ppo_epochs} must be >= 1.")
         if self.cliprange <= 0:

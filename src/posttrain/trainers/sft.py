@@ -36,9 +36,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from posttrain import checkpoint as ckpt
-from posttrain.health import oom_advice
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError
+from posttrain.health import oom_advice
 from posttrain.losses import chunked_nll
 from posttrain.models import apply_peft
 from posttrain.ops import entropy_from_logits, lengths_to_mask, selective_log_softmax
@@ -94,8 +94,9 @@ class SFTCollator:
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         ids = [list(e["input_ids"]) for e in examples]
         labels = [list(_labels_of(e)) for e in examples]
-        multi = self.padding_free or any(e.get("position_ids") is not None or e.get("seq_lengths") is not None
-                                         for e in examples)
+        multi = self.padding_free or any(
+            e.get("position_ids") is not None or e.get("seq_lengths") is not None for e in examples
+        )
         if not multi:
             input_ids, lengths = pad_right(ids, self.pad_token_id, self.pad_to_multiple_of)
             padded_labels, _ = pad_right(labels, IGNORE_INDEX, self.pad_to_multiple_of)
@@ -125,8 +126,9 @@ class SFTCollator:
         }
 
 
-def packed_attention_inputs(position_ids: torch.Tensor, attn_implementation: str | None,
-                            dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
+def packed_attention_inputs(
+    position_ids: torch.Tensor, attn_implementation: str | None, dtype: torch.dtype
+) -> dict[str, torch.Tensor | None]:
     """Model inputs that keep each packed sequence to itself, from `position_ids` (B, T) that
     restart at 0 at every sequence start.
 
@@ -159,8 +161,8 @@ class SFTTrainer:
     """TRL-compatible supervised fine-tuning trainer (no transformers.Trainer underneath).
 
     model: a causal LM or its path / hub name. peft_config: a peft.LoraConfig to train LoRA adapters
-    only (the saved model is then the adapter; merge with `merge_and_unload`). train_dataset / eval_dataset: `datasets.Dataset`
-    in text (`dataset_text_field`), `messages` or prompt-completion format, or pre-tokenized
+    only (the saved model is then the adapter; merge with `merge_and_unload`). train_dataset / eval_dataset:
+    `datasets.Dataset` in text (`dataset_text_field`), `messages` or prompt-completion format, or pre-tokenized
     (`input_ids`, optional `labels` / `completion_mask`) with dataset_kwargs skip_prepare_dataset.
     """
 
@@ -182,12 +184,21 @@ class SFTTrainer:
         model = apply_peft(model, peft_config)
         self.train_dataset = self._prepare(train_dataset, args.packing, "train_dataset")
         self.eval_dataset = (
-            self._prepare(eval_dataset, args.packing if args.eval_packing is None else args.eval_packing, "eval_dataset")
-            if eval_dataset is not None else None
+            self._prepare(
+                eval_dataset, args.packing if args.eval_packing is None else args.eval_packing, "eval_dataset"
+            )
+            if eval_dataset is not None
+            else None
         )
         self.collator = SFTCollator(self.processing_class.pad_token_id, args.pad_to_multiple_of, args.padding_free)
-        self.run = SupervisedRun(args, model, self.processing_class, self.train_dataset, accelerator=self.accelerator,
-                                 activation_offloading=args.activation_offloading)
+        self.run = SupervisedRun(
+            args,
+            model,
+            self.processing_class,
+            self.train_dataset,
+            accelerator=self.accelerator,
+            activation_offloading=args.activation_offloading,
+        )
         self._forward_kwargs = _forward_kwargs(self.run.unwrapped(), args.router_aux_loss_coef)
 
     @property
@@ -205,12 +216,16 @@ class SFTTrainer:
             dataset = dataset.shuffle(seed=self.args.seed)
         with dist.main_process_first(self.accelerator):
             return prepare_sft_dataset(
-                dataset, self.processing_class, self.args.max_length,
+                dataset,
+                self.processing_class,
+                self.args.max_length,
                 dataset_text_field=self.args.dataset_text_field,
                 completion_only_loss=self.args.completion_only_loss,
                 assistant_only_loss=self.args.assistant_only_loss,
-                truncation=self.args.truncation_mode, packing=packing,
-                packing_strategy=self.args.packing_strategy, source=source,
+                truncation=self.args.truncation_mode,
+                packing=packing,
+                packing_strategy=self.args.packing_strategy,
+                source=source,
             )
 
     # -- the loss ---------------------------------------------------------------------------
@@ -221,8 +236,9 @@ class SFTTrainer:
         those tokens plus their `count`; the model's router aux loss or None)."""
         bare = dist.unwrap(model, self.accelerator)
         if "position_ids" in batch:
-            attention = packed_attention_inputs(batch["position_ids"], bare.config._attn_implementation,
-                                                bare.get_input_embeddings().weight.dtype)
+            attention = packed_attention_inputs(
+                batch["position_ids"], bare.config._attn_implementation, bare.get_input_embeddings().weight.dtype
+            )
         else:
             attention = {"attention_mask": batch["attention_mask"]}
         out = model(input_ids=batch["input_ids"], **attention, **self._forward_kwargs)
@@ -239,8 +255,15 @@ class SFTTrainer:
         stats = {k: torch.zeros((), device=hidden.device) for k in ("loss", "nll", "correct", "entropy")}
         chunk = self.args.loss_chunk_tokens
         for start in range(0, y.numel(), chunk):
-            part = checkpoint(_chunk_loss, lm_head, h[start : start + chunk], y[start : start + chunk],
-                              self.args.loss_type, softcap, use_reentrant=False)
+            part = checkpoint(
+                _chunk_loss,
+                lm_head,
+                h[start : start + chunk],
+                y[start : start + chunk],
+                self.args.loss_type,
+                softcap,
+                use_reentrant=False,
+            )
             loss_sum = loss_sum + part[0]
             for key, value in zip(("nll", "correct", "entropy"), part[1:]):
                 stats[key] = stats[key] + value
@@ -287,17 +310,23 @@ class SFTTrainer:
         was_training = model.training
         model.eval()
         metrics = MetricAccumulator()
-        for indices, counts in eval_shards(len(self.eval_dataset), self.args.per_device_eval_batch_size, self.accelerator):
+        for indices, counts in eval_shards(
+            len(self.eval_dataset), self.args.per_device_eval_batch_size, self.accelerator
+        ):
             examples = rows(self.eval_dataset, indices)
             # Repeats that only keep ranks in step are not scored. Masked per example, before
             # collation, because a padding-free batch is a single row.
-            examples = [e if keep else {**e, "labels": [IGNORE_INDEX] * len(e["input_ids"])}
-                        for e, keep in zip(examples, counts.tolist())]
+            examples = [
+                e if keep else {**e, "labels": [IGNORE_INDEX] * len(e["input_ids"])}
+                for e, keep in zip(examples, counts.tolist())
+            ]
             batch = run.to_device(self.collator(examples))
             with run.autocast():
                 _, stats, _ = self.compute_loss(model, batch)
             self._add_metrics(metrics, stats, "eval_")
-            metrics.add_sum("eval_num_tokens", sum(len(e["input_ids"]) for e, keep in zip(examples, counts.tolist()) if keep))
+            metrics.add_sum(
+                "eval_num_tokens", sum(len(e["input_ids"]) for e, keep in zip(examples, counts.tolist()) if keep)
+            )
         values = metrics.reduce(self.accelerator)
         run.tracker.log(values, step=run.global_step)
         model.train(was_training)
@@ -353,8 +382,13 @@ def run(config: SFTConfig) -> int:
             raise ConfigError("model_name_or_path is not set: pass --model_name_or_path (a folder or a hub name).")
         train_dataset = load_split(config, config.dataset_train_split)
         eval_dataset = load_split(config, config.dataset_test_split, required=False)
-        trainer = SFTTrainer(config.model_name_or_path, args=config, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                             peft_config=peft_config_from(config))
+        trainer = SFTTrainer(
+            config.model_name_or_path,
+            args=config,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            peft_config=peft_config_from(config),
+        )
         trainer.train()
     except (ConfigError, DataError, ckpt.CheckpointError) as err:
         print(f"posttrain sft: {err}", file=sys.stderr)

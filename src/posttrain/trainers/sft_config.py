@@ -42,7 +42,9 @@ class SFTConfig(SupervisedConfig):
         default=None,
     )
     max_length: int | None = _help("Truncate every example to this many tokens (None: no limit).", default=1024)
-    truncation_mode: str = _help('Which end of an overlong example to keep: "keep_start" or "keep_end".', default="keep_start")
+    truncation_mode: str = _help(
+        'Which end of an overlong example to keep: "keep_start" or "keep_end".', default="keep_start"
+    )
     shuffle_dataset: bool = _help("Shuffle the training set once before preparing it.", default=False)
     packing: bool = _help(
         "Pack several examples into each row of at most max_length tokens (see packing_strategy).",
@@ -67,9 +69,7 @@ class SFTConfig(SupervisedConfig):
         "Train only on completion tokens of prompt-completion data (None: yes for prompt-completion data).",
         default=None,
     )
-    assistant_only_loss: bool = _help(
-        "Train only on assistant turns of conversational (messages) data.", default=False
-    )
+    assistant_only_loss: bool = _help("Train only on assistant turns of conversational (messages) data.", default=False)
     loss_type: str = _help(
         '"chunked_nll" (default) or "nll": next-token cross-entropy on trained tokens; "dft": each '
         "token's NLL weighted by its (detached) probability (Dynamic Fine-Tuning, Wu et al. 2025).",
@@ -93,7 +93,9 @@ class SFTConfig(SupervisedConfig):
         if self.loss_type not in LOSS_TYPES:
             raise ConfigError(f"loss_type={self.loss_type!r} must be one of {', '.join(LOSS_TYPES)}.")
         if self.packing_strategy not in PACKING_STRATEGIES:
-            raise ConfigError(f"packing_strategy={self.packing_strategy!r} must be one of {', '.join(PACKING_STRATEGIES)}.")
+            raise ConfigError(
+                f"packing_strategy={self.packing_strategy!r} must be one of {', '.join(PACKING_STRATEGIES)}."
+            )
         if (self.packing or self.eval_packing) and not self.max_length:
             raise ConfigError("packing needs max_length (the length of each packed row).")
         if self.loss_chunk_tokens < 1:

@@ -205,15 +205,21 @@ class SupervisedRun:
         dist.set_seed(config.seed)
         self.train_dataset = train_dataset
         self.plan = BatchPlan(
-            len(train_dataset), config.per_device_train_batch_size, config.gradient_accumulation_steps,
-            seed=config.seed, num_train_epochs=config.num_train_epochs, max_steps=config.max_steps,
-            world_size=self.world_size, rank=dist.process_index(self.accelerator),
+            len(train_dataset),
+            config.per_device_train_batch_size,
+            config.gradient_accumulation_steps,
+            seed=config.seed,
+            num_train_epochs=config.num_train_epochs,
+            max_steps=config.max_steps,
+            world_size=self.world_size,
+            rank=dist.process_index(self.accelerator),
         )
         self.global_step = 0
         self.num_tokens = 0.0  # input tokens seen, all ranks (TRL's num_tokens)
         self.metrics = MetricAccumulator()
-        self.tracker = Tracker(config.output_dir, config.report_to, config=config.to_dict(),
-                               run_name=config.run_name, is_main=self.is_main)
+        self.tracker = Tracker(
+            config.output_dir, config.report_to, config=config.to_dict(), run_name=config.run_name, is_main=self.is_main
+        )
 
         model.to(self.device)
         if config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
@@ -224,8 +230,9 @@ class SupervisedRun:
         state: dict[str, Any] = {}
         if resume_path is not None:
             # Before prepare(): under ZeRO-3 / FSDP sharded parameters cannot take a full state dict.
-            state = ckpt.load_checkpoint(resume_path, models={"model": model}, optimizer=optimizer,
-                                         scheduler=scheduler, accelerator=None)
+            state = ckpt.load_checkpoint(
+                resume_path, models={"model": model}, optimizer=optimizer, scheduler=scheduler, accelerator=None
+            )
         self._set_deepspeed_batch_size()
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.scheduler = scheduler
@@ -269,8 +276,11 @@ class SupervisedRun:
 
     def global_counts(self, *local: float | torch.Tensor) -> list[float]:
         """Sum per-rank counts over ranks (one all-reduce)."""
-        t = torch.tensor([float(x) for x in local], dtype=torch.float64 if self.device.type != "mps" else torch.float32,
-                         device=self.device)
+        t = torch.tensor(
+            [float(x) for x in local],
+            dtype=torch.float64 if self.device.type != "mps" else torch.float32,
+            device=self.device,
+        )
         return dist.reduce_sum(t, self.accelerator).tolist()
 
     def normaliser(self, global_count: float) -> float:
@@ -343,15 +353,27 @@ class SupervisedRun:
             "time": time.time(),
         }
         ckpt.save_checkpoint(
-            self.config.output_dir, self.global_step, models={"model": self.model}, tokenizer=self.tokenizer,
-            config=self.config.to_dict(), optimizer=self.optimizer, scheduler=self.scheduler,
-            trainer_state=state, save_total_limit=self.config.save_total_limit, accelerator=self.accelerator,
+            self.config.output_dir,
+            self.global_step,
+            models={"model": self.model},
+            tokenizer=self.tokenizer,
+            config=self.config.to_dict(),
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            trainer_state=state,
+            save_total_limit=self.config.save_total_limit,
+            accelerator=self.accelerator,
         )
 
     def save_final(self, output_dir: str | None = None) -> None:
         """The trained model at the top of output_dir, loadable with plain `from_pretrained`."""
-        ckpt.save_final(output_dir or self.config.output_dir, self.model, tokenizer=self.tokenizer,
-                        config=self.config.to_dict(), accelerator=self.accelerator)
+        ckpt.save_final(
+            output_dir or self.config.output_dir,
+            self.model,
+            tokenizer=self.tokenizer,
+            config=self.config.to_dict(),
+            accelerator=self.accelerator,
+        )
 
     def unwrapped(self) -> nn.Module:
         return dist.unwrap(self.model, self.accelerator)
@@ -377,8 +399,14 @@ def resolve_model_and_tokenizer(
         kwargs = dict(model_init_kwargs or {})
         dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", config.torch_dtype))
         loader = models.load_policy if kind == "causal_lm" else models.load_reward_model
-        model = loader(model, dtype=dtype, trust_remote_code=config.trust_remote_code,
-                       disable_dropout=config.disable_dropout, tokenizer=tokenizer, **kwargs)
+        model = loader(
+            model,
+            dtype=dtype,
+            trust_remote_code=config.trust_remote_code,
+            disable_dropout=config.disable_dropout,
+            tokenizer=tokenizer,
+            **kwargs,
+        )
     elif config.disable_dropout:
         models.disable_dropout(model)
     return model, tokenizer
@@ -401,8 +429,17 @@ def apply_chat_template_path(tokenizer: Any, path: str | None) -> None:
     tokenizer.chat_template = template
 
 
-def begin_supervised(model: Any, args: Any, config_cls: type, suffix: str, train_dataset: Any,
-                     processing_class: Any, accelerator: Any, *, kind: str) -> tuple[Any, Any, Any, Any]:
+def begin_supervised(
+    model: Any,
+    args: Any,
+    config_cls: type,
+    suffix: str,
+    train_dataset: Any,
+    processing_class: Any,
+    accelerator: Any,
+    *,
+    kind: str,
+) -> tuple[Any, Any, Any, Any]:
     """The common start of SFTTrainer / RewardTrainer: a default config named after the model,
     checks that need no model (train_dataset given, output_dir free), the accelerator (created
     before dataset preparation so that runs on the main process first), model + tokenizer, and the
@@ -414,7 +451,8 @@ def begin_supervised(model: Any, args: Any, config_cls: type, suffix: str, train
         raise ConfigError("train_dataset is required (or --dataset_name on the command line).")
     check_output_dir(args)
     accelerator = accelerator or dist.build_accelerator(mixed_precision=args.mixed_precision)
-    model, tokenizer = resolve_model_and_tokenizer(model, processing_class, args, kind=kind,
-                                                   model_init_kwargs=args.model_init_kwargs)
+    model, tokenizer = resolve_model_and_tokenizer(
+        model, processing_class, args, kind=kind, model_init_kwargs=args.model_init_kwargs
+    )
     apply_chat_template_path(tokenizer, args.chat_template_path)
     return args, accelerator, model, tokenizer

@@ -66,15 +66,38 @@ class XPOTrainer(PairTrainerAPI):
     reference is the base model (adapter disabled). Callbacks as OnlineDPOTrainer.
     """
 
-    def __init__(self, model: Any = None, ref_model: Any = None, reward_model: Any = None, judge: Any = None,
-                 args: XPOConfig | None = None, data_collator: Any = None, train_dataset: Any = None,
-                 eval_dataset: Any = None, processing_class: Any = None, peft_config: Any = None,
-                 callbacks: list | None = None, optimizers: tuple = (None, None)) -> None:
-        init_trainer(self, model=model, ref_model=ref_model, reward_model=reward_model, judge=judge,
-                     args=args if args is not None else XPOConfig(), data_collator=data_collator,
-                     train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
-                     reward_processing_class=None, peft_config=peft_config, callbacks=callbacks,
-                     optimizers=optimizers, reward_funcs=None)
+    def __init__(
+        self,
+        model: Any = None,
+        ref_model: Any = None,
+        reward_model: Any = None,
+        judge: Any = None,
+        args: XPOConfig | None = None,
+        data_collator: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        peft_config: Any = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+    ) -> None:
+        init_trainer(
+            self,
+            model=model,
+            ref_model=ref_model,
+            reward_model=reward_model,
+            judge=judge,
+            args=args if args is not None else XPOConfig(),
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_class=None,
+            peft_config=peft_config,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            reward_funcs=None,
+        )
 
     def train(self) -> None:
         run, config = self.run, self.args
@@ -103,12 +126,23 @@ class XPOTrainer(PairTrainerAPI):
             def xpo_on_pairs(idx: torch.Tensor, first: torch.Tensor, second: torch.Tensor, normalizer: float):
                 def loss(kept: torch.Tensor, f: torch.Tensor, s: torch.Tensor):
                     chosen, rejected = choose(f, s, ranking.first_wins[kept])
-                    return xpo_loss(chosen, rejected, ref_chosen[kept], ref_rejected[kept], s, beta, alpha,
-                                    config.loss_type, normalizer)
+                    return xpo_loss(
+                        chosen,
+                        rejected,
+                        ref_chosen[kept],
+                        ref_rejected[kept],
+                        s,
+                        beta,
+                        alpha,
+                        config.loss_type,
+                        normalizer,
+                    )
+
                 return valid_pair_loss(loss, idx, first, second, ranking.valid)
 
-            policy_logps = train_on_pairs(run, self.model, self.optimizer, self.lr_scheduler, rollout,
-                                          ranking.valid, xpo_on_pairs)
+            policy_logps = train_on_pairs(
+                run, self.model, self.optimizer, self.lr_scheduler, rollout, ranking.valid, xpo_on_pairs
+            )
 
             # 5. metrics
             m = run.metrics
