@@ -17,10 +17,11 @@ explicit group grid (num_prompts, num_generations[, num_reward_funcs]).
 Sources: TRL 1.16 `trl/trainer/grpo_trainer.py` (`_compute_loss`, `get_high_entropy_mask`,
 `_generate_and_score_completions`) and `grpo_config.py`; Shao et al. 2024 (GRPO, arXiv:2402.03300);
 Yu et al. 2025 (DAPO, arXiv:2503.14476); Liu et al. 2025 (Dr. GRPO, arXiv:2503.20783); Zheng et al.
-2025 (GSPO, arXiv:2507.18071); MiniMax 2025 (MiniMax-M1 / CISPO, arXiv:2506.13585); Gao et al. 2025
-(SAPO, arXiv:2511.20347); INTELLECT-2 (two-sided clipping `delta`, arXiv:2505.07291); Wang et al.
-2025 ("Beyond the 80/20 rule", top-entropy tokens, arXiv:2506.01939); DeepSeek-V3.2 (KL bias
-correction, arXiv:2512.02556); GDPO (normalize_then_sum, arXiv:2601.05242); Schulman 2020 (k3 KL).
+2025 (GSPO, arXiv:2507.18071); MiniMax 2025 (MiniMax-M1 / CISPO, arXiv:2506.13585); "Soft
+Adaptive Policy Optimization" (SAPO, arXiv:2511.20347); INTELLECT-2 (two-sided clipping `delta`,
+arXiv:2505.07291); Wang et al. 2025 ("Beyond the 80/20 rule", top-entropy tokens,
+arXiv:2506.01939); DeepSeek-V3.2 (KL bias correction, arXiv:2512.02556); PPO Lite ("batch"
+scaling, arXiv:2508.08221); GDPO (normalize_then_sum, arXiv:2601.05242); Schulman 2020 (k3 KL).
 """
 
 from __future__ import annotations
