@@ -7,7 +7,7 @@ sequence-classification head reads the score at the wrong position), and dtype g
 
 Tiny offline tokenizers and models for tests, the demo and the benchmarks live in `posttrain.testing`.
 
-`transformers`, `tokenizers` and `safetensors` are imported inside functions so that
+`transformers` and `safetensors` are imported inside functions so that
 `import posttrain.models` stays cheap; torch is needed for the `nn.Module` value-head wrapper.
 """
 
