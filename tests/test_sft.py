@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from datasets import Dataset
 
 from posttrain.configs import ConfigError
-from posttrain.models import build_tiny_causal_lm
+from posttrain.testing import build_tiny_causal_lm
 from posttrain.trainers.sft import SFTTrainer
 from posttrain.trainers.sft_config import SFTConfig
 from posttrain.trainers.supervised import IGNORE_INDEX, BatchPlan

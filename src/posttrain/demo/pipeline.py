@@ -264,7 +264,7 @@ def _last_with(records: list[dict], key: str) -> dict:
 def train_sft(config: DemoConfig, sizes: Sizes, task: demo_task.Task, tokenizer: Any, out: Path) -> Any:
     from datasets import Dataset
 
-    from posttrain.models import build_tiny_causal_lm
+    from posttrain.testing import build_tiny_causal_lm
     from posttrain.trainers.sft import SFTTrainer
     from posttrain.trainers.sft_config import SFTConfig
 
