@@ -186,7 +186,7 @@ def test_generate_delegates_to_the_wrapped_model():
 
 # -- the head's settings ------------------------------------------------------------------------------
 def test_value_head_settings_follow_trl():
-    # GPT-2's config carries summary_dropout_prob (0.1); Llama's does not: TRL's default 0.1.
+    # Neither config carries summary_dropout_prob: TRL's default 0.1.
     for build in (gpt2, llama):
         head = AutoModelForCausalLMWithValueHead.from_pretrained(build()).v_head
         assert isinstance(head.dropout, nn.Dropout) and head.dropout.p == 0.1
@@ -194,6 +194,11 @@ def test_value_head_settings_follow_trl():
         assert head.summary.weight.dtype == torch.float32
     head = AutoModelForCausalLMWithValueHead.from_pretrained(llama(), summary_dropout_prob=0.3).v_head
     assert head.dropout.p == 0.3
+    # A config that carries it sets the default; a keyword given explicitly wins over it.
+    lm = llama()
+    lm.config.summary_dropout_prob = 0.2
+    assert AutoModelForCausalLMWithValueHead(lm).v_head.dropout.p == 0.2
+    assert AutoModelForCausalLMWithValueHead(lm, summary_dropout_prob=0.3).v_head.dropout.p == 0.3
     head = AutoModelForCausalLMWithValueHead.from_pretrained(llama(), summary_dropout_prob=0.0).v_head
     assert isinstance(head.dropout, nn.Identity)
     # "normal": N(0, range^2) weights, zero bias; range 0 gives exact zeros.
@@ -473,3 +478,22 @@ def test_value_head_module_casts_its_input():
     hidden = torch.randn(2, 3, 8, dtype=torch.bfloat16)
     out = head(hidden)
     assert out.shape == (2, 3, 1) and out.dtype == torch.float32
+
+
+def test_peft_adapter_with_value_head_saves_and_loads(tmp_path):
+    peft = pytest.importorskip("peft")
+    llama().save_pretrained(tmp_path / "base")
+    lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path / "base"), peft_config=lora).eval()
+    assert model.is_peft_model
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n or n.startswith("v_head.") for n in trainable)
+    model.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    assert set(safetensors_keys(tmp_path / "adapter")) >= {"v_head.summary.weight", "v_head.summary.bias"}
+    loaded = AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path / "adapter")).eval()
+    assert loaded.is_peft_model and same_head(loaded, model)
+    with torch.no_grad():
+        expected, got = model(IDS), loaded(IDS)
+    torch.testing.assert_close(got[0], expected[0])
+    torch.testing.assert_close(got[2], expected[2])

@@ -74,6 +74,8 @@ class ValueHead(nn.Module):
         self.dropout = nn.Dropout(summary_dropout_prob) if summary_dropout_prob else nn.Identity()
         # Some models (OPT-350m) project the hidden states before the word embeddings.
         hidden_size = getattr(config, "word_embed_proj_dim", None)
+        if hidden_size is None and getattr(config, "is_encoder_decoder", False) and hasattr(config, "decoder"):
+            hidden_size = getattr(config.decoder, "hidden_size", None)  # EncoderDecoderModel: the decoder's width
         if hidden_size is None:
             text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
             hidden_size = text_config.hidden_size
