@@ -401,6 +401,42 @@ def test_posttrain_ppo_step_trains_the_trl_named_model(tiny_tokenizer):
     assert not torch.equal(trunk, model.pretrained_model.transformer.h[0].mlp.c_fc.weight)
 
 
+def test_posttrain_ppo_train_saves_the_trl_layout(tmp_path, tiny_tokenizer):
+    """train() treats it as a value head on the policy's trunk (value_model_init "head") and writes
+    output_dir in TRL's layout: the trained head comes back through from_pretrained."""
+    from datasets import Dataset
+
+    from posttrain import PPOConfig, PPOTrainer
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=len(tiny_tokenizer), n_embd=16, n_layer=2, n_head=2, n_positions=64)
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(transformers.GPT2LMHeadModel(config))
+    head = model.v_head.summary.weight.detach().clone()
+    cfg = PPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        total_episodes=4,
+        response_length=4,
+        learning_rate=1e-2,
+        report_to="none",
+        num_sample_generations=0,
+        save_steps=0,
+    )
+    trainer = PPOTrainer(
+        args=cfg,
+        processing_class=tiny_tokenizer,
+        model=model,
+        reward_model=lambda prompts, completions: [float(len(c)) for c in completions],
+        train_dataset=Dataset.from_dict({"prompt": ["hello there", "the quick brown", "what is", "tell me"]}),
+    )
+    assert trainer.model is model and trainer.value_model is None
+    trainer.train()
+    assert not torch.equal(head, model.v_head.summary.weight)
+    assert {"v_head.summary.weight", "v_head.summary.bias"} <= set(safetensors_keys(tmp_path / "out"))
+    loaded = AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path / "out"))
+    assert same_head(loaded, model)
+
+
 # -- create_reference_model ------------------------------------------------------------------------------
 def test_reference_model_is_a_frozen_copy():
     model = AutoModelForCausalLMWithValueHead.from_pretrained(gpt2()).train()
