@@ -111,23 +111,16 @@ def _head_keys(state_keys: Any, wanted: set[str]) -> dict[str, str]:
     return found
 
 
-def _read_tensors(path: str, keys: dict[str, str]) -> dict[str, torch.Tensor]:
+def _read_head(path: str, wanted: set[str], only: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """The head's tensors in one weights file (safetensors: only those keys are read), by head key."""
     if path.endswith(".safetensors"):
         from safetensors import safe_open
 
         with safe_open(path, framework="pt", device="cpu") as f:
+            keys = _head_keys(f.keys() if only is None else only, wanted)
             return {local: f.get_tensor(key) for key, local in keys.items()}
     state = torch.load(path, map_location="cpu", weights_only=True)
-    return {local: state[key] for key, local in keys.items()}
-
-
-def _checkpoint_keys(path: str) -> list[str]:
-    if path.endswith(".safetensors"):
-        from safetensors import safe_open
-
-        with safe_open(path, framework="pt", device="cpu") as f:
-            return list(f.keys())
-    return list(torch.load(path, map_location="cpu", weights_only=True))
+    return {local: state[key] for key, local in _head_keys(state if only is None else only, wanted).items()}
 
 
 def load_v_head_state(
@@ -158,8 +151,7 @@ def load_v_head_state(
         if path is None:
             continue
         if not is_index:
-            keys = _head_keys(_checkpoint_keys(path), wanted)
-            return _read_tensors(path, keys) if keys else None
+            return _read_head(path, wanted) or None
         with open(path, encoding="utf-8") as f:
             weight_map = json.load(f)["weight_map"]
         keys = _head_keys(weight_map, wanted)
@@ -170,7 +162,7 @@ def load_v_head_state(
             shard_path = fetch(shard)
             if shard_path is None:
                 raise FileNotFoundError(f"{location}: shard {shard!r} named by {filename} is missing")
-            state.update(_read_tensors(shard_path, {k: v for k, v in keys.items() if weight_map[k] == shard}))
+            state.update(_read_head(shard_path, wanted, only={k for k in keys if weight_map[k] == shard}))
         return state
     return None
 
