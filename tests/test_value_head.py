@@ -119,6 +119,8 @@ def test_exported_from_posttrain():
     assert posttrain.AutoModelForCausalLMWithValueHead is AutoModelForCausalLMWithValueHead
     assert posttrain.AutoModelForSeq2SeqLMWithValueHead is AutoModelForSeq2SeqLMWithValueHead
     assert posttrain.create_reference_model is create_reference_model
+    assert issubclass(posttrain.AutoModelForSeq2SeqLMWithValueHead, posttrain.PreTrainedModelWrapper)
+    assert issubclass(posttrain.AutoModelForCausalLMWithValueHead, posttrain.PreTrainedModelWrapper)
     assert posttrain.LengthSampler is LengthSampler
     assert AutoModelForCausalLMWithValueHead.transformers_parent_class is transformers.AutoModelForCausalLM
     assert AutoModelForSeq2SeqLMWithValueHead.transformers_parent_class is transformers.AutoModelForSeq2SeqLM

@@ -53,6 +53,7 @@ _EXPORTS = {
     "DataError": "posttrain.data",
     "AutoModelForCausalLMWithValueHead": "posttrain.value_head",
     "AutoModelForSeq2SeqLMWithValueHead": "posttrain.value_head",
+    "PreTrainedModelWrapper": "posttrain.value_head",
     "create_reference_model": "posttrain.value_head",
     "LengthSampler": "posttrain.length_sampler",
 }
