@@ -51,6 +51,11 @@ _EXPORTS = {
     "LogCompletionsCallback": "posttrain.callbacks",
     "Rollout": "posttrain.rollout",
     "DataError": "posttrain.data",
+    "AutoModelForCausalLMWithValueHead": "posttrain.value_head",
+    "AutoModelForSeq2SeqLMWithValueHead": "posttrain.value_head",
+    "PreTrainedModelWrapper": "posttrain.value_head",
+    "create_reference_model": "posttrain.value_head",
+    "LengthSampler": "posttrain.length_sampler",
 }
 
 __all__ = ["__version__", *_EXPORTS]
