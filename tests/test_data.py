@@ -15,7 +15,6 @@ from posttrain.data import (
     SIMPLE_CHAT_TEMPLATE,
     DataError,
     PromptCollator,
-    apply_chat_template,
     detect_format,
     ensure_chat_template,
     is_conversational,
@@ -23,6 +22,7 @@ from posttrain.data import (
     prepare_preference_dataset,
     prepare_prompt_dataset,
     prepare_sft_dataset,
+    render_chat,
 )
 
 CHATML = (
@@ -174,11 +174,11 @@ def test_detect_format_and_is_conversational():
 
 def test_fallback_chat_template(tok):
     tok.chat_template = None
-    text = apply_chat_template(conv(("system", "Be brief."), ("user", "Hi")), tok, add_generation_prompt=True)
+    text = render_chat(conv(("system", "Be brief."), ("user", "Hi")), tok, add_generation_prompt=True)
     assert text == "System: Be brief.\n\nUser: Hi\n\nAssistant:"
     assert tok.chat_template == SIMPLE_CHAT_TEMPLATE
     ensure_chat_template(tok, CHATML)
-    assert apply_chat_template(conv(("user", "x")), tok) == "<|im_start|>user\nx<|im_end|>\n"
+    assert render_chat(conv(("user", "x")), tok) == "<|im_start|>user\nx<|im_end|>\n"
 
 
 # --------------------------------------------------------------------------------------------
