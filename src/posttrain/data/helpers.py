@@ -31,14 +31,14 @@ if TYPE_CHECKING:
 
 _MESSAGE_KEYS = ("prompt", "chosen", "rejected", "completion", "messages")
 # The example layouts apply_chat_template accepts (TRL's dataset types), by their keys.
-_LAYOUTS = {
-    frozenset({"messages"}): "language modeling",
-    frozenset({"prompt"}): "prompt-only",
-    frozenset({"prompt", "completion"}): "prompt-completion",
-    frozenset({"prompt", "chosen", "rejected"}): "preference",
-    frozenset({"chosen", "rejected"}): "preference with implicit prompt",
-    frozenset({"prompt", "completion", "label"}): "unpaired preference",
-}
+_LAYOUTS = (
+    ("messages",),  # language modeling
+    ("prompt",),  # prompt-only
+    ("prompt", "completion"),  # prompt-completion
+    ("prompt", "chosen", "rejected"),  # preference
+    ("chosen", "rejected"),  # preference with implicit prompt
+    ("prompt", "completion", "label"),  # unpaired preference
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -113,8 +113,8 @@ def apply_chat_template(
     """
     tools = tools or None  # Llama's template renders tool boilerplate for tools=[]
     keys = frozenset(key for key in example if key in (*_MESSAGE_KEYS, "label"))
-    if keys not in _LAYOUTS:
-        accepted = "; ".join(" + ".join(sorted(layout)) for layout in _LAYOUTS)
+    if keys not in {frozenset(layout) for layout in _LAYOUTS}:
+        accepted = "; ".join(" + ".join(layout) for layout in _LAYOUTS)
         raise DataError(
             f"apply_chat_template got a row with the keys {sorted(keys)}; it accepts {accepted}",
             fix="rename the columns to one of these layouts",
@@ -130,7 +130,8 @@ def apply_chat_template(
         output["text"] = _render(tokenizer, example["messages"], tools, kwargs)
     if "prompt" not in example:  # implicit prompt: each answer is the whole conversation
         for key in ("chosen", "rejected"):
-            output[key] = _render(tokenizer, example[key], tools, kwargs)
+            if key in example:
+                output[key] = _render(tokenizer, example[key], tools, kwargs)
         return output
     last_role = example["prompt"][-1]["role"]
     if last_role not in ("user", "tool", "assistant"):
