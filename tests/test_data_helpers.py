@@ -402,6 +402,14 @@ def test_pack_dataset_wrapped_per_map_batch_and_keeps_the_format():
     assert torch_packed[1]["seq_lengths"].tolist() == [3, 1]
 
 
+def test_pack_dataset_drops_empty_rows():
+    data = Dataset.from_dict({"input_ids": [[], [1, 2], []]})
+    assert pack_dataset(data, seq_length=4)[:] == {"input_ids": [[1, 2]], "seq_lengths": [[2]]}
+    # A map batch of empty rows only packs to no rows (TRL's arrow `take` fails on it).
+    packed = pack_dataset(data, seq_length=4, strategy="bfd_split", map_kwargs={"batch_size": 1})
+    assert packed[:] == {"input_ids": [[1, 2]], "seq_lengths": [[2]]}
+
+
 def test_pack_dataset_rejects_bad_input():
     with pytest.raises(ValueError, match="packing strategy 'ffd'"):
         pack_dataset(Dataset.from_dict(ROWS), seq_length=4, strategy="ffd")
