@@ -59,6 +59,11 @@ class DataError(ValueError):
         super().__init__(message)
 
 
+# --------------------------------------------------------------------------------------------
+# Files
+# --------------------------------------------------------------------------------------------
+
+
 def _kind(value: Any) -> str | None:
     """JSON kind of a value, for the per-field consistency check (None: null, fits any kind)."""
     if value is None:
@@ -289,6 +294,11 @@ def load_any_dataset(
             ) from err
     _check_not_empty(dataset, name)
     return _mark_source(dataset, name)
+
+
+# --------------------------------------------------------------------------------------------
+# Row and field checks (shared by the preparers in prepare.py)
+# --------------------------------------------------------------------------------------------
 
 
 def _validate_messages(messages: list[Any], source: str, row: int, field: str) -> None:
