@@ -30,10 +30,10 @@ from torch import nn
 from posttrain import checkpoint as ckpt
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError
+from posttrain.data.collators import PreferenceCollator
 from posttrain.health import oom_advice
 from posttrain.losses import bradley_terry_loss
 from posttrain.models import apply_peft
-from posttrain.ops import lengths_to_mask
 from posttrain.tracking import MetricAccumulator
 from posttrain.trainers.reward_config import RewardConfig
 from posttrain.trainers.supervised import (
@@ -41,28 +41,8 @@ from posttrain.trainers.supervised import (
     begin_supervised,
     check_output_dir,
     eval_shards,
-    pad_right,
     rows,
 )
-
-
-class PreferenceCollator:
-    """Chosen rows then rejected rows in one right-padded (2B, T) batch, plus lengths and margins."""
-
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None) -> None:
-        self.pad_token_id, self.pad_to_multiple_of = pad_token_id, pad_to_multiple_of
-
-    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        sequences = [e["chosen_input_ids"] for e in examples] + [e["rejected_input_ids"] for e in examples]
-        input_ids, lengths = pad_right(sequences, self.pad_token_id, self.pad_to_multiple_of)
-        batch = {
-            "input_ids": input_ids,  # (2B, T)
-            "attention_mask": lengths_to_mask(lengths, input_ids.size(1)).long(),  # (2B, T)
-            "lengths": lengths,  # (2B,)
-        }
-        if "margin" in examples[0]:
-            batch["margin"] = torch.tensor([float(e["margin"]) for e in examples])  # (B,)
-        return batch
 
 
 def score_head(model: nn.Module) -> nn.Module:
