@@ -39,9 +39,9 @@ from posttrain import checkpoint as ckpt
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError
 from posttrain.health import oom_advice
-from posttrain.losses import chunked_nll
+from posttrain.losses import chunked_nll, dft_loss
 from posttrain.models import apply_peft
-from posttrain.ops import entropy_from_logits, lengths_to_mask, selective_log_softmax
+from posttrain.ops import entropy_from_logits, lengths_to_mask
 from posttrain.tracking import MetricAccumulator
 from posttrain.trainers.sft_config import SFTConfig
 from posttrain.trainers.supervised import (
@@ -345,11 +345,8 @@ def _chunk_loss(
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     if loss_type == "dft":
-        # Dynamic Fine-Tuning (Wu et al. 2025): each token's NLL weighted by its own probability,
-        # detached, which damps the gradient of tokens the model finds very unlikely.
-        logp = selective_log_softmax(logits, y)
-        loss = -(logp.detach().exp() * logp).sum()
-        nll = -logp.detach().sum()
+        loss, stats = dft_loss(logits, y, normalizer=1.0)
+        nll = stats["nll"] * stats["count"]
     else:
         loss, _ = chunked_nll(logits, y, normalizer=1.0)
         nll = loss.detach()
