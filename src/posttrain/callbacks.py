@@ -191,7 +191,9 @@ class LogCompletionsCallback(TrainerCallback):
                 "LogCompletionsCallback needs a trainer built with eval_dataset= (the prompts it samples)."
             )
         if not hasattr(trainer, "sample_completions"):
-            raise ConfigError(f"LogCompletionsCallback samples with an online trainer; {type(trainer).__name__} is not.")
+            raise ConfigError(
+                f"LogCompletionsCallback samples with an online trainer's policy; {type(trainer).__name__} has none."
+            )
         if num_prompts is not None and num_prompts < 1:
             raise ConfigError(f"num_prompts={num_prompts} must be >= 1 (or None for every eval prompt).")
         if freq is not None and freq < 1:

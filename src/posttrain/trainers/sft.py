@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -47,12 +47,17 @@ from posttrain.trainers.sft_config import SFTConfig
 from posttrain.trainers.supervised import (
     IGNORE_INDEX,
     SupervisedRun,
+    SupervisedTrainerAPI,
     begin_supervised,
     check_output_dir,
     eval_shards,
     pad_right,
     rows,
 )
+
+if TYPE_CHECKING:
+    from transformers import TrainerCallback
+    from transformers.trainer_utils import TrainOutput
 
 
 def _labels_of(row: dict) -> list[int]:
@@ -157,7 +162,7 @@ def num_trained_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
-class SFTTrainer:
+class SFTTrainer(SupervisedTrainerAPI):
     """TRL-compatible supervised fine-tuning trainer (no transformers.Trainer underneath).
 
     model: a causal LM or its path / hub name. peft_config: a peft.LoraConfig to train LoRA adapters
@@ -174,6 +179,7 @@ class SFTTrainer:
         eval_dataset: Any = None,
         processing_class: Any = None,
         *,
+        callbacks: list[TrainerCallback] | None = None,
         accelerator: Any = None,
         peft_config: Any = None,
     ) -> None:
@@ -190,7 +196,7 @@ class SFTTrainer:
             if eval_dataset is not None
             else None
         )
-        self.collator = SFTCollator(self.processing_class.pad_token_id, args.pad_to_multiple_of, args.padding_free)
+        self.data_collator = SFTCollator(self.processing_class.pad_token_id, args.pad_to_multiple_of, args.padding_free)
         self.run = SupervisedRun(
             args,
             model,
@@ -198,12 +204,9 @@ class SFTTrainer:
             self.train_dataset,
             accelerator=self.accelerator,
             activation_offloading=args.activation_offloading,
+            callbacks=callbacks,
         )
         self._forward_kwargs = _forward_kwargs(self.run.unwrapped(), args.router_aux_loss_coef)
-
-    @property
-    def model(self) -> nn.Module:
-        return self.run.model
 
     def _prepare(self, dataset: Any, packing: bool, source: str) -> Any:
         from posttrain.data import detect_format, prepare_sft_dataset
@@ -272,12 +275,13 @@ class SFTTrainer:
         return loss_sum, stats, getattr(out, "aux_loss", None)
 
     # -- training ---------------------------------------------------------------------------
-    def train(self) -> dict[str, float]:
-        """Train to max_steps / num_train_epochs, evaluate, save the final model; returns the last logged metrics."""
+    def train(self) -> TrainOutput:
+        """Train to max_steps / num_train_epochs (or until a callback sets control.should_training_stop),
+        evaluate, save the final model; returns TrainOutput(global_step, training_loss, metrics)."""
         run = self.run
         with ckpt.OutputDirGuard(self.args.output_dir, is_main=run.is_main), oom_advice():
             run.model.train()
-            for batches in run.steps(self.collator):
+            for batches in run.steps(self.data_collator):
                 (n_trained,) = run.global_counts(sum(num_trained_tokens(b) for b in batches))
                 normaliser = run.normaliser(n_trained)
                 for _, batch in run.micro_steps(batches):
@@ -293,8 +297,9 @@ class SFTTrainer:
                     run.metrics.add_sum("num_tokens", batch["attention_mask"].sum())
                 run.end_step(evaluate=self.evaluate if self.eval_dataset is not None else None)
             self.save_model()
+            output = run.end_training()
         run.close()
-        return run.last_logged or {}
+        return output
 
     def _add_metrics(self, metrics: MetricAccumulator, stats: dict, prefix: str) -> None:
         metrics.add(f"{prefix}loss", stats["loss"], stats["count"])
@@ -320,7 +325,7 @@ class SFTTrainer:
                 e if keep else {**e, "labels": [IGNORE_INDEX] * len(e["input_ids"])}
                 for e, keep in zip(examples, counts.tolist())
             ]
-            batch = run.to_device(self.collator(examples))
+            batch = run.to_device(self.data_collator(examples))
             with run.autocast():
                 _, stats, _ = self.compute_loss(model, batch)
             self._add_metrics(metrics, stats, "eval_")
@@ -328,13 +333,9 @@ class SFTTrainer:
                 "eval_num_tokens", sum(len(e["input_ids"]) for e, keep in zip(examples, counts.tolist()) if keep)
             )
         values = metrics.reduce(self.accelerator)
-        run.tracker.log(values, step=run.global_step)
+        run.log_evaluation(values)
         model.train(was_training)
         return values
-
-    def save_model(self, output_dir: str | None = None) -> None:
-        """Save model + tokenizer with save_pretrained (safetensors) into output_dir."""
-        self.run.save_final(output_dir)
 
 
 def _chunk_loss(
