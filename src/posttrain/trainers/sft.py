@@ -19,10 +19,14 @@ one row. Their `position_ids` restart at 0 for each sequence; the forward turns 
 block-diagonal causal mask (sdpa / eager) or hands them to flash-attention's varlen path, and the
 first token of each sequence is no target, so every sequence's loss equals its loss alone.
 
-The loss is TRL's "chunked_nll" (trl-notes §8): the full (B, T, V) float32 logits never exist.
-The model runs once with `logits_to_keep=1`, the lm_head is applied only to the hidden states of
-trained positions, chunk by chunk, each chunk under activation checkpointing so its logits are
-recomputed in backward instead of kept alive.
+The loss is computed as TRL's "chunked_nll" loss type does: the full (B, T, V) float32 logits
+never exist. The model runs once with `logits_to_keep=1`, the lm_head is applied only to the
+hidden states of trained positions, chunk by chunk, each chunk under activation checkpointing so
+its logits are recomputed in backward instead of kept alive. loss_type="dft" weights each token's
+NLL by its own detached probability (losses.dft_loss; Wu et al. 2025, arXiv:2508.05629).
+
+Callbacks are `transformers.TrainerCallback` objects; `trainer.state` is the run's
+`transformers.TrainerState` (supervised.SupervisedRun fires the events).
 """
 
 from __future__ import annotations
