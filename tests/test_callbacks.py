@@ -400,3 +400,68 @@ def test_log_completions_callback_in_online_dpo_training(tmp_path, tiny_tokenize
         (2, "The quick brown fox"),
     ]
     assert all(isinstance(row["score"], float) for row in rows)
+
+
+TWO_PROCESS_SCRIPT = """
+import json, sys
+from datasets import Dataset
+from transformers import TrainerCallback
+from posttrain.models import build_tiny_causal_lm, build_tiny_tokenizer
+from posttrain.trainers.sft import SFTTrainer
+from posttrain.trainers.sft_config import SFTConfig
+
+out, batch, sentences = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+
+
+class Steps(TrainerCallback):
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+
+tokenizer, steps = build_tiny_tokenizer(), Steps()
+args = SFTConfig(output_dir=out, max_steps=3, per_device_train_batch_size=batch, logging_steps=1, save_steps=0,
+                 report_to="none", max_length=64, learning_rate=1e-3)
+trainer = SFTTrainer(build_tiny_causal_lm(tokenizer), args=args, processing_class=tokenizer,
+                     train_dataset=Dataset.from_list([{"text": s} for s in sentences]), callbacks=[steps])
+output = trainer.train()
+result = {"global_step": output.global_step, "training_loss": output.training_loss, "steps": steps.steps,
+          "history": trainer.state.log_history, "world_zero": trainer.state.is_world_process_zero}
+with open(f"{out}/rank{trainer.accelerator.process_index}.json", "w") as f:
+    json.dump(result, f)
+"""
+
+
+@pytest.mark.multiproc
+def test_two_processes_sft_state_equals_one_process(tmp_path):
+    """2 ranks × batch 2 train on the examples of 1 rank × batch 4: every rank's state and TrainOutput
+    hold the all-rank numbers, equal to the one-process run's."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(TWO_PROCESS_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    runs = {}
+    for name, launcher, batch in (
+        ("two", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"], 2),
+        ("one", [sys.executable], 4),
+    ):
+        out = tmp_path / name
+        subprocess.run([*launcher, str(script), str(out), str(batch), json.dumps(SENTENCES)], env=env, check=True)
+        runs[name] = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    (one,), (rank0, rank1) = runs["one"], runs["two"]
+    assert rank0["world_zero"] and not rank1["world_zero"]
+    for rank in (rank0, rank1):
+        assert rank["global_step"] == 3 and rank["steps"] == [1, 2, 3]
+        assert rank["training_loss"] == pytest.approx(one["training_loss"], abs=1e-5)
+        history, expected = rank["history"], one["history"]
+        assert [e["step"] for e in history] == [1, 2, 3, 3]
+        assert [e["loss"] for e in history[:3]] == pytest.approx([e["loss"] for e in expected[:3]], abs=1e-5)
+        assert [e["num_tokens"] for e in history[:3]] == [e["num_tokens"] for e in expected[:3]]
+        # 3 steps of 4 examples (2 per rank) in train_runtime seconds.
+        summary = history[-1]
+        assert summary["train_samples_per_second"] == pytest.approx(12 / summary["train_runtime"], rel=1e-3, abs=1e-3)
