@@ -140,9 +140,9 @@ def test_sft_fires_every_event_in_transformers_order(tmp_path, tiny_tokenizer):
     # on_log receives what was logged, with epoch (the step is the state's), as transformers passes it.
     logged = [payload for name, _, payload in recorder.events if name == "log"]
     assert logged == [{k: v for k, v in e.items() if k != "step"} for e in history]
-    # on_evaluate receives the eval metrics.
+    # on_evaluate receives the eval metrics with their epoch.
     evaluated = [payload for name, _, payload in recorder.events if name == "evaluate"]
-    assert evaluated[1] == {k: v for k, v in history[3].items() if k not in ("step", "epoch")}
+    assert evaluated[1] == {k: v for k, v in history[3].items() if k != "step"}
     # The same numbers went to metrics.jsonl.
     jsonl = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert jsonl[2] == history[2]
@@ -279,7 +279,7 @@ def test_reward_training_fires_the_events(tmp_path, tiny_tokenizer):
     assert {"loss", "accuracy", "margin", "lr", "grad_norm"} <= set(history[0])
     assert {"eval_loss", "eval_accuracy", "eval_margin", "eval_min_reward"} <= set(history[2])
     evaluated = recorder.events[7][2]
-    assert evaluated == {k: v for k, v in history[2].items() if k not in ("step", "epoch")}
+    assert evaluated == {k: v for k, v in history[2].items() if k != "step"}
     assert set(history[-1]) == SUMMARY_KEYS
     assert output.global_step == 2 and output.training_loss == history[-1]["train_loss"]
     # 2 steps of 2 pairs.

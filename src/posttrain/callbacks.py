@@ -36,28 +36,34 @@ class TrainerEvents:
     save_steps from the config, train_batch_size, num_train_epochs, is_world_process_zero /
     is_local_process_zero from the accelerator); `events.control` a `transformers.TrainerControl`.
     `config` is what callbacks receive as `args`. Callbacks also receive model, processing_class,
-    optimizer and lr_scheduler as keyword arguments, as under transformers.
+    optimizer and lr_scheduler as keyword arguments, as under transformers. Import this module
+    where the run is built, not at a trainer module's top: transformers' callback module imports
+    peft, which `import posttrain.trainers...` must not pull in.
 
     The training loop calls, in this order (a trainer that resumes sets `state.global_step` and
     `state.log_history` before `train_begin`)::
 
-        events.train_begin()                          # on_train_begin
+        events.train_begin()                            # on_train_begin
         for each optimizer step (online: each update):
             ... the update ...
-            stop = events.step_end(global_step, epoch)  # state.global_step / epoch; on_step_end
-            if logging is due (or control.should_log):
-                events.log(metrics)                   # state.log_history += {**metrics, epoch, step}; on_log
-            if evaluation is due (or control.should_evaluate):
-                events.evaluate(eval_metrics)         # logged like a logging step, then on_evaluate
-            if a checkpoint is due (or control.should_save):
-                ... save it ...; events.save()        # on_save
-            if stop: break                            # a callback set control.should_training_stop
+            events.step_end(global_step, epoch)         # state.global_step / epoch; on_step_end
+            # A callback's requests (control.should_log / should_evaluate / should_save) are read
+            # here: step_end cleared them before on_step_end, on_log / on_evaluate / on_save clear them.
+            if logging is due or requested:
+                events.log(metrics)                     # state.log_history += {**metrics, epoch, step}; on_log
+            if evaluation is due or requested:
+                events.evaluate(eval_metrics)           # logged like a logging step, then on_evaluate
+            if a checkpoint is due or requested:
+                ... save it ...; events.save()          # on_save
+            if events.control.should_training_stop:     # max_steps reached, or a callback stopped training
+                break
         ... save the final model ...
         return events.train_end(training_loss, num_samples, total_flos)  # summary entry, on_train_end
 
-    `step_end` returns `control.should_training_stop`, which is True after the step that reaches
-    max_steps (as transformers' DefaultFlowCallback sets it) or when a callback set it. The summary
-    entry `train_end` appends to `log_history` is the one transformers writes: train_runtime,
+    `step_end` returns `control.should_training_stop`: True after the step that reaches max_steps
+    (as transformers' DefaultFlowCallback sets it) or when a callback set it (a callback may also
+    set it in on_log / on_evaluate, hence the check at the end of the step). The summary entry
+    `train_end` appends to `log_history` is the one transformers writes: train_runtime,
     train_samples_per_second, train_steps_per_second (over this call's steps), total_flos,
     train_loss, epoch, step; it returns `TrainOutput(global_step, training_loss, metrics)`.
     """
@@ -144,8 +150,10 @@ class TrainerEvents:
         return entry
 
     def evaluate(self, metrics: dict[str, float]) -> None:
-        """What transformers.Trainer.evaluate does with its metrics: log them, then on_evaluate."""
+        """What transformers.Trainer.evaluate does with its metrics: log them, then
+        on_evaluate(metrics=...) with the metrics and their epoch."""
         self.log(metrics)
+        metrics = {**metrics, "epoch": self.state.epoch}
         self.control = self.handler.on_evaluate(self.args, self.state, self.control, metrics)
 
     def save(self) -> None:

@@ -361,8 +361,12 @@ class SupervisedRun:
         self.metrics.add_value("grad_norm", grad_norm)
         step, events = self.global_step, self.events
         events.step_end(step, self.plan.epoch(step))
-        asked = events.control  # a callback's requests, read before on_log / on_evaluate can reset them
-        log_now, eval_now, save_now = asked.should_log, asked.should_evaluate, asked.should_save
+        # A callback's requests, read now: on_log / on_evaluate / on_save reset them.
+        log_now, eval_now, save_now = (
+            events.control.should_log,
+            events.control.should_evaluate,
+            events.control.should_save,
+        )
         if step % self.config.logging_steps == 0 or log_now or events.control.should_training_stop:
             self.log_metrics({"lr": lr})
         eval_due = self.config.eval_steps and step % self.config.eval_steps == 0
@@ -480,7 +484,7 @@ class SupervisedTrainerAPI:
         return self.run.events.handler
 
     @property
-    def collator(self) -> Any:  # the name tests and older code use for data_collator
+    def collator(self) -> Any:  # posttrain's earlier name for data_collator
         return self.data_collator
 
     def add_callback(self, callback: Any) -> None:
