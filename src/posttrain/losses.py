@@ -1,4 +1,4 @@
-"""Training losses: PPO policy / value, entropy bonus, DPO / IPO / XPO, Bradley–Terry, SFT NLL.
+"""Training losses: PPO policy / value, entropy bonus, DPO / IPO / XPO, Bradley–Terry, SFT NLL and DFT.
 
 Every function is pure torch and returns `(loss, stats)`:
 - `loss` is a 0-d tensor = Σ(per-token or per-sequence loss · mask) / normalizer. Pass the GLOBAL
@@ -343,6 +343,46 @@ def chunked_nll(
         num_correct = (rows.detach().argmax(dim=-1) == targets).float().sum()
         stats = {
             "nll": nll.detach().sum() / count.clamp(min=1),
+            "token_accuracy": num_correct / count.clamp(min=1),
+            "num_correct": num_correct,
+            "count": count,
+        }
+    return loss, stats
+
+
+def dft_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    normalizer: Normalizer = None,
+    chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Dynamic Fine-Tuning loss: Σ_{labels ≠ ignore} −sg(p_t) · log p_t / normalizer, p_t = softmax(logits)[label].
+
+    Wu et al. 2025, "On the Generalization of SFT: A Reinforcement Learning Perspective with Reward
+    Rectification" (arXiv:2508.05629): the SFT gradient is a policy gradient whose implicit reward
+    is 1/p_t, so tokens the model finds unlikely get huge weights; scaling each token's NLL by its
+    own probability, detached (sg = stop-gradient), cancels that factor. The gradient with respect
+    to the logits of one token is p_t · (softmax − onehot(label)) / normalizer.
+
+    Same arguments, alignment and stats as `chunked_nll` (stats["nll"] is the plain NLL, without
+    the weights); normalizer defaults to the number of real labels in this call.
+    """
+    flat = logits.reshape(-1, logits.size(-1))
+    flat_labels = labels.reshape(-1)
+    valid = flat_labels != ignore_index
+    rows = flat[valid]
+    targets = flat_labels[valid]
+    logp = selective_log_softmax(rows, targets, chunk_tokens=chunk_tokens)
+    loss = _aggregate(-logp.detach().exp() * logp, None, normalizer)
+    if targets.numel() == 0:
+        # As in chunked_nll: connected to the graph so that backward() runs on every rank.
+        loss = loss + 0.0 * logits.sum()
+    with torch.no_grad():
+        count = torch.tensor(float(targets.numel()), device=logits.device)
+        num_correct = (rows.detach().argmax(dim=-1) == targets).float().sum()
+        stats = {
+            "nll": -logp.detach().sum() / count.clamp(min=1),
             "token_accuracy": num_correct / count.clamp(min=1),
             "num_correct": num_correct,
             "count": count,
