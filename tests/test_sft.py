@@ -348,3 +348,24 @@ def test_cli_sft(tmp_path, tiny_tokenizer, tiny_policy_dir):
         )
         == 2
     )
+
+
+def test_args_none_names_the_output_dir_after_the_model_and_loads_its_tokenizer(tmp_path, monkeypatch, tiny_policy_dir):
+    """TRL's conveniences: args=None gives SFTConfig(output_dir="<model name>-SFT"); a model given as
+    a path (or an object loaded from one) brings its tokenizer when processing_class is None."""
+    from posttrain.models import load_policy
+
+    monkeypatch.chdir(tmp_path)
+    train = Dataset.from_dict({"text": SENTENCES})
+    by_path = SFTTrainer(str(tiny_policy_dir), train_dataset=train)
+    assert isinstance(by_path.args, SFTConfig)
+    assert by_path.args.output_dir == f"{tiny_policy_dir.name}-SFT"
+    assert by_path.processing_class.get_vocab() == load_policy_tokenizer_vocab(tiny_policy_dir)
+    by_object = SFTTrainer(load_policy(tiny_policy_dir), train_dataset=train)
+    assert by_object.args.output_dir == f"{tiny_policy_dir.name}-SFT"
+
+
+def load_policy_tokenizer_vocab(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path)).get_vocab()

@@ -571,7 +571,9 @@ def begin_supervised(
     before dataset preparation so that runs on the main process first), model + tokenizer, and the
     chat template. Returns (args, accelerator, model, tokenizer)."""
     if args is None:
-        name = model if isinstance(model, str) else type(model).__name__
+        # As TRL: the model id's last part, from the config of a model object.
+        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
+        name = name or type(model).__name__
         args = config_cls(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-{suffix}")
     if train_dataset is None:
         raise ConfigError("train_dataset is required (or --dataset_name on the command line).")
