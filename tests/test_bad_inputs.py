@@ -467,3 +467,50 @@ def test_full_disk_on_the_first_save_and_the_final_model(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="Input/output error") as info:
         ckpt.save_final(tmp_path / "final", _tiny_lm(0), config={"learning_rate": 1.0})
     assert not isinstance(info.value, ckpt.CheckpointError)
+
+
+def test_cli_sft_disk_full_at_the_second_checkpoint(tmp_path, tiny_policy_dir, monkeypatch, capsys):
+    # The whole command in-process (so the disk can be made to fill up): SFT saving every step, the
+    # second checkpoint hits ENOSPC half-way through writing the optimizer state.
+    from posttrain.cli import main
+
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if ".tmp-checkpoint-2-" in str(f):
+            Path(f).write_bytes(b"\0" * 16)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    data = write_jsonl(tmp_path / "text.jsonl", [{"text": "Hello world"}, {"text": "Good morning"}] * 2)
+    out = tmp_path / "out"
+    code = main(
+        [
+            "sft",
+            "--model_name_or_path",
+            str(tiny_policy_dir),
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "3",
+            "--save_steps",
+            "1",
+            "--per_device_train_batch_size",
+            "2",
+            "--report_to",
+            "none",
+        ]
+    )
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr[-2000:]
+    assert "Traceback" not in stderr
+    assert (
+        f"posttrain sft: no space left on device (or disk quota exceeded) while saving checkpoint-2 in {out}" in stderr
+    )
+    assert f"the previous checkpoint {out / 'checkpoint-1'} is intact" in stderr
+    # checkpoint-1 is complete and is what "latest" resumes from; no temp dir is left.
+    assert ckpt.latest_checkpoint(out) == out / "checkpoint-1"
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".tmp-")]
