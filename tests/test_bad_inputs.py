@@ -514,3 +514,45 @@ def test_cli_sft_disk_full_at_the_second_checkpoint(tmp_path, tiny_policy_dir, m
     # checkpoint-1 is complete and is what "latest" resumes from; no temp dir is left.
     assert ckpt.latest_checkpoint(out) == out / "checkpoint-1"
     assert not [p.name for p in out.iterdir() if p.name.startswith(".tmp-")]
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "Error while serializing: I/O error: No space left on device (os error 28)",  # safetensors 0.6+
+        'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })',
+    ],
+)
+def test_full_disk_reported_by_the_safetensors_writer(tmp_path, monkeypatch, message):
+    # The weights are the biggest files of a checkpoint, so a disk usually fills up while safetensors
+    # writes them; its writer names the OS error only in its text (both spellings it has used).
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def no_space(*args, **kwargs):
+        raise SafetensorError(message)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", no_space)
+    with pytest.raises(ckpt.CheckpointError, match=r"^no space left on device .* while saving checkpoint-1 in"):
+        ckpt.save_checkpoint(tmp_path, 1, models={"head": torch.nn.Linear(2, 1)})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_torch_save_failure_on_a_nearly_full_disk(tmp_path, monkeypatch):
+    # torch.save's zip writer fails with a RuntimeError that names no cause: with almost no free
+    # space left, the disk is named as the cause; with plenty, the error is a bug and stays as it is.
+    import shutil
+
+    def zip_writer_fails(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(torch, "save", zip_writer_fails)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage._replace(free=4096))
+    with pytest.raises(ckpt.CheckpointError, match=r"^no space left on device .* while saving checkpoint-1"):
+        ckpt.save_checkpoint(tmp_path, 1, models={"head": torch.nn.Linear(2, 1)})
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage._replace(free=10 * 2**30))
+    with pytest.raises(RuntimeError, match="unexpected pos") as info:
+        ckpt.save_checkpoint(tmp_path, 1, models={"head": torch.nn.Linear(2, 1)})
+    assert not isinstance(info.value, ckpt.CheckpointError)
+    assert list(tmp_path.iterdir()) == []

@@ -66,16 +66,41 @@ class CheckpointError(RuntimeError):
 # Write failures a user fixes outside the program: a full disk or quota, a read-only or forbidden folder.
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+# Below this much free space, a writer error that names no OS error is taken to be a full disk.
+_NEARLY_FULL = 16 * 2**20
 
 
-def _save_failed(err: OSError, what: str, output_dir: Path, previous: Path | None) -> CheckpointError | None:
-    """The one-line CheckpointError for a save that failed with a disk-side `err`, or None for
-    other errors (which are bugs, and keep their traceback)."""
-    if err.errno in _NO_SPACE:
+def _write_errno(err: BaseException, directory: Path) -> int | None:
+    """The OS error number behind a failed write, or None when it is not a disk-side failure.
+
+    Call before removing what the failed save wrote (that frees the space again). Python's own
+    writes raise OSError. safetensors' writer raises SafetensorError with the OS error only in its
+    text ("I/O error: ... (os error 28)" or "IoError(Os { code: 28, ... })"). torch.save's zip
+    writer raises a RuntimeError naming no cause ("unexpected pos ..."), so then a nearly full
+    disk is taken as the cause.
+    """
+    if isinstance(err, OSError):
+        return err.errno
+    match = re.search(r"(?:os error|code:) (\d+)", str(err)) if type(err).__name__ == "SafetensorError" else None
+    if match:
+        return int(match.group(1))
+    if isinstance(err, RuntimeError) and not isinstance(err, CheckpointError):
+        try:
+            free = shutil.disk_usage(directory).free
+        except OSError:
+            return None
+        return errno.ENOSPC if free < _NEARLY_FULL else None
+    return None
+
+
+def _save_failed(code: int | None, what: str, output_dir: Path, previous: Path | None) -> CheckpointError | None:
+    """The one-line CheckpointError for a save that failed with OS error `code` on the disk side,
+    or None for other errors (which are bugs, and keep their traceback)."""
+    if code in _NO_SPACE:
         cause = f"no space left on device (or disk quota exceeded) while saving {what} in {output_dir}"
         fix = "free space, write to another --output_dir, or keep fewer checkpoints with --save_total_limit"
-    elif err.errno in _NOT_WRITABLE:
-        cause = f"could not write {what} in {output_dir} ({err.strerror})"
+    elif code in _NOT_WRITABLE:
+        cause = f"could not write {what} in {output_dir} ({os.strerror(code)})"
         fix = "make the folder writable or choose another --output_dir"
     else:
         return None
@@ -414,7 +439,7 @@ def save_checkpoint(
             _remove_tmp_dirs(output_dir)
             tmp_name = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{CHECKPOINT_PREFIX}{step}-", dir=output_dir)
         except OSError as err:
-            raise (_save_failed(err, final.name, output_dir, previous) or err) from err
+            raise (_save_failed(err.errno, final.name, output_dir, previous) or err) from err
         tmp_name = Path(tmp_name).name
     # The other ranks write their RNG state into the same temp dir, so they need its name.
     tmp = output_dir / distributed.broadcast_object(tmp_name, accelerator)
@@ -443,11 +468,17 @@ def save_checkpoint(
             _fsync_path(output_dir)
             if save_total_limit is not None:
                 _rotate(output_dir, save_total_limit, keep=final)
-    except BaseException as err:
+    except Exception as err:
+        failure = _save_failed(_write_errno(err, output_dir), final.name, output_dir, previous)
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(err, OSError) and (failure := _save_failed(err, final.name, output_dir, previous)):
+        if failure is not None:
             raise failure from err
+        raise
+    except BaseException:
+        # KeyboardInterrupt / SystemExit mid-save: leave no temp dir behind.
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     distributed.wait_for_everyone(accelerator)
     return final
@@ -520,7 +551,9 @@ def save_final(
             output_dir.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}final-", dir=output_dir))
         except OSError as err:
-            raise (_save_failed(err, "the final model", output_dir, latest_checkpoint(output_dir)) or err) from err
+            raise (
+                _save_failed(err.errno, "the final model", output_dir, latest_checkpoint(output_dir)) or err
+            ) from err
         try:
             for key, m in all_models.items():
                 _save_model(m, tmp / key if key else tmp, state_dicts[key], accelerator)
@@ -541,8 +574,9 @@ def save_final(
                 else:
                     os.replace(entry, target)
             _fsync_path(output_dir)
-        except OSError as err:
-            failure = _save_failed(err, "the final model", output_dir, latest_checkpoint(output_dir))
+        except Exception as err:
+            code = _write_errno(err, output_dir)
+            failure = _save_failed(code, "the final model", output_dir, latest_checkpoint(output_dir))
             if failure is None:
                 raise
             raise failure from err
