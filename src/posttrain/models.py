@@ -123,7 +123,8 @@ def _weight_file_problem(file: Path) -> str | None:
 
     Only headers are read: a safetensors header lists every tensor's byte range and the reader
     checks that they cover the file exactly, so truncation is caught without loading tensors; a
-    torch .bin is a zip archive whose directory sits at its end, so truncation breaks the archive.
+    torch .bin is a zip archive whose directory sits at its end, so truncation breaks the archive
+    (a legacy bare-pickle .bin is not checked).
     """
     try:
         if file.suffix == ".safetensors":
@@ -134,6 +135,10 @@ def _weight_file_problem(file: Path) -> str | None:
         else:
             import zipfile
 
+            if not zipfile.is_zipfile(file):
+                with open(file, "rb") as f:
+                    if f.read(1) == b"\x80":
+                        return None  # torch's legacy (pre-1.6) format: a bare pickle, not checkable cheaply
             with zipfile.ZipFile(file) as archive:
                 archive.namelist()
     except Exception as err:  # the readers raise their own error types (SafetensorError, BadZipFile)
