@@ -79,7 +79,7 @@ def test_load_errors_name_file_and_line(tmp_path):
 
     json_list = tmp_path / "rows.json"
     json_list.write_text(json.dumps([{"prompt": "a"}, "oops"]), encoding="utf-8")
-    with pytest.raises(DataError, match=r"rows\.json, row 1: expected a JSON object"):
+    with pytest.raises(DataError, match=r"rows\.json, row 2: expected a JSON object"):
         load_any_dataset(json_list)
 
     empty = tmp_path / "empty.jsonl"

@@ -104,17 +104,17 @@ def test_prompt_dataset_bad_data(tok, tmp_path):
         match=r"train_dataset, field 'prompt': missing column\(s\) \['prompt'\].*available columns: \['question'\]",
     ):
         prepare_prompt_dataset(Dataset.from_dict({"question": ["x"]}), tok, source="train_dataset")
-    with pytest.raises(DataError, match=r"row 1, field 'prompt': is empty"):
+    with pytest.raises(DataError, match=r"row 2, field 'prompt': is empty"):
         prepare_prompt_dataset(Dataset.from_dict({"prompt": ["ok", "   "]}), tok)
-    with pytest.raises(DataError, match=r"row 0, field 'prompt': has type int"):
+    with pytest.raises(DataError, match=r"row 1, field 'prompt': has type int"):
         prepare_prompt_dataset(Dataset.from_dict({"prompt": [3]}), tok)
-    with pytest.raises(DataError, match=r"row 0, field 'prompt': message 0 .*content of type int"):
+    with pytest.raises(DataError, match=r"row 1, field 'prompt': message 1 .*content of type int"):
         prepare_prompt_dataset(Dataset.from_list([{"prompt": [{"role": "user", "content": 5}]}]), tok)
-    with pytest.raises(DataError, match=r"row 0, field 'input_ids': is empty"):
+    with pytest.raises(DataError, match=r"row 1, field 'input_ids': is empty"):
         prepare_prompt_dataset(Dataset.from_dict({"input_ids": [[]]}), tok)
-    with pytest.raises(DataError, match=r"row 1, field 'input_ids': holds token ids outside the vocabulary"):
+    with pytest.raises(DataError, match=r"row 2, field 'input_ids': holds token ids outside the vocabulary"):
         prepare_prompt_dataset(Dataset.from_dict({"input_ids": [[1], [len(tok)]]}), tok)
-    with pytest.raises(DataError, match=r"row 0, field 'input_ids': must be a list of integer token ids"):
+    with pytest.raises(DataError, match=r"row 1, field 'input_ids': must be a list of integer token ids"):
         prepare_prompt_dataset(Dataset.from_dict({"input_ids": [[1.5]]}), tok)
     with pytest.raises(DataError, match="the dataset is empty"):
         prepare_prompt_dataset(Dataset.from_dict({"prompt": []}), tok)
@@ -123,7 +123,7 @@ def test_prompt_dataset_bad_data(tok, tmp_path):
 
     # The file a dataset was loaded from is named in row-level errors.
     path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "fine"}, {"prompt": ""}])
-    with pytest.raises(DataError, match=r"train_dataset \(.*prompts\.jsonl\), row 1, field 'prompt': is empty"):
+    with pytest.raises(DataError, match=r"train_dataset \(.*prompts\.jsonl\), row 2, field 'prompt': is empty"):
         prepare_prompt_dataset(load_any_dataset(path), tok, source="train_dataset")
 
 
@@ -184,11 +184,11 @@ def test_preference_overflow_counts(tok, caplog):
 def test_preference_bad_data(tok):
     with pytest.raises(DataError, match=r"missing column\(s\) \['rejected'\].*available columns: \['chosen'\]"):
         prepare_preference_dataset(Dataset.from_dict({"chosen": ["a"]}), tok, 8)
-    with pytest.raises(DataError, match=r"row 1, field 'chosen': is empty"):
+    with pytest.raises(DataError, match=r"row 2, field 'chosen': is empty"):
         prepare_preference_dataset(Dataset.from_dict({"chosen": ["a", ""], "rejected": ["b", "c"]}), tok, 8)
-    with pytest.raises(DataError, match=r"row 0, field 'rejected': has type int"):
+    with pytest.raises(DataError, match=r"row 1, field 'rejected': has type int"):
         prepare_preference_dataset(Dataset.from_dict({"chosen": ["a"], "rejected": [1]}), tok, 8)
-    with pytest.raises(DataError, match=r"row 0, field 'margin': must be a finite number"):
+    with pytest.raises(DataError, match=r"row 1, field 'margin': must be a finite number"):
         prepare_preference_dataset(
             Dataset.from_dict({"chosen": ["a"], "rejected": ["b"], "margin": [float("nan")]}), tok, 8
         )
@@ -288,15 +288,15 @@ def test_sft_bad_data(tok):
         prepare_sft_dataset(Dataset.from_dict({"prompt": ["x"]}), tok, 8)
     with pytest.raises(DataError, match="assistant_only_loss needs conversational data"):
         prepare_sft_dataset(Dataset.from_dict({"text": ["x"]}), tok, 8, assistant_only_loss=True)
-    with pytest.raises(DataError, match=r"row 1, field 'text': is empty"):
+    with pytest.raises(DataError, match=r"row 2, field 'text': is empty"):
         prepare_sft_dataset(Dataset.from_dict({"text": ["x", ""]}), tok, 8)
-    with pytest.raises(DataError, match=r"row 0, field 'text': has type int"):
+    with pytest.raises(DataError, match=r"row 1, field 'text': has type int"):
         prepare_sft_dataset(Dataset.from_dict({"text": [4]}), tok, 8)
-    with pytest.raises(DataError, match=r"row 0, field 'messages': is a string"):
+    with pytest.raises(DataError, match=r"row 1, field 'messages': is a string"):
         prepare_sft_dataset(Dataset.from_dict({"messages": ["hi"]}), tok, 8)
-    with pytest.raises(DataError, match=r"row 0, field 'messages': has no assistant message"):
+    with pytest.raises(DataError, match=r"row 1, field 'messages': has no assistant message"):
         prepare_sft_dataset(Dataset.from_dict({"messages": [conv(("user", "hi"))]}), tok, 8, assistant_only_loss=True)
-    with pytest.raises(DataError, match=r"row 0, field 'completion': one of prompt / completion is a conversation"):
+    with pytest.raises(DataError, match=r"row 1, field 'completion': one of prompt / completion is a conversation"):
         prepare_sft_dataset(
             Dataset.from_dict({"prompt": [conv(("user", "hi"))], "completion": [conv(("assistant", "a"))]}).map(
                 lambda r: {"completion": "text"}, remove_columns="completion"
@@ -324,7 +324,7 @@ def test_sft_template_that_rewrites_history_is_rejected(tok):
         "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
     )
     ds = Dataset.from_dict({"messages": [conv(("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d"))]})
-    with pytest.raises(DataError, match=r"row 0, field 'messages': the chat template renders .* differently"):
+    with pytest.raises(DataError, match=r"row 1, field 'messages': the chat template renders .* differently"):
         prepare_sft_dataset(ds, tok, 64, assistant_only_loss=True)
 
 

@@ -169,7 +169,9 @@ def test_reward_model_pad_token_id(tiny_reward_model, tiny_reward_model_dir, tin
 
 
 def test_value_model_from_policy_checkpoint(tiny_policy_dir, tiny_tokenizer):
-    critic = load_value_model(tiny_policy_dir, tokenizer=tiny_tokenizer)
+    # A critic initialised from a policy has no trained head: it is accepted only when asked for
+    # (without the opt-in it is refused, tests/test_bad_inputs.py).
+    critic = load_value_model(tiny_policy_dir, tokenizer=tiny_tokenizer, allow_new_head=True)
     assert critic.config.num_labels == 1 and critic.config.pad_token_id == tiny_tokenizer.pad_token_id
     ids, mask = batch(tiny_tokenizer, ["Hello", "The quick brown fox"])
     hidden = getattr(critic, critic.base_model_prefix)(ids, attention_mask=mask).last_hidden_state

@@ -24,6 +24,7 @@ execute pickled code, so RNG states are stored as tensors and plain containers o
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -58,7 +59,56 @@ _WEIGHT_FILE_RE = re.compile(
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or does not match the models it is loaded into."""
+    """A checkpoint is missing, incomplete or does not match the models it is loaded into, or it
+    could not be written (a full disk, a read-only folder)."""
+
+
+# Write failures a user fixes outside the program: a full disk or quota, a read-only or forbidden folder.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+# Below this much free space, a writer error that names no OS error is taken to be a full disk.
+_NEARLY_FULL = 16 * 2**20
+
+
+def _write_errno(err: BaseException, directory: Path) -> int | None:
+    """The OS error number behind a failed write, or None when it is not a disk-side failure.
+
+    Call before removing what the failed save wrote (that frees the space again). Python's own
+    writes raise OSError. safetensors' writer raises SafetensorError with the OS error only in its
+    text ("I/O error: ... (os error 28)" or "IoError(Os { code: 28, ... })"). torch.save's zip
+    writer raises a RuntimeError naming no cause ("unexpected pos ..."), so then a nearly full
+    disk is taken as the cause.
+    """
+    if isinstance(err, OSError):
+        return err.errno
+    match = re.search(r"(?:os error|code:) (\d+)", str(err)) if type(err).__name__ == "SafetensorError" else None
+    if match:
+        return int(match.group(1))
+    if isinstance(err, RuntimeError) and not isinstance(err, CheckpointError):
+        try:
+            free = shutil.disk_usage(directory).free
+        except OSError:
+            return None
+        return errno.ENOSPC if free < _NEARLY_FULL else None
+    return None
+
+
+def _save_failed(code: int | None, what: str, output_dir: Path, previous: Path | None) -> CheckpointError | None:
+    """The one-line CheckpointError for a save that failed with OS error `code` on the disk side,
+    or None for other errors (which are bugs, and keep their traceback)."""
+    if code in _NO_SPACE:
+        cause = f"no space left on device (or disk quota exceeded) while saving {what} in {output_dir}"
+        fix = "free space, write to another --output_dir, or keep fewer checkpoints with --save_total_limit"
+    elif code in _NOT_WRITABLE:
+        cause = f"could not write {what} in {output_dir} ({os.strerror(code)})"
+        fix = "make the folder writable or choose another --output_dir"
+    else:
+        return None
+    if previous is not None:
+        kept = f"the previous checkpoint {previous} is intact (resume with --resume_from_checkpoint latest)"
+    else:
+        kept = "no earlier checkpoint exists"
+    return CheckpointError(f"{cause}; nothing half-written was left behind and {kept}. Fix: {fix}.")
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
@@ -382,10 +432,14 @@ def save_checkpoint(
     final = output_dir / f"{CHECKPOINT_PREFIX}{step}"
 
     tmp_name = None
+    previous = latest_checkpoint(output_dir) if main else None
     if main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        _remove_tmp_dirs(output_dir)
-        tmp_name = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{CHECKPOINT_PREFIX}{step}-", dir=output_dir)
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            _remove_tmp_dirs(output_dir)
+            tmp_name = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{CHECKPOINT_PREFIX}{step}-", dir=output_dir)
+        except OSError as err:
+            raise (_save_failed(err.errno, final.name, output_dir, previous) or err) from err
         tmp_name = Path(tmp_name).name
     # The other ranks write their RNG state into the same temp dir, so they need its name.
     tmp = output_dir / distributed.broadcast_object(tmp_name, accelerator)
@@ -414,7 +468,15 @@ def save_checkpoint(
             _fsync_path(output_dir)
             if save_total_limit is not None:
                 _rotate(output_dir, save_total_limit, keep=final)
+    except Exception as err:
+        failure = _save_failed(_write_errno(err, output_dir), final.name, output_dir, previous)
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if failure is not None:
+            raise failure from err
+        raise
     except BaseException:
+        # KeyboardInterrupt / SystemExit mid-save: leave no temp dir behind.
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -485,8 +547,13 @@ def save_final(
     all_models = {"": model, **dict(extra_models or {})}
     state_dicts = {key: _state_dict_for_saving(m, accelerator) for key, m in all_models.items()}
     if main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}final-", dir=output_dir))
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}final-", dir=output_dir))
+        except OSError as err:
+            raise (
+                _save_failed(err.errno, "the final model", output_dir, latest_checkpoint(output_dir)) or err
+            ) from err
         try:
             for key, m in all_models.items():
                 _save_model(m, tmp / key if key else tmp, state_dicts[key], accelerator)
@@ -507,6 +574,12 @@ def save_final(
                 else:
                     os.replace(entry, target)
             _fsync_path(output_dir)
+        except Exception as err:
+            code = _write_errno(err, output_dir)
+            failure = _save_failed(code, "the final model", output_dir, latest_checkpoint(output_dir))
+            if failure is None:
+                raise
+            raise failure from err
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     distributed.wait_for_everyone(accelerator)
@@ -517,10 +590,18 @@ def save_final(
 # Output directory ownership
 
 
+_IS_A_FILE = "output_dir={name!r} is a file; pass the path of a folder (new or existing)."
+
+
 def has_output(output_dir: str | os.PathLike) -> bool:
     """True when `output_dir` holds something worth keeping: a complete checkpoint, saved
     weights, or logged metrics (kept so a crashed run can be diagnosed)."""
     root = Path(output_dir)
+    if root.exists() and not root.is_dir():
+        from posttrain.configs import ConfigError
+
+        # Called before any model loads (the trainers' output-dir check): say so now, not after loading.
+        raise ConfigError(_IS_A_FILE.format(name=os.fspath(output_dir)))
     if not root.is_dir():
         return False
     if list_checkpoints(root):
@@ -532,10 +613,43 @@ def has_output(output_dir: str | os.PathLike) -> bool:
     return metrics.is_file() and metrics.stat().st_size > 0
 
 
+def check_output_dir_writable(output_dir: str | os.PathLike) -> None:
+    """Raise ConfigError unless `output_dir` is (or can be created as) a folder this process can write.
+
+    Meant to run before any model loads, so a typo'd or read-only `--output_dir` costs nothing.
+    Nothing is left behind: a folder that does not exist yet is not created; instead a temp folder
+    is created and removed in its nearest existing parent. Permission bits are not trusted (root
+    ignores them, read-only mounts and ACLs override them): the check really writes.
+    """
+    from posttrain.configs import ConfigError
+
+    path = Path(output_dir).expanduser()
+    name = os.fspath(output_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(_IS_A_FILE.format(name=name))
+    probe_in = path
+    while not probe_in.exists():
+        probe_in = probe_in.parent
+    if not probe_in.is_dir():
+        raise ConfigError(
+            f"output_dir={name!r} cannot be created: {os.fspath(probe_in)!r} is a file, not a folder; "
+            "choose another --output_dir."
+        )
+    try:
+        Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}write-test-", dir=probe_in)).rmdir()
+    except OSError as err:
+        target = "is not writable" if probe_in == path else f"cannot be created in {os.fspath(probe_in)!r}"
+        raise ConfigError(
+            f"output_dir={name!r} {target} ({err.strerror}); choose a writable --output_dir "
+            "or fix the folder's permissions."
+        ) from None
+
+
 class OutputDirGuard:
-    """Context manager around a training run: on failure it removes the temp dirs of an
-    interrupted save, and removes `output_dir` entirely if this run created it and nothing
-    worth keeping was written yet. A directory that existed before the run is never deleted.
+    """Context manager around a training run: on entry it checks that `output_dir` is a writable
+    folder (`check_output_dir_writable`, ConfigError otherwise); on failure it removes the temp
+    dirs of an interrupted save, and removes `output_dir` entirely if this run created it and
+    nothing worth keeping was written yet. A directory that existed before the run is never deleted.
 
         with OutputDirGuard(config.output_dir, is_main=distributed.is_main(accelerator)):
             trainer.train()
@@ -547,8 +661,7 @@ class OutputDirGuard:
         self.created = False
 
     def __enter__(self) -> OutputDirGuard:
-        if self.output_dir.exists() and not self.output_dir.is_dir():
-            raise NotADirectoryError(f"output_dir={os.fspath(self.output_dir)!r} is a file; pass a directory path.")
+        check_output_dir_writable(self.output_dir)
         self.created = not self.output_dir.exists()
         if self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)

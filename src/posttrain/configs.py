@@ -361,6 +361,54 @@ class SupervisedConfig(TrainingConfig):
             raise ConfigError(f"pad_to_multiple_of={self.pad_to_multiple_of} must be >= 1 or None.")
 
 
+def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """The `field: value` mapping of a `--config` YAML (or JSON) file, or a ConfigError naming the
+    file and, for a syntax error, its line and column (1-based, as editors count).
+
+    A missing, unreadable or non-UTF-8 file, a syntax error and a document that is not a mapping
+    are each reported in one line; an empty file is an empty mapping.
+    """
+    import yaml  # PyYAML comes with transformers / datasets; imported here to keep this module light
+
+    where = f"--config {os.fspath(path)}"
+    if not os.path.exists(path):
+        raise ConfigError(f"{where}: no such file.")
+    if os.path.isdir(path):
+        raise ConfigError(f"{where} is a directory; pass a YAML file of field: value lines.")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {err.start}); save the file as UTF-8.") from None
+    except OSError as err:
+        raise ConfigError(f"{where}: cannot be read ({err.strerror}).") from None
+    try:
+        values = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as err:
+
+        def at(mark: Any) -> str:
+            return f"line {mark.line + 1}, column {mark.column + 1}"
+
+        mark = err.problem_mark or err.context_mark
+        problem = err.problem or err.context or "invalid YAML"
+        if err.context and err.context_mark is not None and err.problem_mark is not None:
+            problem += f" ({err.context} started at {at(err.context_mark)})"
+        raise ConfigError(
+            f"{where}{', ' + at(mark) if mark is not None else ''}: YAML syntax error: {problem}. "
+            "Fix the file there: one `field: value` per line; quote values holding ': ', '#' or brackets."
+        ) from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{where}: YAML error: {err}.") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(
+            f"{where} must hold a mapping of field: value, not a {type(values).__name__} "
+            "(e.g. `learning_rate: 3.0e-6` on its own line)."
+        )
+    return values
+
+
 def config_fields(cls: type) -> list[dataclasses.Field]:
     """User-settable fields of a config class (derived sizes excluded)."""
     return [f for f in dataclasses.fields(cls) if not f.metadata.get("derived")]

@@ -105,12 +105,64 @@ class ModelNotFoundError(OSError):
     """A model or tokenizer location that is neither a local folder nor a reachable hub name."""
 
 
+class ModelLoadError(ModelNotFoundError):
+    """A model location that exists but cannot be used as asked: a truncated or corrupt weight file,
+    or a reward / value model whose checkpoint holds no trained score head.
+
+    A subclass of `ModelNotFoundError` so that every handler of user-fixable model errors (the
+    command line prints them as one line and exits 2) treats it the same way.
+    """
+
+
+# Weight files `from_pretrained` reads from a folder (single or sharded, safetensors or pickle).
+_WEIGHT_GLOBS = ("model*.safetensors", "pytorch_model*.bin", "adapter_model.safetensors", "adapter_model.bin")
+
+
+def _weight_file_problem(file: Path) -> str | None:
+    """Why `file` cannot be read as a weight file (first line of the reader's error), or None if it reads.
+
+    Only headers are read: a safetensors header lists every tensor's byte range and the reader
+    checks that they cover the file exactly, so truncation is caught without loading tensors; a
+    torch .bin is a zip archive whose directory sits at its end, so truncation breaks the archive
+    (a legacy bare-pickle .bin is not checked).
+    """
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt") as f:
+                f.keys()
+        else:
+            import zipfile
+
+            if not zipfile.is_zipfile(file):
+                with open(file, "rb") as f:
+                    if f.read(1) == b"\x80":
+                        return None  # torch's legacy (pre-1.6) format: a bare pickle, not checkable cheaply
+            with zipfile.ZipFile(file) as archive:
+                archive.namelist()
+    except Exception as err:  # the readers raise their own error types (SafetensorError, BadZipFile)
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    return None
+
+
+def _corrupt_weight_file(folder: Path) -> tuple[Path, str] | None:
+    """The first weight file in `folder` that cannot be read, with the reason; None if all read."""
+    for pattern in _WEIGHT_GLOBS:
+        for file in sorted(folder.glob(pattern)):
+            problem = _weight_file_problem(file)
+            if problem is not None:
+                return file, problem
+    return None
+
+
 def _from_pretrained(loader: Any, name_or_path: str | os.PathLike, what: str, **kwargs: Any) -> Any:
     """`loader.from_pretrained` with one clear message when the location is wrong.
 
     A path that looks local (absolute, ./, ../, ~) and does not exist is reported as such instead of
     transformers' "Repo id must be in the form ..." error; a hub name that cannot be fetched (no
-    network, private, misspelled) names the flag to fix.
+    network, private, misspelled) names the flag to fix; a local folder whose weight file is
+    truncated or corrupt raises `ModelLoadError` naming the file.
     """
     location = str(name_or_path)
     looks_local = location.startswith(("/", "./", "../", "~"))
@@ -118,10 +170,21 @@ def _from_pretrained(loader: Any, name_or_path: str | os.PathLike, what: str, **
         raise ModelNotFoundError(
             f"{what} {location!r}: no such folder. Give a folder saved with save_pretrained or a hub model name."
         )
+    folder = Path(os.path.expanduser(location))
     try:
-        return loader.from_pretrained(os.path.expanduser(location), **kwargs)
-    except OSError as err:
-        if os.path.isdir(os.path.expanduser(location)):
+        return loader.from_pretrained(str(folder), **kwargs)
+    except Exception as err:
+        if folder.is_dir():
+            # A weight file that does not read (an interrupted download or copy, a full disk at
+            # save time) fails deep in safetensors / torch with a message naming no file; name it.
+            corrupt = _corrupt_weight_file(folder)
+            if corrupt is None:
+                raise
+            file, problem = corrupt
+            raise ModelLoadError(
+                f"{what} {location!r}: {file} is truncated or corrupt ({problem}); re-save or re-download it."
+            ) from err
+        if not isinstance(err, OSError):
             raise
         raise ModelNotFoundError(
             f"{what} {location!r} could not be loaded: it is not a local folder and the hub did not provide it "
@@ -235,6 +298,30 @@ def load_policy(
 SCALAR_MODEL_ROLES = ("reward", "value")
 
 
+def _new_head_keys(model: PreTrainedModel, loading_info: dict[str, Any]) -> list[str]:
+    """Weights outside the backbone (the score head) that the checkpoint did not provide."""
+    prefix = f"{model.base_model_prefix}."
+    return sorted(k for k in loading_info.get("missing_keys", ()) if not k.startswith(prefix))
+
+
+def _no_head_message(what: str, path: str | os.PathLike, model: PreTrainedModel, new_head: list[str]) -> str:
+    saved_as = ", ".join(getattr(model.config, "architectures", None) or []) or "a model without a score head"
+    if what.startswith("value"):
+        fix = (
+            "Pass a reward model (the usual critic initialisation), or allow_new_head=True to initialise "
+            "the critic's head from scratch on top of this model"
+        )
+    else:
+        fix = (
+            "It is a causal LM / base model, not a reward model: train a reward model first with "
+            "`posttrain reward --model_name_or_path <this model> ...` and pass its output_dir"
+        )
+    return (
+        f"{what} {os.fspath(path)!r} has no trained score head: {', '.join(new_head)} is not in its checkpoint "
+        f"(saved as {saved_as}), so its scores would come from randomly initialised weights. {fix}."
+    )
+
+
 def load_scalar_model(
     path: str | os.PathLike,
     dtype: str | torch.dtype | None = None,
@@ -247,6 +334,7 @@ def load_scalar_model(
     pad_token_id: int | None = None,
     attn_implementation: str | None = None,
     revision: str | None = None,
+    allow_new_head: bool = False,
 ) -> PreTrainedModel:
     """Load a model that outputs one score per sequence: `AutoModelForSequenceClassification(num_labels=1)`.
 
@@ -254,8 +342,12 @@ def load_scalar_model(
     `load_value_model` are this function; `role` ("reward" or "value") only names the model in
     error messages. `config.pad_token_id` is always set: from `pad_token_id`, else `tokenizer`,
     else the config, else the tokenizer saved in `path` (TRL #937: an unset pad id makes the head
-    score the wrong token). A `path` holding a causal LM loads with a freshly initialised `score`
-    head (transformers logs which weights are new).
+    score the wrong token).
+
+    A `path` whose checkpoint holds no score head (a causal LM or base model) raises
+    `ModelLoadError`: its head would be randomly initialised, and RL against such a reward model
+    optimises noise. `allow_new_head=True` accepts the fresh head, for a model that is about to be
+    trained: a reward model before reward training, a critic initialised from a policy.
     """
     from transformers import AutoModelForSequenceClassification
 
@@ -271,7 +363,14 @@ def load_scalar_model(
         kwargs["attn_implementation"] = attn_implementation
     if revision is not None:
         kwargs["revision"] = revision
-    model = _from_pretrained(AutoModelForSequenceClassification, path, what, **kwargs)
+    model, loading_info = _from_pretrained(
+        AutoModelForSequenceClassification, path, what, output_loading_info=True, **kwargs
+    )
+    new_head = _new_head_keys(model, loading_info)
+    if new_head and not allow_new_head:
+        raise ModelLoadError(_no_head_message(what, path, model, new_head))
+    if new_head:
+        logger.info("%s %s: the score head (%s) is freshly initialised", what, path, ", ".join(new_head))
     if model.config.num_labels != 1:
         raise ValueError(f"{what} {path} has num_labels={model.config.num_labels}; it must output one score")
     if tokenizer is None and pad_token_id is None and model.config.pad_token_id is None:
@@ -299,8 +398,8 @@ def load_reward_model(path: str | os.PathLike, *args: Any, **kwargs: Any) -> Pre
 def load_value_model(path: str | os.PathLike, *args: Any, **kwargs: Any) -> PreTrainedModel:
     """Load a value model (critic): `load_scalar_model(path, ..., role="value")`, same arguments.
 
-    `path` may be a reward model (the usual PPO init) or a causal LM, whose `score` head is then
-    freshly initialised.
+    `path` may be a reward model (the usual PPO init), or a causal LM with `allow_new_head=True`,
+    whose `score` head is then freshly initialised.
     """
     return load_scalar_model(path, *args, role="value", **kwargs)
 

@@ -118,7 +118,7 @@ def _assistant_spans(
         upto = render_chat(messages[: i + 1], tokenizer)
         if not full_text.startswith(upto):
             raise DataError(
-                f"the chat template renders the conversation up to message {i} differently from the whole "
+                f"the chat template renders the conversation up to message {i + 1} differently from the whole "
                 "conversation, so assistant tokens cannot be located",
                 source=source,
                 row=row,

@@ -26,7 +26,13 @@ _SOURCE_MARK = "posttrain source: "
 
 
 class DataError(ValueError):
-    """A dataset problem, reported with where it is (source, line or row, field) and how to fix it."""
+    """A dataset problem, reported with where it is (source, line or row, field) and how to fix it.
+
+    `row` is the 0-based index of the row in the dataset (what `dataset[i]` takes); the message
+    counts rows from 1, as it counts file lines (`line`) and messages of a conversation, so the
+    first record of a file is "line 1" in a JSON-lines file and "row 1" once loaded. `self.row` is
+    that 1-based number and `self.index` the 0-based index.
+    """
 
     def __init__(
         self,
@@ -38,7 +44,7 @@ class DataError(ValueError):
         field: str | None = None,
         fix: str | None = None,
     ):
-        self.problem, self.source, self.row, self.line, self.field, self.fix = (
+        self.problem, self.source, self.index, self.line, self.field, self.fix = (
             problem,
             None if source is None else str(source),
             row,
@@ -46,11 +52,12 @@ class DataError(ValueError):
             field,
             fix,
         )
+        self.row = None if row is None else row + 1
         where = [str(source) if source is not None else "dataset"]
         if line is not None:
             where.append(f"line {line}")
-        if row is not None:
-            where.append(f"row {row}")
+        if self.row is not None:
+            where.append(f"row {self.row}")
         if field is not None:
             where.append(f"field '{field}'")
         message = f"{', '.join(where)}: {problem}"
@@ -104,7 +111,8 @@ class _RecordChecker:
             kind = _kind(value)
             if kind is None:
                 continue
-            seen = self.kinds.setdefault(key, (kind, line if line is not None else row))
+            # Where the field was first seen, as the message counts: line N, or row index + 1.
+            seen = self.kinds.setdefault(key, (kind, line if line is not None else row + 1))
             if seen[0] != kind:
                 raise DataError(
                     f"is a {kind} here but a {seen[0]} at {'line' if line is not None else 'row'} {seen[1]}",
@@ -301,8 +309,15 @@ def load_any_dataset(
 # --------------------------------------------------------------------------------------------
 
 
+# Roles chat templates know: system, user, assistant, tool (transformers' chat-template docs),
+# developer (OpenAI's system-level role, gpt-oss templates), ipython (Llama 3.1's tool-output role).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
+# ShareGPT's speaker names, which maybe_convert_to_chatml keeps as roles.
+_SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
+
+
 def _validate_messages(messages: list[Any], source: str, row: int, field: str) -> None:
-    for turn, message in enumerate(messages):
+    for turn, message in enumerate(messages, start=1):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise DataError(
                 f"message {turn} has no string 'role'",
@@ -311,10 +326,23 @@ def _validate_messages(messages: list[Any], source: str, row: int, field: str) -
                 field=field,
                 fix='write each message as {"role": "user", "content": "..."}',
             )
+        role = message["role"]
+        if role not in CHAT_ROLES:
+            if role.lower() in _SHAREGPT_ROLES:
+                fix = "rename the ShareGPT roles: " + ", ".join(f"{k} -> {v}" for k, v in _SHAREGPT_ROLES.items())
+            else:
+                fix = "use one of the accepted roles (a chat template renders no other role correctly)"
+            raise DataError(
+                f"message {turn} has the unknown role {role!r}; accepted roles: {', '.join(CHAT_ROLES)}",
+                source=source,
+                row=row,
+                field=field,
+                fix=fix,
+            )
         content = message.get("content")
         if not isinstance(content, (str, list)):
             raise DataError(
-                f"message {turn} ({message['role']}) has content of type {type(content).__name__}, not a string",
+                f"message {turn} ({role}) has content of type {type(content).__name__}, not a string",
                 source=source,
                 row=row,
                 field=field,

@@ -230,7 +230,8 @@ def prepare_preference_dataset(
     not end with one, so the score is read on EOS as at inference. Pre-tokenized
     `chosen_input_ids`/`rejected_input_ids` (or `chosen_ids`/`rejected_ids`) pass through.
     Pairs where either side exceeds `max_length` are dropped ("drop", like TRL) or cut to their
-    first `max_length` tokens ("truncate"); the count is logged.
+    first `max_length` tokens ("truncate"); pairs whose two sides tokenize identically (ties) are
+    dropped; both counts are logged, and a dataset of ties only is refused.
     """
     if overflow not in ("drop", "truncate"):
         raise ValueError(f"overflow must be 'drop' or 'truncate', got {overflow!r}")
@@ -285,12 +286,14 @@ def prepare_preference_dataset(
             max_length is not None and max(len(c), len(r)) > max_length
             for c, r in zip(out["chosen_input_ids"], out["rejected_input_ids"])
         ]
+        out["__tie"] = [c == r for c, r in zip(out["chosen_input_ids"], out["rejected_input_ids"])]
         if overflow == "truncate" and max_length is not None:
             out["chosen_input_ids"] = [s[:max_length] for s in out["chosen_input_ids"]]
             out["rejected_input_ids"] = [s[:max_length] for s in out["rejected_input_ids"]]
         return out
 
     out = dataset.map(encode, batched=True, with_indices=True, remove_columns=columns, desc="Tokenizing pairs")
+    out = _drop_ties(out, len(dataset), source)
     return _resolve_overflow(
         out,
         len(dataset),
@@ -303,6 +306,27 @@ def prepare_preference_dataset(
             fix="raise max_length or use overflow='truncate'",
         ),
     )
+
+
+def _drop_ties(out: Any, total: int, source: str) -> Any:
+    """Drop the pairs flagged `__tie` (chosen == rejected token for token) and say how many.
+
+    A tie carries no preference: the Bradley-Terry loss of an identical pair is log 2 whatever the
+    model does, so it only dilutes the batch, and it counts as a miss in the accuracy (the margin is
+    exactly 0). A dataset made only of ties is refused.
+    """
+    n_ties = sum(out["__tie"])
+    if n_ties:
+        if n_ties == total:
+            raise DataError(
+                f"every pair ({total}) has chosen == rejected, so there is no preference to learn",
+                source=source,
+                field="rejected",
+                fix="check that the chosen and rejected columns are not the same column",
+            )
+        out = out.filter(lambda flags: [not f for f in flags], input_columns="__tie", batched=True)
+        _overflow_note(n_ties, total, "preference pairs have chosen == rejected (ties) and were dropped")
+    return out.remove_columns("__tie")
 
 
 # --------------------------------------------------------------------------------------------

@@ -337,7 +337,7 @@ def train_reward_model(
         f"Gold-labelled {len(train_pairs)} training pairs ({train_ties} ties dropped) "
         f"and {len(eval_pairs)} held-out pairs."
     )
-    model = load_reward_model(sft_dir, tokenizer=tokenizer)
+    model = load_reward_model(sft_dir, tokenizer=tokenizer, allow_new_head=True)  # the head is trained next
     args = RewardConfig(
         output_dir=str(out),
         overwrite_output_dir=True,
