@@ -264,3 +264,16 @@ def test_cli_reward(tmp_path, tiny_tokenizer, tiny_reward_model_dir):
     assert code == 0
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
     assert AutoModelForSequenceClassification.from_pretrained(out).config.pad_token_id == tiny_tokenizer.pad_token_id
+
+
+def test_reward_training_starts_from_a_causal_lm_folder_with_a_new_score_head(tmp_path, tiny_policy_dir):
+    """`posttrain reward --model_name_or_path <SFT or base model>`: the usual RLHF step 2 starts from a
+    causal LM, whose score head is new by design (a reward model *used* for RL must have one)."""
+    trainer = RewardTrainer(
+        str(tiny_policy_dir), args=config(tmp_path, max_steps=1), train_dataset=Dataset.from_list(rule_pairs(8, 0))
+    )
+    trainer.train()
+    from transformers import AutoModelForSequenceClassification
+
+    saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "run")
+    assert saved.config.num_labels == 1

@@ -20,6 +20,7 @@ that loop, written once:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -152,7 +153,8 @@ def eval_shards(num_examples: int, batch_size: int, accelerator: Any) -> Iterato
 # the run
 # ---------------------------------------------------------------------------------------------
 def check_output_dir(config: TrainingConfig) -> None:
-    """Refuse to train into an output_dir that already holds a run, before any model loads."""
+    """Refuse an output_dir that cannot be written or already holds a run, before any model loads."""
+    ckpt.check_output_dir_writable(config.output_dir)
     if config.resume_from_checkpoint or config.overwrite_output_dir:
         return
     if ckpt.has_output(config.output_dir):
@@ -524,7 +526,11 @@ def resolve_model_and_tokenizer(
     if isinstance(model, str):
         kwargs = dict(model_init_kwargs or {})
         dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", config.torch_dtype))
-        loader = models.load_policy if kind == "causal_lm" else models.load_reward_model
+        if kind == "causal_lm":
+            loader = models.load_policy
+        else:
+            # Reward training starts from a base or SFT model: its score head is new by design.
+            loader = functools.partial(models.load_reward_model, allow_new_head=True)
         model = loader(
             model,
             dtype=dtype,
