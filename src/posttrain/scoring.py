@@ -18,6 +18,7 @@ import inspect
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,23 +59,65 @@ def _trimmed_inputs(rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch
     return ids.masked_fill(~mask, 0), mask, position_ids_from_mask(mask), P - start, end - P
 
 
-def _lm_logits(
-    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, P: int, T: int
-) -> torch.Tensor:
-    """Logits (B, T, V) at positions P−1 … P+T−2, i.e. the ones predicting completion tokens 0 … T−1."""
+@dataclass
+class CompletionForward:
+    """One forward of a causal LM over a rollout, cut to the completion columns.
+
+    logits (B, T', V) at sequence positions P−1 … P+T'−2, i.e. the ones predicting completion tokens
+    0 … T'−1; hidden (B, T', H): the last hidden states at the same positions (the state before each
+    completion token, where a value head reads V), or None; targets / mask (B, T'): the completion
+    ids and mask of those columns. T' ≤ T drops completion columns that are padding in every row;
+    `pad` puts a (B, T') result back on the rollout's T columns, 0 off-mask.
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+    targets: torch.Tensor
+    mask: torch.Tensor
+    width: int
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        return _pad_to(x.masked_fill(~self.mask, 0.0), self.width)
+
+
+def completion_forward(
+    model: torch.nn.Module, rollout: Rollout, *, output_hidden_states: bool = False
+) -> CompletionForward:
+    """Differentiable forward of `model` over prompt + completion with the LM head run only on the
+    positions that predict completion tokens (an index tensor `logits_to_keep` when the model takes
+    it: the LM head never runs on prompt positions and backward never zero-fills a (B, T+1, V)
+    gradient); with output_hidden_states the last hidden states at those positions too."""
+    rollout = rollout.to(_device(model))
+    T = rollout.completion_ids.size(1)
+    ids, mask, positions, P, Tc = _trimmed_inputs(rollout)
+    kwargs: dict[str, Any] = dict(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+    if output_hidden_states:
+        kwargs["output_hidden_states"] = True
     if accepts_logits_to_keep(model):
-        # An index tensor keeps exactly positions P−1 … P+T−2: the LM head never runs on prompt
-        # positions, and no extra row has to be sliced off (which would make backward zero-fill and
-        # copy a (B, T+1, V) gradient).
-        keep = torch.arange(P - 1, P - 1 + T, device=ids.device)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=keep)
-        return out.logits
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
-    return out.logits[:, P - 1 : P - 1 + T]
+        out = model(**kwargs, logits_to_keep=torch.arange(P - 1, P - 1 + Tc, device=ids.device))
+        logits = out.logits
+    else:
+        out = model(**kwargs)
+        logits = out.logits[:, P - 1 : P - 1 + Tc]
+    hidden = out.hidden_states[-1][:, P - 1 : P - 1 + Tc] if output_hidden_states else None
+    return CompletionForward(logits, hidden, rollout.completion_ids[:, :Tc], rollout.completion_mask[:, :Tc], T)
 
 
 def _pad_to(x: torch.Tensor, T: int) -> torch.Tensor:
     return F.pad(x, (0, T - x.size(1)))
+
+
+def forward_logprobs(
+    forward: CompletionForward, *, temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / temperature)[completion token] (B, T) float32 and optionally the entropy
+    (B, T) of a completion forward, both 0 off-mask."""
+    if with_entropy:
+        logprobs, entropy = logprobs_and_entropy(
+            forward.logits, forward.targets, temperature, entropy_grad=entropy_grad
+        )
+        return forward.pad(logprobs), forward.pad(entropy)
+    return forward.pad(selective_log_softmax(forward.logits, forward.targets, temperature)), None
 
 
 def completion_logprobs(
@@ -91,18 +134,12 @@ def completion_logprobs(
     `SamplingConfig.logprob_temperature` so the result matches the recorded rollout logprobs.
     entropy_grad: let gradients flow through the entropy (only for an entropy bonus in the loss).
     """
-    rollout = rollout.to(_device(model))
-    B, T = rollout.completion_ids.shape
-    ids, mask, positions, P, Tc = _trimmed_inputs(rollout)
-    logits = _lm_logits(model, ids, mask, positions, P, Tc)
-    targets = rollout.completion_ids[:, :Tc]
-    cmask = rollout.completion_mask[:, :Tc]
-    if with_entropy:
-        logprobs, entropy = logprobs_and_entropy(logits, targets, temperature, entropy_grad=entropy_grad)
-        entropy = _pad_to(entropy.masked_fill(~cmask, 0.0), T)
-    else:
-        logprobs, entropy = selective_log_softmax(logits, targets, temperature), None
-    return _pad_to(logprobs.masked_fill(~cmask, 0.0), T), entropy
+    return forward_logprobs(
+        completion_forward(model, rollout),
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+    )
 
 
 @torch.no_grad()
