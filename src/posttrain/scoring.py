@@ -8,7 +8,7 @@ Index conventions (sequence = prompt (P, left-padded) + completion (T, right-pad
 - the value of the state before completion token t is read at position P−1+t;
 - a reward model's score is read at the last real token, P + length − 1: the stop token when the
   row ended. TRL put the PPO score one slot after EOS (TRL#1893, #3750) and DeepSpeed-Chat's
-  `ends` pointed one past EOS (PR#672, peers-notes §3.2). We index from lengths, never from
+  `ends` pointed one past EOS (DeepSpeed-Chat PR#672). We index from lengths, never from
   `ids == pad`, because pad may equal eos.
 """
 

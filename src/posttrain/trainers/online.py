@@ -705,15 +705,18 @@ def score(run: OnlineRun, reward: RewardSource, rollout: Rollout, batch: dict, k
 
 
 @torch.no_grad()
-def reference_logprobs(run: OnlineRun, policy: nn.Module, ref_model: nn.Module | None, rollout: Rollout):
-    """log π_ref per completion token (B, T), 0 off-mask, at the rollout's log-prob temperature; from
-    ref_model or, when it is None, the PEFT policy with its adapter disabled."""
+def reference_logprobs(
+    run: OnlineRun, policy: nn.Module, ref_model: nn.Module | None, rollout: Rollout, temperature: float | None = None
+) -> torch.Tensor:
+    """log π_ref per completion token (B, T), 0 off-mask, at `temperature` (default the rollout's
+    log-prob temperature); from ref_model or, when it is None, the PEFT policy with its adapter
+    disabled."""
     with reference_policy(policy, ref_model, run.accelerator) as ref, run.autocast():
         logprobs, _ = batched_completion_logprobs(
             ref,
             rollout,
             batch_size=run.config.local_rollout_forward_batch_size,
-            temperature=run.sampling.logprob_temperature,
+            temperature=run.sampling.logprob_temperature if temperature is None else temperature,
         )
     return logprobs
 

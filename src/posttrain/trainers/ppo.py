@@ -51,7 +51,6 @@ Metrics (train(), one line per logging step; sums and counts reduced over ranks,
 
 from __future__ import annotations
 
-import copy
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,17 +61,13 @@ from torch import nn
 
 from posttrain import advantages as adv
 from posttrain import distributed as dist
-from posttrain.compat import dtype_kwargs
 from posttrain.configs import ConfigError
+from posttrain.critic import PolicyAndValue, attach_critic
 from posttrain.losses import entropy_bonus, ppo_policy_loss, ppo_value_loss
-from posttrain.models import CausalLMWithValueHead, disable_dropout
+from posttrain.models import CausalLMWithValueHead
 from posttrain.rollout import Rollout
 from posttrain.scoring import (
-    batched_completion_logprobs,
     completion_forward,
-    completion_logprobs,
-    completion_values,
-    forward_logprobs,
 )
 from posttrain.trainers import online
 from posttrain.trainers.online import (
@@ -90,53 +85,6 @@ from posttrain.trainers.online import (
 from posttrain.trainers.ppo_config import PPOConfig
 
 __all__ = ["PPOConfig", "PPOTrainer", "PolicyAndValue", "run"]
-
-
-class PolicyAndValue(nn.Module):
-    """Policy and critic as one module: one `accelerator.prepare`, one forward, so DDP syncs both
-    (TRL's PolicyAndValueWrapper). `critic=None` means the critic is a value head on the policy's
-    trunk (`policy` is a models.CausalLMWithValueHead) and one trunk pass gives logits and values."""
-
-    def __init__(self, policy: nn.Module, critic: nn.Module | None = None, entropy_grad: bool = False) -> None:
-        super().__init__()
-        self.policy = policy
-        self.critic = critic
-        # Backpropagate through the entropy only when an entropy bonus is part of the loss.
-        self.entropy_grad = entropy_grad
-
-    @property
-    def shared(self) -> bool:
-        return self.critic is None
-
-    @property
-    def lm(self) -> nn.Module:
-        """The causal LM that generates."""
-        return self.policy.pretrained_model if self.shared else self.policy
-
-    def forward(self, rollout: Rollout, temperature: float, with_entropy: bool = True):
-        """(logprobs (B, T), entropy (B, T) | None, values (B, T)) of the completion tokens, 0 off-mask."""
-        if not self.shared:
-            logprobs, entropy = completion_logprobs(
-                self.policy, rollout, temperature=temperature, with_entropy=with_entropy, entropy_grad=self.entropy_grad
-            )
-            return logprobs, entropy, completion_values(self.critic, rollout)
-        # Logits and the value head's hidden states from ONE trunk pass.
-        out = completion_forward(self.policy.pretrained_model, rollout, output_hidden_states=True)
-        logprobs, entropy = forward_logprobs(
-            out, temperature=temperature, with_entropy=with_entropy, entropy_grad=self.entropy_grad
-        )
-        return logprobs, entropy, out.pad(self.policy.score(out.hidden).squeeze(-1).float())
-
-
-def critic_from_policy(policy: nn.Module) -> nn.Module:
-    """A separate value model: the policy's trunk (copied) under a new scalar `score` head."""
-    from transformers import AutoModelForSequenceClassification
-
-    config = copy.deepcopy(policy.config)
-    config.num_labels = 1
-    critic = AutoModelForSequenceClassification.from_config(config, **dtype_kwargs(next(policy.parameters()).dtype))
-    critic.base_model.load_state_dict(policy.base_model.state_dict())
-    return critic
 
 
 @dataclass
@@ -233,28 +181,16 @@ class PPOTrainer(OnlineTrainer):
         reward_models = (
             given_source.models if given_source is not None else [r for r in parts.rewards if isinstance(r, nn.Module)]
         )
-        # The critic (step 3's V): given, loaded from value_model_path, a value head on the policy's
-        # trunk, a copy of the reward model or of the policy's trunk (args.value_model_init). New
-        # heads are initialised from the seed, so every rank builds the same critic.
+        # The critic (step 3's V); new heads are initialised from the seed: every rank builds the same.
         dist.set_seed(args.seed)
-        model = parts.policy
-        init = args.value_model_init or (
-            "head" if isinstance(model, CausalLMWithValueHead) else "reward" if reward_models else "policy"
+        model, critic = attach_critic(
+            parts.policy, value_model, args, reward_models, parts.reward_tokenizer, parts.tokenizer
         )
-        if value_model is None and args.value_model_path:
-            from posttrain.models import load_value_model
-
-            value_model = load_value_model(args.value_model_path, dtype=args.torch_dtype, tokenizer=parts.tokenizer)
-        critic = self.critic_for(init, model, value_model, reward_models, parts.reward_tokenizer, parts.tokenizer)
-        if init == "head" and not isinstance(model, CausalLMWithValueHead):
-            model = CausalLMWithValueHead(model)
         head = isinstance(model, CausalLMWithValueHead)
-        reference = (
-            parts.reference.pretrained_model if isinstance(parts.reference, CausalLMWithValueHead) else parts.reference
-        )
+        reference = parts.reference
         lm, self.ref_model = prepare_policy(
             model.pretrained_model if head else model,
-            reference,
+            reference.pretrained_model if isinstance(reference, CausalLMWithValueHead) else reference,
             args,
             peft_config=parts.peft_config,
             needs_reference=True,
@@ -263,8 +199,6 @@ class PPOTrainer(OnlineTrainer):
             model.pretrained_model = lm
         else:
             model = lm
-        if critic is not None and args.disable_dropout:
-            disable_dropout(critic)
         wrapper = PolicyAndValue(model, critic, entropy_grad=bool(args.entropy_coef))
         self.wrapped = self.setup(
             args,
@@ -297,28 +231,6 @@ class PPOTrainer(OnlineTrainer):
         if config.adap_kl_ctrl:
             return adv.AdaptiveKLController(config.kl_coef, config.target, config.horizon)
         return adv.FixedKLController(config.kl_coef)
-
-    @staticmethod
-    def critic_for(init, policy, value_model, reward_models, reward_tokenizer, tokenizer) -> nn.Module | None:
-        """The separate value model, or None for a value head on the policy's trunk."""
-        if value_model is not None and init == "head":
-            raise ConfigError(
-                'value_model was given and value_model_init="head": a value head needs no separate value model.'
-            )
-        if value_model is None and init == "reward":
-            if not reward_models:
-                raise ConfigError(
-                    'value_model_init="reward" needs a reward model; use "policy" or "head" with reward functions.'
-                )
-            if reward_tokenizer is not None and reward_tokenizer.get_vocab() != tokenizer.get_vocab():
-                raise ConfigError(
-                    'value_model_init="reward": the reward model has its own tokenizer, so a critic copied from it '
-                    'cannot read policy tokens; use value_model_init="policy" or "head".'
-                )
-            return copy.deepcopy(reward_models[0]).requires_grad_(True)
-        if value_model is None and init == "policy":
-            return critic_from_policy(policy)
-        return value_model
 
     @property
     def unwrapped(self) -> PolicyAndValue:
@@ -369,15 +281,6 @@ class PPOTrainer(OnlineTrainer):
         return Layout(micro, accum, None if one_pass else shuffled_orders(self.run, B, cfg.num_ppo_epochs))
 
     @torch.no_grad()
-    def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
-        bs = self.args.local_rollout_forward_batch_size
-        if self.ref_model is not None:
-            return batched_completion_logprobs(self.ref_model, rollout, batch_size=bs, temperature=self.temperature)[0]
-        lm = self.generation_model
-        with lm.disable_adapter():  # PEFT: the reference is the base model, adapters off
-            return batched_completion_logprobs(lm, rollout, batch_size=bs, temperature=self.temperature)[0]
-
-    @torch.no_grad()
     def full_kl(self, rollout: Rollout) -> torch.Tensor:
         """Exact per-token KL(π‖π_ref) over the vocabulary (kl_estimator="full"), chunked."""
         lm, out = self.generation_model, []
@@ -401,8 +304,8 @@ class PPOTrainer(OnlineTrainer):
         B = len(rollout)
         mask = rollout.completion_mask if loss_mask is None else loss_mask & rollout.completion_mask
         self.wrapped.train()
+        ref_logprobs = online.reference_logprobs(run, self.generation_model, self.ref_model, rollout, self.temperature)
         with torch.no_grad(), run.autocast():
-            ref_logprobs = self.reference_logprobs(rollout)
             kl_full = self.full_kl(rollout) if cfg.kl_estimator == "full" else None
         first = None
         if layout.orders is None:  # the update's own forward supplies the old logprobs and values

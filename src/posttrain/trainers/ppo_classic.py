@@ -26,13 +26,14 @@ from torch import nn
 from posttrain import advantages as adv
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError
+from posttrain.critic import PolicyAndValue
 from posttrain.health import HealthMonitor
 from posttrain.models import CausalLMWithValueHead, disable_dropout
 from posttrain.optim import build_optimizer
 from posttrain.rollout import Rollout, SamplingConfig, generate, generation_mode
 from posttrain.tracking import MetricAccumulator, Tracker
 from posttrain.trainers.online import OnlineRun, RunState
-from posttrain.trainers.ppo import PolicyAndValue, PPOTrainer
+from posttrain.trainers.ppo import PPOTrainer
 from posttrain.trainers.ppo_config import PPOConfig
 
 # step() statistics (TRL classic PPOTrainer names) <- the accumulated metrics they come from.
