@@ -2,9 +2,9 @@
 reward functions.
 
 Index conventions (sequence = prompt (P, left-padded) + completion (T, right-padded)):
-- logits at sequence position P−1+t predict completion token t, so with `logits_to_keep=T+1` the
-  model returns exactly positions P−1 … P+T−1 and the LM head never runs on the prompt
-  (trl-notes §13);
+- logits at sequence position P−1+t predict completion token t; an index tensor `logits_to_keep`
+  makes the model return exactly positions P−1 … P+T−2, so the LM head never runs on the prompt
+  (`completion_forward`, which also returns the hidden states a value head reads);
 - the value of the state before completion token t is read at position P−1+t;
 - a reward model's score is read at the last real token, P + length − 1: the stop token when the
   row ended. TRL put the PPO score one slot after EOS (TRL#1893, #3750) and DeepSpeed-Chat's
