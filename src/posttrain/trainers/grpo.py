@@ -55,6 +55,7 @@ from posttrain.trainers.grpo_config import GRPOConfig
 from posttrain.trainers.online import (
     OnlineTrainer,
     RewardSource,
+    default_config,
     load_parts,
     policy_update,
     prepare_policy,
@@ -95,6 +96,8 @@ class GRPOTrainer(OnlineTrainer):
         accelerator: Any = None,
         peft_config: Any = None,
     ) -> None:
+        if args is None:
+            args = default_config(GRPOConfig, model, "GRPO")
         if not isinstance(args, GRPOConfig):
             raise ConfigError(f"args must be a GRPOConfig, got {type(args).__name__}.")
         if isinstance(reward_processing_classes, (list, tuple)):

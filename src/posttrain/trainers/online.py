@@ -33,6 +33,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -436,6 +437,34 @@ def prepare_policy(
 # ---------------------------------------------------------------------------------------------
 # the run: accelerator, prompts, metrics, checkpoints
 # ---------------------------------------------------------------------------------------------
+def default_config(config_cls: type, model: Any, algo: str) -> OnPolicyConfig:
+    """TRL's default when a trainer gets no config: `config_cls(output_dir=f"{model_name}-{algo}")`,
+    model_name = the last part of the model's hub id or path (the config's default output_dir for a
+    model built in memory)."""
+    name = model if isinstance(model, (str, os.PathLike)) else _model_path(model)
+    if not name:
+        return config_cls()
+    return config_cls(output_dir=f"{os.fspath(name).rstrip('/').split('/')[-1]}-{algo}")
+
+
+def derive_sizes(config: OnPolicyConfig, world_size: int, dataset_size: int) -> None:
+    """config.derive_sizes; a total_episodes smaller than one rollout batch runs one batch, with a
+    warning (TRL's trainers do the same instead of stopping)."""
+    requested = config.total_episodes
+    try:
+        config.derive_sizes(world_size, dataset_size)
+    except ConfigError:
+        if requested is None or not getattr(config, "batch_size", None) or requested >= config.batch_size:
+            raise
+        warnings.warn(
+            f"total_episodes={requested} is smaller than one rollout batch ({config.batch_size} completions); "
+            "running one batch.",
+            stacklevel=4,
+        )
+        config.total_episodes = config.batch_size
+        config.derive_sizes(world_size, dataset_size)
+
+
 @dataclass
 class RunState:
     """Counters that a checkpoint must restore for an exact resume."""
@@ -477,7 +506,7 @@ class OnlineRun:
             )
         self.train_dataset = prompt_dataset(config, tokenizer, train_dataset, source="train_dataset")
         # Sizes count the prompts that survived validation (overflow="drop" may remove some).
-        config.derive_sizes(self.world_size, len(self.train_dataset))
+        derive_sizes(config, self.world_size, len(self.train_dataset))
         self.eval_dataset = (
             prompt_dataset(config, tokenizer, eval_dataset, source="eval_dataset") if eval_dataset is not None else None
         )

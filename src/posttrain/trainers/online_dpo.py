@@ -52,7 +52,7 @@ import torch
 from posttrain.losses import dpo_loss
 from posttrain.rollout import Rollout
 from posttrain.trainers import online
-from posttrain.trainers.online import OnlineTrainer, as_list, prepare_policy, row_texts, sample
+from posttrain.trainers.online import OnlineTrainer, as_list, default_config, prepare_policy, row_texts, sample
 from posttrain.trainers.online_dpo_config import OnlineDPOConfig
 from posttrain.trainers.pairs import (
     build_feedback,
@@ -107,7 +107,7 @@ class OnlineDPOTrainer(OnlineTrainer):
         optimizers: tuple = (None, None),
         reward_funcs: Any = None,
     ) -> None:
-        args = args if args is not None else OnlineDPOConfig()
+        args = args if args is not None else default_config(OnlineDPOConfig, model, "OnlineDPO")
         check_pairs_fit(args)
         parts, judge = load_pair_parts(
             args,

@@ -73,6 +73,7 @@ from posttrain.trainers import online
 from posttrain.trainers.online import (
     OnlineTrainer,
     RewardSource,
+    default_config,
     global_normalizer,
     load_parts,
     micro_batches,
@@ -154,6 +155,8 @@ class PPOTrainer(OnlineTrainer):
         *,
         reward_processing_class: Any = None,
     ) -> None:
+        if args is None:
+            args = default_config(PPOConfig, model, "PPO")
         if not isinstance(args, PPOConfig):
             raise ConfigError(f"PPOTrainer needs a PPOConfig as args= (or config=), got {type(args).__name__}.")
         if data_collator is not None:

@@ -72,6 +72,7 @@ from posttrain.trainers import online
 from posttrain.trainers.online import (
     OnlineTrainer,
     RewardSource,
+    default_config,
     load_parts,
     policy_update,
     prepare_policy,
@@ -100,7 +101,7 @@ class RLOOTrainer(OnlineTrainer):
 
     def __init__(
         self,
-        config: RLOOConfig,
+        config: RLOOConfig | None = None,
         processing_class: Any = None,
         policy: nn.Module | str | None = None,
         ref_policy: nn.Module | str | None = None,
@@ -116,6 +117,8 @@ class RLOOTrainer(OnlineTrainer):
         accelerator: Any = None,
         peft_config: Any = None,
     ) -> None:
+        if config is None:
+            config = default_config(RLOOConfig, policy, "RLOO")
         if not isinstance(config, RLOOConfig):
             raise ConfigError(f"config must be an RLOOConfig, got {type(config).__name__}.")
         self.use_reference = config.kl_coef > 0

@@ -41,7 +41,15 @@ import torch
 from posttrain.losses import xpo_loss
 from posttrain.rollout import Rollout
 from posttrain.trainers import online
-from posttrain.trainers.online import OnlineTrainer, as_list, prepare_policy, reference_policy, row_texts, sample
+from posttrain.trainers.online import (
+    OnlineTrainer,
+    as_list,
+    default_config,
+    prepare_policy,
+    reference_policy,
+    row_texts,
+    sample,
+)
 from posttrain.trainers.pairs import (
     build_feedback,
     check_pairs_fit,
@@ -84,7 +92,7 @@ class XPOTrainer(OnlineTrainer):
         callbacks: list | None = None,
         optimizers: tuple = (None, None),
     ) -> None:
-        args = args if args is not None else XPOConfig()
+        args = args if args is not None else default_config(XPOConfig, model, "XPO")
         check_pairs_fit(args)
         parts, judge = load_pair_parts(
             args,
