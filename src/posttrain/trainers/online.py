@@ -990,15 +990,14 @@ class OnlineTrainer:
         optimizers: tuple[Any, Any] = (None, None),
         callbacks: Sequence[Any] | None = None,
         accelerator: Any = None,
-        run: OnlineRun | None = None,
     ) -> nn.Module:
-        """Build the run (unless given), the optimizer and schedule (unless given) and prepare `model`
-        with the accelerator; returns the prepared (possibly DDP-wrapped) model."""
+        """Build the run, the optimizer and schedule (unless given) and prepare `model` with the
+        accelerator; returns the prepared (possibly DDP-wrapped) model."""
         from posttrain.models import ensure_pad_token
 
         self.args = self.config = config
         self.processing_class = ensure_pad_token(tokenizer)
-        self.run = run or OnlineRun(
+        self.run = OnlineRun(
             config, tokenizer, train_dataset, eval_dataset, accelerator=accelerator, data_collator=data_collator
         )
         self.accelerator = self.run.accelerator
