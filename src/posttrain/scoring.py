@@ -1,5 +1,5 @@
-"""Forward passes over a `Rollout`: completion log-probs, values, reward-model scores, and text
-reward functions.
+"""Forward passes over a `Rollout`: completion log-probs, values, reward-model scores, text reward
+functions, and `RewardSource`, which combines reward models and functions into one score per row.
 
 Index conventions (sequence = prompt (P, left-padded) + completion (T, right-padded)):
 - logits at sequence position P−1+t predict completion token t; an index tensor `logits_to_keep`
@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from posttrain.configs import ConfigError
 from posttrain.ops import lengths_to_mask, logprobs_and_entropy, selective_log_softmax
 from posttrain.rollout import (
     Rollout,
@@ -393,3 +395,60 @@ def apply_missing_eos_penalty(scores: torch.Tensor, ended: torch.Tensor, penalty
     if penalty is None:
         return scores
     return scores - penalty * (~ended.to(scores.device, torch.bool)).to(scores.dtype)
+
+
+class RewardSource:
+    """Scores completions: a reward model, text reward functions, or both (summed with weights).
+
+    `reward` may be an nn.Module (a sequence-classification reward model; scored at the last real
+    token, re-tokenized when its tokenizer differs from the policy's), a callable
+    `f(prompts, completions, **columns) -> list[float]`, or a list of those. The missing-EOS
+    penalty looks at the completion only (`rollout.ended`, set by the configured stop tokens).
+    """
+
+    def __init__(
+        self,
+        reward: Any,
+        *,
+        policy_tokenizer: Any,
+        reward_tokenizer: Any = None,
+        weights: Sequence[float] | None = None,
+        batch_size: int = 64,
+        missing_eos_penalty: float | None = None,
+    ) -> None:
+        items = list(reward) if isinstance(reward, (list, tuple)) else [reward]
+        if not items or any(r is None for r in items):
+            raise ConfigError(
+                "no reward given: pass a reward model (reward_model_path) or reward functions (reward_funcs)."
+            )
+        self.models = [r for r in items if isinstance(r, nn.Module)]
+        self.funcs = [r for r in items if not isinstance(r, nn.Module)]
+        if weights is not None and len(weights) != len(items):
+            raise ConfigError(
+                f"reward_weights has {len(weights)} entries for {len(items)} rewards; give one weight per reward."
+            )
+        weights = list(weights) if weights is not None else [1.0] * len(items)
+        self.model_weights = [w for r, w in zip(items, weights) if isinstance(r, nn.Module)]
+        self.func_weights = [w for r, w in zip(items, weights) if not isinstance(r, nn.Module)]
+        self.policy_tokenizer, self.reward_tokenizer = policy_tokenizer, reward_tokenizer
+        self.batch_size, self.missing_eos_penalty = batch_size, missing_eos_penalty
+
+    @torch.no_grad()
+    def __call__(
+        self, rollout: Rollout, prompts: list[str], completions: list[str], columns: dict[str, list] | None = None
+    ) -> torch.Tensor:
+        device = rollout.completion_ids.device
+        scores = torch.zeros(len(rollout), dtype=torch.float32, device=device)
+        for model, w in zip(self.models, self.model_weights):
+            s = reward_model_scores(
+                model,
+                rollout,
+                batch_size=self.batch_size,
+                policy_tokenizer=self.policy_tokenizer,
+                reward_tokenizer=self.reward_tokenizer,
+            )
+            scores = scores + w * s.to(device=device, dtype=torch.float32)
+        if self.funcs:
+            s = reward_function_scores(self.funcs, prompts, completions, weights=self.func_weights, columns=columns)
+            scores = scores + s.to(device=device, dtype=torch.float32)
+        return apply_missing_eos_penalty(scores, rollout.ended, self.missing_eos_penalty)

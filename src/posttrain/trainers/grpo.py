@@ -50,11 +50,11 @@ from posttrain import advantages as adv
 from posttrain.configs import ConfigError
 from posttrain.losses import ppo_policy_loss
 from posttrain.rollout import Rollout
+from posttrain.scoring import RewardSource
 from posttrain.trainers import online
 from posttrain.trainers.grpo_config import GRPOConfig
 from posttrain.trainers.online import (
     OnlineTrainer,
-    RewardSource,
     default_config,
     load_parts,
     policy_update,

@@ -7,7 +7,7 @@ and calls into this module for the plumbing around it:
   for the command line and for trainers given paths instead of models);
 - the run's environment (`OnlineRun`): accelerator, derived batch sizes, the resumable prompt
   stream, sampling settings and stop tokens, metric accumulation, logging, checkpoints;
-- sampling and scoring a rollout batch (`sample`, `sample_and_score`, `RewardSource`) and the
+- sampling and scoring a rollout batch (`sample`, `score`, `sample_and_score`) and the
   reference policy (`reference_policy`);
 - batch statistics over all ranks (`OnlineRun.batch_moments`) for whitening and normalisation;
 - the update loop: epochs × minibatches × micro-batches whose losses are divided by the GLOBAL
@@ -47,7 +47,7 @@ from posttrain.configs import ConfigError, OnPolicyConfig
 from posttrain.health import HealthMonitor, oom_advice
 from posttrain.optim import build_optimizer, build_scheduler, clip_and_step
 from posttrain.rollout import Rollout, SamplingConfig, decode_completions, generate, generation_mode
-from posttrain.scoring import batched_completion_logprobs, completion_logprobs
+from posttrain.scoring import RewardSource, batched_completion_logprobs, completion_logprobs
 from posttrain.tracking import MetricAccumulator, ProgressBar, Tracker
 
 
@@ -206,7 +206,7 @@ def has_split(name_or_path: str, split: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# rewards
+# reward functions given by import path
 # ---------------------------------------------------------------------------------------------
 def import_callable(path: str) -> Callable:
     """Resolve "package.module:function" or "package.module.function" to the object."""
@@ -226,65 +226,6 @@ def import_callable(path: str) -> Callable:
     if not callable(fn):
         raise ConfigError(f"reward function {path!r} is not callable.")
     return fn
-
-
-class RewardSource:
-    """Scores completions: a reward model, text reward functions, or both (summed with weights).
-
-    `reward` may be an nn.Module (a sequence-classification reward model; scored at the last real
-    token, re-tokenized when its tokenizer differs from the policy's), a callable
-    `f(prompts, completions, **columns) -> list[float]`, or a list of those. The missing-EOS
-    penalty looks at the completion only (`rollout.ended`, set by the configured stop tokens).
-    """
-
-    def __init__(
-        self,
-        reward: Any,
-        *,
-        policy_tokenizer: Any,
-        reward_tokenizer: Any = None,
-        weights: Sequence[float] | None = None,
-        batch_size: int = 64,
-        missing_eos_penalty: float | None = None,
-    ) -> None:
-        items = list(reward) if isinstance(reward, (list, tuple)) else [reward]
-        if not items or any(r is None for r in items):
-            raise ConfigError(
-                "no reward given: pass a reward model (reward_model_path) or reward functions (reward_funcs)."
-            )
-        self.models = [r for r in items if isinstance(r, nn.Module)]
-        self.funcs = [r for r in items if not isinstance(r, nn.Module)]
-        if weights is not None and len(weights) != len(items):
-            raise ConfigError(
-                f"reward_weights has {len(weights)} entries for {len(items)} rewards; give one weight per reward."
-            )
-        weights = list(weights) if weights is not None else [1.0] * len(items)
-        self.model_weights = [w for r, w in zip(items, weights) if isinstance(r, nn.Module)]
-        self.func_weights = [w for r, w in zip(items, weights) if not isinstance(r, nn.Module)]
-        self.policy_tokenizer, self.reward_tokenizer = policy_tokenizer, reward_tokenizer
-        self.batch_size, self.missing_eos_penalty = batch_size, missing_eos_penalty
-
-    @torch.no_grad()
-    def __call__(
-        self, rollout: Rollout, prompts: list[str], completions: list[str], columns: dict[str, list] | None = None
-    ) -> torch.Tensor:
-        from posttrain.scoring import apply_missing_eos_penalty, reward_function_scores, reward_model_scores
-
-        device = rollout.completion_ids.device
-        scores = torch.zeros(len(rollout), dtype=torch.float32, device=device)
-        for model, w in zip(self.models, self.model_weights):
-            s = reward_model_scores(
-                model,
-                rollout,
-                batch_size=self.batch_size,
-                policy_tokenizer=self.policy_tokenizer,
-                reward_tokenizer=self.reward_tokenizer,
-            )
-            scores = scores + w * s.to(device=device, dtype=torch.float32)
-        if self.funcs:
-            s = reward_function_scores(self.funcs, prompts, completions, weights=self.func_weights, columns=columns)
-            scores = scores + s.to(device=device, dtype=torch.float32)
-        return apply_missing_eos_penalty(scores, rollout.ended, self.missing_eos_penalty)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,11 +20,10 @@ from torch import nn
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError
 from posttrain.rollout import Rollout
-from posttrain.scoring import batched_completion_logprobs, completion_logprobs
+from posttrain.scoring import RewardSource, batched_completion_logprobs, completion_logprobs
 from posttrain.trainers.online import (
     OnlineRun,
     Parts,
-    RewardSource,
     global_normalizer,
     load_parts,
     minibatch_step,

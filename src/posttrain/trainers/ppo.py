@@ -67,12 +67,12 @@ from posttrain.losses import entropy_bonus, ppo_policy_loss, ppo_value_loss
 from posttrain.models import CausalLMWithValueHead
 from posttrain.rollout import Rollout
 from posttrain.scoring import (
+    RewardSource,
     completion_forward,
 )
 from posttrain.trainers import online
 from posttrain.trainers.online import (
     OnlineTrainer,
-    RewardSource,
     default_config,
     global_normalizer,
     load_parts,
@@ -123,7 +123,7 @@ class PPOTrainer(OnlineTrainer):
     model / ref_model: modules, hub ids or folders (model None: args.sft_model_path); model may be a
     models.CausalLMWithValueHead. reward_model: an nn.Module (sequence-classification reward model)
     or path, a text reward function `f(prompts, completions, **columns) -> list[float]`, a list of
-    those, or an online.RewardSource; `reward_processing_class` is the reward model's own tokenizer
+    those, or a scoring.RewardSource; `reward_processing_class` is the reward model's own tokenizer
     when it differs from the policy's. value_model: the critic; None builds one as
     `args.value_model_init` says. callbacks: objects whose optional `on_log(args, state, control,
     logs=...)` is called after each logging step. A `data_collator` is accepted for TRL

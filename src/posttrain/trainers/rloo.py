@@ -10,7 +10,7 @@ One rollout batch (`update`), per rank, with P = prompts_per_rollout prompts and
    row i·P + p is sample i of prompt p. Completions stop at EOS / stop_token_id (kept); masks come
    from lengths (rollout.py).
 2. Score. s = reward model score at the last real token and/or Σ_f w_f·f(prompt, completion);
-   s −= missing_eos_penalty where no stop token was produced (online.RewardSource).
+   s −= missing_eos_penalty where no stop token was produced (scoring.RewardSource).
    normalize_reward: s ← clip((s − mean)/(std + 1e-8), ±reward_clip_range) over the global batch.
 3. KL-shaped reward, one number per sequence. kl_t = log π(y_t) − log π_ref(y_t) (k1 on the
    sampled tokens: generation-time logprobs and reference logprobs at the sampling temperature,
@@ -68,10 +68,10 @@ from posttrain import advantages as adv
 from posttrain.configs import ConfigError
 from posttrain.losses import ppo_policy_loss
 from posttrain.rollout import Rollout
+from posttrain.scoring import RewardSource
 from posttrain.trainers import online
 from posttrain.trainers.online import (
     OnlineTrainer,
-    RewardSource,
     default_config,
     load_parts,
     policy_update,
