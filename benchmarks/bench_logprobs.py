@@ -1,7 +1,7 @@
 """Peak extra memory and time of chunked vs naive completion log-probs for (8, 64, 50000) logits.
 
-naive   = log_softmax over the whole float32 (B, T, V) tensor, then gather (OLD_STEP TRL
-          `logprobs_from_logits`, Online DPO; trl-notes §13);
+naive   = log_softmax over the whole float32 (B, T, V) tensor, then gather (TRL ≤ 0.11
+          `logprobs_from_logits`, Online DPO);
 chunked = posttrain.ops.selective_log_softmax (only a (chunk_tokens, V) float32 block alive).
 
 Each variant runs in its own subprocess and reports the growth of peak RSS

@@ -1,4 +1,4 @@
-"""The XPO quickstart of the TRL docs (seed 003), on posttrain: same objects, same keywords.
+"""The XPO quickstart of the TRL docs, on posttrain: same objects, same keywords.
 
     # as in the docs (needs the hub, and `pip install llm-blender` for PairRM):
     accelerate launch examples/xpo_quickstart.py
@@ -47,7 +47,7 @@ if args.reward_model is None:
         model=model, judge=judge, args=training_args, processing_class=tokenizer, train_dataset=train_dataset
     )
 else:
-    # The SFT model and the reward model must share the chat template and tokenizer (seed 003).
+    # The SFT model and the reward model must share the chat template and tokenizer (as the TRL docs say).
     reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model, num_labels=1)
     trainer = XPOTrainer(
         model=model,

@@ -30,7 +30,7 @@ def tiny_tokenizer():
 
     Session-scoped: tests that change it (padding side, template) must work on a copy.
     """
-    from posttrain.models import build_tiny_tokenizer
+    from posttrain.testing import build_tiny_tokenizer
 
     return build_tiny_tokenizer()
 
@@ -38,7 +38,7 @@ def tiny_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_tokenizer_pad_eos():
     """Same tokenizer family with pad == eos (the case masks-from-lengths must survive)."""
-    from posttrain.models import build_tiny_tokenizer
+    from posttrain.testing import build_tiny_tokenizer
 
     return build_tiny_tokenizer(pad_equals_eos=True)
 
@@ -46,7 +46,7 @@ def tiny_tokenizer_pad_eos():
 @pytest.fixture(scope="session")
 def tiny_policy(tiny_tokenizer):
     """Tiny Llama (hidden 32, 2 layers) in eval mode. Shared: tests that train must build their own."""
-    from posttrain.models import build_tiny_causal_lm
+    from posttrain.testing import build_tiny_causal_lm
 
     return build_tiny_causal_lm(tiny_tokenizer).eval()
 
@@ -54,7 +54,7 @@ def tiny_policy(tiny_tokenizer):
 @pytest.fixture(scope="session")
 def tiny_reward_model(tiny_tokenizer):
     """Tiny Llama sequence classifier, num_labels=1, pad_token_id set. Shared: do not train it."""
-    from posttrain.models import build_tiny_reward_model
+    from posttrain.testing import build_tiny_reward_model
 
     return build_tiny_reward_model(tiny_tokenizer, seed=1).eval()
 
@@ -62,7 +62,7 @@ def tiny_reward_model(tiny_tokenizer):
 @pytest.fixture(scope="session")
 def tiny_policy_dir(tmp_path_factory, tiny_tokenizer):
     """A folder with a saved tiny Llama policy and its tokenizer (loadable by path)."""
-    from posttrain.models import build_tiny_causal_lm
+    from posttrain.testing import build_tiny_causal_lm
 
     path = tmp_path_factory.mktemp("tiny_policy")
     build_tiny_causal_lm(tiny_tokenizer, save_dir=path)
@@ -72,7 +72,7 @@ def tiny_policy_dir(tmp_path_factory, tiny_tokenizer):
 @pytest.fixture(scope="session")
 def tiny_reward_model_dir(tmp_path_factory, tiny_tokenizer):
     """A folder with a saved tiny reward model and its tokenizer."""
-    from posttrain.models import build_tiny_reward_model
+    from posttrain.testing import build_tiny_reward_model
 
     path = tmp_path_factory.mktemp("tiny_reward_model")
     build_tiny_reward_model(tiny_tokenizer, seed=1, save_dir=path)

@@ -33,7 +33,7 @@ from posttrain.ops import lengths_to_mask
 # KL estimators
 # --------------------------------------------------------------------------------------------
 
-# The inputs of TRL OLD_STEP `test_ppo_trainer_kl_penalty`; lp − ref is ±0.1 except the last, −0.2.
+# The inputs of TRL ≤ 0.11 `test_ppo_trainer_kl_penalty`; lp − ref is ±0.1 except the last, −0.2.
 LP = torch.tensor([[0.5, 0.2, 0.1], [0.6, 0.2, 0.1]])
 REF = torch.tensor([[0.4, 0.3, 0.0], [0.7, 0.1, 0.3]])
 
@@ -124,7 +124,7 @@ def test_full_kl_gradient_flows():
 def test_kl_shaped_rewards_score_on_last_real_token():
     # lengths 2 and 4, kl = 1 everywhere, kl_coef 0.1: −0.1 on real tokens, the score added at
     # index length − 1 (row 0: index 1 → −0.1 + 1.0 = 0.9; row 1: index 3 → −0.1 + 2.0 = 1.9).
-    # TRL OLD_ONPOLICY would have put row 0's score at index 2, a padding slot (trl#1893).
+    # TRL 0.19 would have put row 0's score at index 2, a padding slot (trl#1893).
     scores = torch.tensor([1.0, 2.0])
     kl = torch.ones(2, 4)
     mask = lengths_to_mask(torch.tensor([2, 4]), 4)
@@ -155,7 +155,7 @@ def test_sequence_kl_rewards():
 
 
 def test_rloo_reward():
-    """TRL OLD_ONPOLICY `tests/test_rloo_trainer.py::test_rloo_reward` (seed 000), plus the library call."""
+    """TRL 0.19 `tests/test_rloo_trainer.py::test_rloo_reward`, plus the library call."""
     local_batch_size = 3
     rloo_k = 4
     rlhf_reward = torch.tensor([
@@ -175,7 +175,7 @@ def test_rloo_reward():
         ).mean(0)
     assert abs(1 - (2 + 5 + 8) / 3 - advantages[0].item()) < 1e-6  # first rlhf reward for the first prompt
     assert abs(6 - (3 + 2 + 9) / 3 - advantages[7].item()) < 1e-6  # third rlhf reward for the second prompt
-    # vectorised (the seed's own form) and the library function agree with the double loop
+    # vectorised (the form in TRL's RLOO documentation) and the library function agree with the double loop
     grid = rlhf_reward.reshape(rloo_k, local_batch_size)
     vec_advantages = grid - (grid.sum(0) - grid) / (rloo_k - 1)
     torch.testing.assert_close(vec_advantages.flatten(), advantages)

@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import torch
 
@@ -92,3 +94,24 @@ def test_global_moments_are_the_masked_mean_and_unbiased_variance(accelerator):
     # Without a mask every position counts: [1, 2, 3, 10] has mean 4 and var (9 + 4 + 1 + 36)/3 = 50/3.
     mean, var = distributed.global_moments(x, None, accelerator)
     assert float(mean) == 4.0 and float(var) == pytest.approx(50 / 3)
+
+
+@pytest.mark.parametrize(
+    ("amx", "avx512_bf16", "warns"), [(False, False, True), (True, False, False), (False, True, False)]
+)
+def test_bf16_on_a_cpu_that_emulates_it_warns_once_with_the_advice(monkeypatch, amx, avx512_bf16, warns):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    assert distributed.cpu_has_native_bf16() is (amx or avx512_bf16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        distributed.build_accelerator(mixed_precision="bf16", cpu=True)
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    messages = [str(w.message) for w in caught if "bf16" in str(w.message)]
+    if warns:
+        assert len(messages) == 1 and "float32 is faster here" in messages[0]
+    else:
+        assert messages == []

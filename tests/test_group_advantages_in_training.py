@@ -23,9 +23,9 @@ from datasets import Dataset
 
 import posttrain.trainers.grpo as grpo
 import posttrain.trainers.rloo as rloo
-from posttrain.models import build_tiny_causal_lm
 from posttrain.rollout import decode_completions, decode_prompts
 from posttrain.scoring import batched_completion_logprobs
+from posttrain.testing import build_tiny_causal_lm
 from posttrain.trainers.grpo import GRPOTrainer
 from posttrain.trainers.grpo_config import GRPOConfig
 from posttrain.trainers.rloo import RLOOTrainer
@@ -366,7 +366,7 @@ def test_grpo_reward_model_path_brings_its_own_tokenizer(tmp_path, tiny_tokenize
     """GRPOTrainer(reward_funcs="path/to/rm") with a reward model trained on another vocabulary: the
     completions must be re-tokenized with the tokenizer saved next to it (TRL GRPO loads it from the
     path when reward_processing_classes is None), not scored as the policy's token ids."""
-    from posttrain.models import build_tiny_reward_model, build_tiny_tokenizer
+    from posttrain.testing import build_tiny_reward_model, build_tiny_tokenizer
 
     other = build_tiny_tokenizer(corpus=["zebra quartz vixen " * 20, "jumbo fjord wyvern " * 20], vocab_size=300)
     assert other.get_vocab() != tiny_tokenizer.get_vocab()

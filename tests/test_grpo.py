@@ -15,7 +15,7 @@ from datasets import Dataset, DatasetDict
 import posttrain.advantages as adv
 import posttrain.trainers.grpo as grpo
 from posttrain import cli
-from posttrain.models import build_tiny_causal_lm
+from posttrain.testing import build_tiny_causal_lm
 from posttrain.trainers.grpo import GRPOTrainer
 from posttrain.trainers.grpo_config import GRPOConfig
 

@@ -29,6 +29,7 @@ from posttrain.judges import (
     HTTPPairwiseJudge,
     OpenAIPairwiseJudge,
     PairRMJudge,
+    RandomBinaryJudge,
     RandomPairwiseJudge,
     RandomRankJudge,
     RewardModelJudge,
@@ -173,7 +174,9 @@ def flipped_prompts(server, prompts, pairs):
 
 
 def judge_warnings(caplog):
-    return [r.getMessage() for r in caplog.records if r.name == "posttrain.judges" and r.levelno >= logging.WARNING]
+    return [
+        r.getMessage() for r in caplog.records if r.name.startswith("posttrain.judges") and r.levelno >= logging.WARNING
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,7 +230,7 @@ def test_http_always_500_stays_minus_one_after_flip(server, caplog):
     judge = make_judge(server, max_retries=2)
     # TRL mapped a swapped answer back with 1 - rank, turning -1 into 2; every answer must stay -1.
     assert judge.judge(prompts, pairs, shuffle_order=True) == [-1] * 6
-    assert flipped_prompts(server, prompts, pairs), "the seed should swap at least one of 6 pairs"
+    assert flipped_prompts(server, prompts, pairs), "seed=0 should swap at least one of 6 pairs"
     assert all(server.counts[p] == 3 for p in prompts)  # 1 try + 2 retries
     assert judge.num_failures == 6
     warnings = judge_warnings(caplog)
@@ -395,6 +398,99 @@ def test_trl_style_subclass_overriding_judge_still_works():
 
 
 # --------------------------------------------------------------------------------------------
+# Judge state (checkpoint / resume)
+# --------------------------------------------------------------------------------------------
+
+
+def _always_first(prompts, pairs):
+    return [0] * len(pairs)
+
+
+PAIRS = [["a", "b"]] * 16
+JUDGES_WITH_STATE = {
+    # name: (build(seed), one round of decisions)
+    "random_pairwise": (lambda seed: RandomPairwiseJudge(seed=seed), lambda j: j.judge(["p"] * 16, PAIRS)),
+    # Always answering slot 0 makes the decisions exactly the order flips (1 = swapped pair).
+    "callable_flips": (
+        lambda seed: CallableJudge(_always_first, mode="pairwise", seed=seed),
+        lambda j: j.judge(["p"] * 16, PAIRS),
+    ),
+    "random_rank": (lambda seed: RandomRankJudge(seed=seed), lambda j: j.judge(["p"] * 4, [["a", "b", "c", "d"]] * 4)),
+    "random_binary": (lambda seed: RandomBinaryJudge(seed=seed), lambda j: j.judge(["p"] * 16, ["c"] * 16)),
+    "all_true": (
+        lambda seed: AllTrueJudge([RandomBinaryJudge(seed=seed), RandomBinaryJudge(seed=seed + 1)]),
+        lambda j: j.judge(["p"] * 16, ["c"] * 16),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(JUDGES_WITH_STATE))
+def test_judge_state_round_trips_and_resume_repeats_decisions(name):
+    build, decide = JUDGES_WITH_STATE[name]
+    judge = build(3)
+    decide(judge)  # the run before the checkpoint
+    # Checkpoints keep this state in trainer_state.json: it must survive JSON unchanged.
+    state = json.loads(json.dumps(judge.state_dict(), allow_nan=False))
+    uninterrupted = [decide(judge) for _ in range(3)]
+
+    resumed = build(100)  # built with another seed: only the loaded state can make it agree
+    resumed.load_state_dict(state)
+    assert [decide(resumed) for _ in range(3)] == uninterrupted
+    assert resumed.state_dict() == judge.state_dict()
+    # Without the state, that seed decides differently (48 coin flips or 12 permutations agreeing by chance: never).
+    assert [decide(build(100)) for _ in range(3)] != uninterrupted
+
+
+def test_load_state_dict_rejects_another_judges_state():
+    state = RandomPairwiseJudge(seed=0).state_dict()
+    assert sorted(state) == ["answer_rng", "flip_rng"]
+    with pytest.raises(ValueError, match=r"missing keys \['rng'\], unexpected keys \['answer_rng', 'flip_rng'\]"):
+        RandomRankJudge(seed=0).load_state_dict(state)
+    with pytest.raises(ValueError, match="holds 1 judges' states but this AllTrueJudge combines 2"):
+        AllTrueJudge([RandomBinaryJudge(0), RandomBinaryJudge(1)]).load_state_dict({"judges": [{"rng": [3, [], None]}]})
+    # A judge without state saves {} and takes back only {}.
+    assert _FixedBinary([1]).state_dict() == {}
+    _FixedBinary([1]).load_state_dict({})
+    with pytest.raises(ValueError, match=r"unexpected keys \['rng'\]"):
+        _FixedBinary([1]).load_state_dict({"rng": [3, [], None]})
+
+
+def test_trl_style_subclass_without_init_has_flip_state():
+    class Legacy(BasePairwiseJudge):
+        def __init__(self):  # never calls super().__init__(), as some TRL judges do
+            pass
+
+        def judge_pairs(self, prompts, pairs):
+            return [0] * len(pairs)
+
+    judge = Legacy()
+    state = judge.state_dict()
+    expected = judge.judge(["p"] * 16, PAIRS)
+    other = Legacy()
+    other.load_state_dict(state)
+    assert other.judge(["p"] * 16, PAIRS) == expected
+
+
+def test_http_judge_state_keeps_the_request_cap_across_resume(server):
+    first_prompts, first_pairs, first_expected = good_pairs(3)
+    later_prompts, later_pairs, later_expected = good_pairs(3)
+    later_prompts = [p + "-later" for p in later_prompts]
+    judge = make_judge(server, max_requests=5, seed=0)
+    assert judge.judge(first_prompts, first_pairs) == first_expected
+    state = json.loads(json.dumps(judge.state_dict()))
+    assert (state["num_requests"], state["num_failures"]) == (3, 0)
+
+    resumed = make_judge(server, max_requests=5, seed=7)
+    resumed.load_state_dict(state)
+    # 3 of the 5 allowed requests were spent before the checkpoint: 2 more are sent, the third pair is -1.
+    assert resumed.judge(later_prompts, later_pairs) == later_expected[:2] + [-1]
+    assert resumed.num_requests == 5 and sum(len(server.seen(p)) for p in later_prompts) == 2
+    # The flip RNG continued from the checkpoint too: it now matches the uninterrupted judge's.
+    judge.judge(later_prompts, later_pairs)
+    assert resumed.state_dict()["flip_rng"] == judge.state_dict()["flip_rng"]
+
+
+# --------------------------------------------------------------------------------------------
 # Reward-model judge on a tiny model
 # --------------------------------------------------------------------------------------------
 
@@ -408,7 +504,7 @@ def tiny_rm():
     then score_good - score_bad = w·(h_good - h_bad) = |h_good - h_bad|² > 0.
     """
     torch = pytest.importorskip("torch")
-    from posttrain.models import build_tiny_reward_model, build_tiny_tokenizer
+    from posttrain.testing import build_tiny_reward_model, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer(pad_equals_eos=True)
     model = build_tiny_reward_model(tokenizer, hidden_size=16, num_layers=1, num_heads=2, seed=0)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from posttrain.losses import (
     bradley_terry_loss,
     chunked_nll,
+    dft_loss,
     dpo_loss,
     entropy_bonus,
     ppo_policy_loss,
@@ -295,6 +296,30 @@ def test_chunked_nll_all_ignored_still_backpropagates():
     _close(loss, 0.0)
     _close(stats["count"], 0.0)
     assert torch.all(logits.grad == 0)
+
+
+def test_dft_loss_by_hand():
+    # Same rows as test_chunked_nll_by_hand; each token's NLL is weighted by its probability p:
+    # row 0: p = 1/(e + 2) = 0.211941558, −log p = 1.551444714 → 0.211941558 · 1.551444714 = 0.328815609
+    # row 1: p = 3/5, −log p = 0.510825624 → 0.6 · 0.510825624 = 0.306495374
+    # loss = (0.328815609 + 0.306495374) / 2 real labels = 0.317655492
+    logits = torch.tensor([[[1.0, 0.0, 0.0], [0.0, math.log(3.0), 0.0], [5.0, 0.0, 0.0]]], requires_grad=True)
+    labels = torch.tensor([[2, 1, -100]])
+    loss, stats = dft_loss(logits, labels)
+    _close(loss, 0.317655492)
+    _close(stats["nll"], (1.551444714 + 0.510825624) / 2)  # the plain NLL, unweighted
+    _close(stats["token_accuracy"], 0.5)
+    _close(stats["count"], 2.0)
+    # The weight is detached: d/dz = p · (softmax(z) − onehot(label)) / 2.
+    # row 0: softmax = [e, 1, 1] / (e + 2) = [0.576116885, 0.211941558, 0.211941558]
+    #        0.211941558 · [0.576116885, 0.211941558, −0.788058442] / 2 = [0.061051555, 0.022459612, −0.083511167]
+    # row 1: softmax = [0.2, 0.6, 0.2] → 0.6 · [0.2, −0.4, 0.2] / 2 = [0.06, −0.12, 0.06]; row 2 ignored.
+    loss.backward()
+    expected = torch.tensor([[[0.061051555, 0.022459612, -0.083511167], [0.06, -0.12, 0.06], [0.0, 0.0, 0.0]]])
+    torch.testing.assert_close(logits.grad, expected, rtol=0, atol=1e-7)
+    # normalizer=1: the plain sum (the SFT trainer divides by the global token count itself).
+    loss_sum, _ = dft_loss(logits.detach(), labels, normalizer=1.0)
+    _close(loss_sum, 0.328815609 + 0.306495374)
 
 
 def test_non_finite_padding_does_not_leak():

@@ -1,4 +1,4 @@
-"""posttrain.models: tokenizer / model loaders, dropout, the value-head wrapper and tiny builders."""
+"""posttrain.models: tokenizer / model loaders, dropout, the value-head wrapper; posttrain.testing's tiny builders."""
 
 from __future__ import annotations
 
@@ -8,21 +8,18 @@ import transformers
 from torch import nn
 
 from posttrain.models import (
-    EOS_TOKEN,
-    PAD_TOKEN,
     VALUE_HEAD_FILE,
     CausalLMWithValueHead,
-    build_tiny_causal_lm,
-    build_tiny_reward_model,
-    build_tiny_tokenizer,
     disable_dropout,
     ensure_pad_token,
     load_policy,
     load_reward_model,
+    load_scalar_model,
     load_tokenizer,
     load_value_model,
     resolve_dtype,
 )
+from posttrain.testing import EOS_TOKEN, PAD_TOKEN, build_tiny_causal_lm, build_tiny_reward_model, build_tiny_tokenizer
 
 
 def batch(tokenizer, texts):
@@ -177,6 +174,25 @@ def test_value_model_from_policy_checkpoint(tiny_policy_dir, tiny_tokenizer):
     ids, mask = batch(tiny_tokenizer, ["Hello", "The quick brown fox"])
     hidden = getattr(critic, critic.base_model_prefix)(ids, attention_mask=mask).last_hidden_state
     assert critic.score(hidden).shape == (2, ids.shape[1], 1)
+
+
+def test_reward_and_value_loaders_are_one_scalar_loader(tiny_reward_model_dir, tiny_tokenizer, tmp_path):
+    # The same folder loads to the same weights through either name (and positional arguments pass through).
+    rm = load_reward_model(tiny_reward_model_dir, "float32", tokenizer=tiny_tokenizer)
+    critic = load_value_model(tiny_reward_model_dir, "float32", tokenizer=tiny_tokenizer)
+    assert type(rm) is type(critic)
+    for (name, a), b in zip(rm.state_dict().items(), critic.state_dict().values()):
+        assert torch.equal(a, b), name
+    # The role only names the model in messages.
+    model = build_tiny_reward_model(tiny_tokenizer)
+    model.config.pad_token_id = None
+    model.save_pretrained(str(tmp_path / "no_pad"))
+    with pytest.raises(ValueError, match="^value model .*no_pad has no pad_token_id"):
+        load_value_model(tmp_path / "no_pad")
+    with pytest.raises(ValueError, match="^reward model .*no_pad has no pad_token_id"):
+        load_scalar_model(tmp_path / "no_pad")
+    with pytest.raises(ValueError, match=r"role must be one of \('reward', 'value'\)"):
+        load_scalar_model(tiny_reward_model_dir, role="critic")
 
 
 # --------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def build(algo: str, out: str):
     """A 2-update run of `algo` on a tiny policy (one optimizer step per update; PPO two, one per epoch)."""
     from datasets import Dataset
 
-    from posttrain.models import build_tiny_causal_lm, build_tiny_tokenizer
+    from posttrain.testing import build_tiny_causal_lm, build_tiny_tokenizer
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
     from posttrain.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
     from posttrain.trainers.ppo import PPOConfig, PPOTrainer

@@ -13,8 +13,8 @@ from datasets import Dataset
 
 from posttrain.configs import ConfigError
 from posttrain.judges import CallableJudge, win_rate
-from posttrain.models import build_tiny_causal_lm, build_tiny_reward_model, build_tiny_tokenizer
 from posttrain.rollout import Rollout
+from posttrain.testing import build_tiny_causal_lm, build_tiny_reward_model, build_tiny_tokenizer
 from posttrain.tracking import MetricAccumulator
 from posttrain.trainers.online_dpo import (
     OnlineDPOTrainer,

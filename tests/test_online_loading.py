@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from datasets import Dataset
 
-from posttrain.models import build_tiny_causal_lm, build_tiny_reward_model
+from posttrain.testing import build_tiny_causal_lm, build_tiny_reward_model
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer

@@ -12,9 +12,9 @@ import pytest
 import torch
 from datasets import Dataset
 
-from posttrain.data import best_fit_decreasing, prepare_sft_dataset
-from posttrain.models import build_tiny_causal_lm
-from posttrain.trainers.sft import SFTCollator, SFTTrainer, num_trained_tokens, packed_attention_inputs
+from posttrain.data import SFTCollator, best_fit_decreasing, prepare_sft_dataset
+from posttrain.testing import build_tiny_causal_lm
+from posttrain.trainers.sft import SFTTrainer, num_trained_tokens, packed_attention_inputs
 from posttrain.trainers.sft_config import SFTConfig
 
 SENTENCES = [

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from posttrain.configs import ConfigError
-from posttrain.models import CausalLMWithValueHead, build_tiny_causal_lm
+from posttrain.models import CausalLMWithValueHead
+from posttrain.testing import build_tiny_causal_lm
 from posttrain.trainers.ppo import PPOTrainer
 from posttrain.trainers.ppo_config import PPOConfig
 
@@ -396,7 +397,7 @@ def test_peft_policy_with_adapter_reference(tmp_path, tiny_tokenizer):
 MULTIPROC_SCRIPT = textwrap.dedent("""
     import sys, torch
     torch.set_num_threads(1)
-    from posttrain.models import build_tiny_tokenizer, build_tiny_causal_lm
+    from posttrain.testing import build_tiny_tokenizer, build_tiny_causal_lm
     from posttrain.trainers.ppo import PPOTrainer, PPOConfig
     sys.path.insert(0, sys.argv[2])
     from test_ppo import step_data, flat
@@ -546,7 +547,7 @@ def train_dp_run(out_path: str) -> None:
 
     import posttrain.trainers.online as online
     from helpers import per_row_generate
-    from posttrain.models import build_tiny_tokenizer
+    from posttrain.testing import build_tiny_tokenizer
 
     online.generate = per_row_generate
     world = int(os.environ.get("WORLD_SIZE", "1"))

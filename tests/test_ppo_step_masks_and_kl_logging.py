@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.models import CausalLMWithValueHead, build_tiny_causal_lm
+from posttrain.models import CausalLMWithValueHead
+from posttrain.testing import build_tiny_causal_lm
 from posttrain.trainers.ppo import PPOTrainer
 from posttrain.trainers.ppo_config import PPOConfig
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from datasets import Dataset
 
 from posttrain.configs import ConfigError
-from posttrain.models import build_tiny_reward_model
+from posttrain.testing import build_tiny_reward_model
 from posttrain.trainers.reward import RewardTrainer, last_token_scores
 from posttrain.trainers.reward_config import RewardConfig
 

@@ -24,7 +24,7 @@ import posttrain.advantages as adv
 import posttrain.trainers.online as online
 import posttrain.trainers.rloo as rloo
 from posttrain import cli
-from posttrain.models import build_tiny_causal_lm
+from posttrain.testing import build_tiny_causal_lm
 from posttrain.trainers.rloo import RLOOTrainer
 from posttrain.trainers.rloo_config import RLOOConfig
 
@@ -421,7 +421,7 @@ def dp_run(algo: str, out_path: str) -> None:
 
     import posttrain.trainers.online as shared
     from helpers import per_row_generate
-    from posttrain.models import build_tiny_tokenizer
+    from posttrain.testing import build_tiny_tokenizer
 
     shared.generate = per_row_generate
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -487,7 +487,7 @@ def run_dp_equivalence(tmp_path: Path, algo: str) -> None:
     env = {**env, "ACCELERATE_USE_CPU": "true"}
     subprocess.run([*launcher, str(script), algo, str(tmp_path / "two.pt"), here], check=True, env=env, timeout=150)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
-    from posttrain.models import build_tiny_tokenizer
+    from posttrain.testing import build_tiny_tokenizer
 
     initial = flat(build_tiny_causal_lm(build_tiny_tokenizer()))
     assert not torch.equal(one["params"], initial)

@@ -1,5 +1,5 @@
 """The generation engine: stop/EOS contract, layout, seeding, chunking, and logprobs that match a
-recomputation by scoring.completion_logprobs (TRL bugs: trl-notes §3.3, §13–15)."""
+recomputation by scoring.completion_logprobs (TRL bugs fixed on purpose: docs/internals.md)."""
 
 from __future__ import annotations
 

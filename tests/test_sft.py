@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from datasets import Dataset
 
 from posttrain.configs import ConfigError
-from posttrain.models import build_tiny_causal_lm
+from posttrain.testing import build_tiny_causal_lm
 from posttrain.trainers.sft import SFTTrainer
 from posttrain.trainers.sft_config import SFTConfig
 from posttrain.trainers.supervised import IGNORE_INDEX, BatchPlan
@@ -244,6 +244,9 @@ def test_resume_is_bitwise_identical(tmp_path, tiny_tokenizer):
         **common,
     )
     assert resumed.run.global_step == 2
+    # trainer.state comes back from the checkpoint: the step, its epoch, the log history so far.
+    assert resumed.state.global_step == 2 and resumed.state.epoch == 0.5
+    assert resumed.state.log_history == straight.state.log_history[:2]
     resumed.train()
     for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a, b), name
@@ -251,6 +254,8 @@ def test_resume_is_bitwise_identical(tmp_path, tiny_tokenizer):
     resumed_logs = read_metrics(tmp_path / "resumed")
     assert [m["step"] for m in resumed_logs] == [3, 4]
     assert resumed_logs == straight_logs[2:]
+    # The whole history but the summary (its runtime differs) equals the uninterrupted run's.
+    assert resumed.state.log_history[:-1] == straight.state.log_history[:-1]
 
 
 def test_batch_plan_is_a_function_of_the_step():

@@ -16,7 +16,7 @@ from datasets import Dataset
 
 from posttrain.configs import ConfigError
 from posttrain.judges import CallableJudge
-from posttrain.models import build_tiny_causal_lm, build_tiny_reward_model
+from posttrain.testing import build_tiny_causal_lm, build_tiny_reward_model
 from posttrain.trainers.online import reference_policy, sample
 from posttrain.trainers.pairs import reference_logps
 from posttrain.trainers.xpo import XPOTrainer

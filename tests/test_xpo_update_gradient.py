@@ -13,8 +13,8 @@ from datasets import Dataset
 
 from posttrain.judges import CallableJudge
 from posttrain.losses import dpo_loss, xpo_loss
-from posttrain.models import build_tiny_causal_lm
 from posttrain.scoring import completion_logprobs
+from posttrain.testing import build_tiny_causal_lm
 from posttrain.trainers.online_dpo import OnlineDPOTrainer
 from posttrain.trainers.online_dpo_config import OnlineDPOConfig
 from posttrain.trainers.pairs import choose, train_on_pairs

@@ -51,6 +51,23 @@ _EXPORTS = {
     "LogCompletionsCallback": "posttrain.callbacks",
     "Rollout": "posttrain.rollout",
     "DataError": "posttrain.data",
+    "AutoModelForCausalLMWithValueHead": "posttrain.value_head",
+    "AutoModelForSeq2SeqLMWithValueHead": "posttrain.value_head",
+    "PreTrainedModelWrapper": "posttrain.value_head",
+    "create_reference_model": "posttrain.value_head",
+    "LengthSampler": "posttrain.length_sampler",
+    # TRL's public data helpers
+    "apply_chat_template": "posttrain.data.helpers",
+    "maybe_apply_chat_template": "posttrain.data.helpers",
+    "extract_prompt": "posttrain.data.helpers",
+    "maybe_extract_prompt": "posttrain.data.helpers",
+    "is_conversational": "posttrain.data.helpers",
+    "unpair_preference_dataset": "posttrain.data.helpers",
+    "maybe_unpair_preference_dataset": "posttrain.data.helpers",
+    "maybe_convert_to_chatml": "posttrain.data.helpers",
+    "pack_dataset": "posttrain.data.helpers",
+    "pack_examples": "posttrain.data.helpers",
+    "truncate_dataset": "posttrain.data.helpers",
 }
 
 __all__ = ["__version__", *_EXPORTS]

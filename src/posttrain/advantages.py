@@ -8,10 +8,9 @@ True on real completion tokens (the stop token included) and comes from completi
 `scores` are one per sequence, `rewards` are per token.
 
 Sources cited below:
-- TRL OLD_STEP `ppo_trainer.py` / `core.py` (very old `PPOTrainer.step()`), summarised in
-  shared/reference/trl-notes.md §2.2–2.3;
-- TRL OLD_ONPOLICY `ppo_trainer.py` / `rloo_trainer.py` (trl-notes §3.3, §4.1);
-- TRL HEAD GRPO / RLOO (trl-notes §4.2);
+- TRL ≤ 0.11 `trl/trainer/ppo_trainer.py` and `trl/core.py` (the classic `PPOTrainer.step()`);
+- TRL 0.19 `trl/trainer/ppo_trainer.py` / `rloo_trainer.py` (the on-policy trainers);
+- TRL 1.x `trl/trainer/grpo_trainer.py` / `rloo_trainer.py`;
 - Schulman, "Approximating KL divergence" (2020) for the k1/k2/k3 estimators;
 - Schulman et al., "High-Dimensional Continuous Control Using GAE" (2016);
 - Ziegler et al., "Fine-Tuning Language Models from Human Preferences" (2019) for the adaptive
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 
 from posttrain.ops import DEFAULT_CHUNK_TOKENS, chunk_rows, masked_whiten
 
-# Names accepted by `kl_penalty`. "kl"/"mse" are TRL OLD_STEP's names, "k1"/"k2"/"k3" Schulman's;
+# Names accepted by `kl_penalty`. "kl"/"mse" are TRL ≤ 0.11's names, "k1"/"k2"/"k3" Schulman's;
 # each pair of aliases computes the same thing.
 KL_ESTIMATORS = ("k1", "kl", "abs", "mse", "k2", "k3")
 
@@ -52,7 +51,7 @@ def kl_penalty(
       "abs":        |lp − ref|
       "k2" / "mse": ½·(lp − ref)²
       "k3":         (exp(logr) − 1) − logr            (unbiased, always ≥ 0, low variance)
-    Sources: TRL OLD_STEP `PPOTrainer._kl_penalty` ("kl", "abs", "mse"); TRL OLD_ONPOLICY
+    Sources: TRL ≤ 0.11 `PPOTrainer._kl_penalty` ("kl", "abs", "mse"); TRL 0.19
     `kl_estimator` ("k1", "k3"); Schulman (2020) "Approximating KL divergence".
     The exact vocabulary sum ("full" in TRL) needs logits, see `full_kl`.
     Positions where `mask` is False are set to 0 when a mask is given.
@@ -92,7 +91,7 @@ def full_kl(
     """Exact per-position KL(p‖p_ref) = Σ_v p_v·(log p_v − log p_ref,v), p = softmax(logits / temperature).
 
     logits, ref_logits: (..., V) any float dtype; returns float32 (...), 0 where `mask` is False.
-    Source: TRL OLD_STEP `kl_penalty="full"`, `F.kl_div(ref_logp, logp, log_target=True).sum(-1)`,
+    Source: TRL ≤ 0.11 `kl_penalty="full"`, `F.kl_div(ref_logp, logp, log_target=True).sum(-1)`,
     which materialises two full (B, T, V) log-softmaxes; here only (chunk_tokens, V) float32 blocks
     are alive at a time. Gradients flow into `logits` (and `ref_logits` if it requires grad).
     """
@@ -129,7 +128,7 @@ def full_kl(
 def last_token_indices(completion_mask: torch.Tensor) -> torch.Tensor:
     """(B,) index of the last True position of each row: length − 1 for a right-padded mask.
 
-    Computed as T − 1 − argmax(fliplr(mask)) (TRL OLD_ONPOLICY RLOO `eos_indices`), so it is right
+    Computed as T − 1 − argmax(fliplr(mask)) (TRL 0.19 RLOO `eos_indices`), so it is right
     even for a mask with holes. Raises on a row with no True position: such a completion has no
     token to carry its score.
     """
@@ -152,8 +151,8 @@ def kl_shaped_rewards(
     scores (B,), kl (B, T), completion_mask (B, T) -> (rewards (B, T), non_score_rewards (B, T)),
     non_score_rewards = −kl_coef·kl·mask. float32.
     The score is added at index length − 1, the last real token (the stop token when the
-    completion stopped), as in TRL OLD_STEP `compute_rewards` (`mask.nonzero()[-1]`) and OpenAI's
-    "learning to summarize". This fixes TRL OLD_ONPOLICY / HEAD experimental PPO, which adds the
+    completion stopped), as in TRL ≤ 0.11 `compute_rewards` (`mask.nonzero()[-1]`) and OpenAI's
+    "learning to summarize". This fixes TRL 0.19 and 1.x experimental PPO, which adds the
     score one position past the stop token (the first pad slot; huggingface/trl#1893, #3750), so
     the critic had to value a padding position.
     """
@@ -171,8 +170,8 @@ def sequence_kl_rewards(
     """Sequence-level KL-penalised reward (RLOO default): one number per completion.
 
     non_score = −kl_coef·Σ_t kl_t·mask_t;  rlhf_reward = score + non_score.
-    Returns (rlhf_reward (B,), non_score_reward (B,)). Source: TRL OLD_ONPOLICY `RLOOTrainer`
-    (`token_level_kl=False`), trl-notes §4.1.
+    Returns (rlhf_reward (B,), non_score_reward (B,)). Source: TRL 0.19 `RLOOTrainer`
+    (`token_level_kl=False`).
     """
     non_score = -kl_coef * (kl.float() * completion_mask.to(torch.float32)).sum(dim=-1)
     return scores.float() + non_score, non_score
@@ -185,7 +184,7 @@ def token_level_kl_rewards(
 
     last_reward[b, length_b − 1] = score_b; kl_reward = −kl_coef·kl·mask;
     rlhf_reward = Σ_t (last_reward + kl_reward);  non_score_reward = Σ_t kl_reward.
-    Returns (rlhf_reward (B,), non_score_reward (B,)). Source: TRL OLD_ONPOLICY `RLOOTrainer`
+    Returns (rlhf_reward (B,), non_score_reward (B,)). Source: TRL 0.19 `RLOOTrainer`
     (`token_level_kl=True`) and its `test_rloo_reward`. With the KL zeroed off-mask this equals
     `sequence_kl_rewards`; it exists so RLOO can expose TRL's option unchanged.
     """
@@ -206,7 +205,7 @@ def gae(
     δ_t = r_t + γ·V_{t+1} − V_t,  A_t = δ_t + γλ·A_{t+1},  returns R_t = A_t + V_t,
     with V and r taken as 0 beyond the last real token (so V_{last+1} = 0: the episode ends at the
     stop token, where `kl_shaped_rewards` put the score) and A = R = 0 off-mask.
-    Source: Schulman et al. 2016 (GAE); TRL OLD_STEP `compute_advantages` (trl-notes §2.3).
+    Source: Schulman et al. 2016 (GAE); TRL ≤ 0.11 `PPOTrainer.compute_advantages`.
     rewards, values, mask: (B, T) -> (advantages (B, T), returns (B, T)), float32. A Python loop
     over T, vectorised over B. Assumes each row's mask is a prefix (right padding), as built from
     completion lengths.
@@ -233,7 +232,7 @@ def whiten_rewards(
 ) -> torch.Tensor:
     """Masked reward whitening before GAE: (r − mean)/sqrt(var + 1e-8) (+ mean back when shift_mean=False).
 
-    Default shift_mean=False keeps the mean (only rescales), as TRL OLD_STEP/OLD_ONPOLICY
+    Default shift_mean=False keeps the mean (only rescales), as TRL ≤ 0.11 and 0.19
     `whiten_rewards` (`masked_whiten(rewards, mask, shift_mean=False)`). Off-mask positions are 0
     (TRL leaves them whitened, which leaks padding into GAE). Needs ≥ 2 masked positions.
     `moments` = (mean, unbiased var) of the whole batch when it is spread over several ranks.
@@ -248,7 +247,7 @@ def whiten_advantages(
 ) -> torch.Tensor:
     """Masked advantage whitening: (A − mean)/sqrt(var + 1e-8) over the mask (unbiased var), 0 off-mask.
 
-    Source: TRL OLD_STEP / OLD_ONPOLICY PPO (`masked_whiten(advantages, mask)` then zeroing padding).
+    Source: TRL ≤ 0.11 and 0.19 PPO (`masked_whiten(advantages, mask)` then zeroing padding).
     `moments` = (mean, unbiased var) of the whole batch when it is spread over several ranks.
     """
     m = mask.bool()
@@ -279,7 +278,7 @@ def merge_moments(
 
 
 class RunningMoments:
-    """Running mean / std of every score seen so far (reward scaling of TRL OLD_STEP `RunningMoments`).
+    """Running mean / std of every score seen so far (reward scaling of TRL ≤ 0.11 `RunningMoments`).
 
     `update(xs)` merges the batch's moments into the running ones with `merge_moments`. In
     multi-process training the caller passes the scores already gathered from all ranks, so
@@ -328,14 +327,14 @@ def scale_scores(
     score_clip: float | None = None,
     stats_scores: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Scale scores by running statistics, then clip (TRL OLD_STEP `PPOConfig` semantics).
+    """Scale scores by running statistics, then clip (TRL ≤ 0.11 `PPOConfig` semantics).
 
     use_score_scaling: update `running` with `stats_scores` (default `scores`; pass the scores
       gathered from all ranks in multi-process runs), then s / (running.std + eps_dtype);
     use_score_norm (requires use_score_scaling): (s − running.mean) / (running.std + eps_dtype);
     score_clip: clamp to [−score_clip, score_clip] afterwards (applies with or without scaling).
-    This is the reward-scaling cure for DeepSpeed-Chat-style drifting reward scales (peers-notes
-    §3.1: trlx "running scaling", OpenRLHF running RM normalisation; TRL OLD_STEP `step()`).
+    This is the reward-scaling cure for DeepSpeed-Chat-style drifting reward scales (trlx's
+    running scaling, OpenRLHF's running reward normalisation, TRL ≤ 0.11 `PPOTrainer.step()`).
     TRL silently ignores use_score_norm without use_score_scaling; here it is an error.
     """
     if use_score_norm and not use_score_scaling:
@@ -361,14 +360,14 @@ def adaptive_kl_update(value: float, current_kl: float, target: float, horizon: 
     """Ziegler et al. (2019) proportional controller for the KL coefficient.
 
     err = clip(current_kl / target − 1, −0.2, 0.2);  value ← value·(1 + err·n_steps / horizon).
-    Source: TRL OLD_STEP `AdaptiveKLController.update` (n_steps = samples in the step, all ranks).
+    Source: TRL ≤ 0.11 `AdaptiveKLController.update` (n_steps = samples in the step, all ranks).
     """
     err = min(max(current_kl / target - 1.0, -0.2), 0.2)
     return value * (1.0 + err * n_steps / horizon)
 
 
 class FixedKLController:
-    """Constant KL coefficient (TRL OLD_STEP `FixedKLController`; `update` does nothing)."""
+    """Constant KL coefficient (TRL ≤ 0.11 `FixedKLController`; `update` does nothing)."""
 
     def __init__(self, kl_coef: float) -> None:
         self.value = float(kl_coef)
@@ -386,7 +385,7 @@ class FixedKLController:
 class AdaptiveKLController:
     """Adaptive KL coefficient steering the measured KL towards `target` (see `adaptive_kl_update`).
 
-    TRL OLD_STEP defaults: init_kl_coef 0.2, target 6.0, horizon 10000.
+    TRL ≤ 0.11 defaults: init_kl_coef 0.2, target 6.0, horizon 10000.
     """
 
     def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
@@ -418,9 +417,9 @@ class AdaptiveKLController:
 def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """REINFORCE leave-one-out advantages. rewards: (k, num_prompts) -> advantages (k, num_prompts).
 
-    Row i is the i-th sample of every prompt (TRL OLD_ONPOLICY layout: `rlhf_reward.reshape(rloo_k, −1)`).
+    Row i is the i-th sample of every prompt (TRL 0.19 layout: `rlhf_reward.reshape(rloo_k, −1)`).
     baseline_i = (Σ_j r_j − r_i)/(k − 1) (mean of the other k − 1 samples of the same prompt);
-    A_i = r_i − baseline_i. Source: Ahmadian et al. 2024 "Back to Basics"; TRL OLD_ONPOLICY
+    A_i = r_i − baseline_i. Source: Ahmadian et al. 2024 "Back to Basics"; TRL 0.19
     `RLOOTrainer` and `test_rloo_reward`. Rollouts laid out prompt-major (rollout.generate with
     num_samples = k) are `rewards.view(num_prompts, k).T`.
     """
@@ -437,7 +436,7 @@ def group_advantages(rewards: torch.Tensor, scale_std: bool = True, eps: float =
     """GRPO group-relative advantages. rewards: (num_prompts, G) -> advantages (num_prompts, G).
 
     A = (r − mean_g(r)) / (std_g(r) + eps) with std unbiased (n − 1), the default of torch.std and
-    what TRL HEAD GRPO computes (`rewards.view(-1, G).std(dim=1)`, eps 1e-4); scale_std=False gives
+    what TRL 1.x GRPO computes (`rewards.view(-1, G).std(dim=1)`, eps 1e-4); scale_std=False gives
     the Dr. GRPO mean-only variant. A group whose rewards are all equal gets A = 0.
     """
     if rewards.dim() != 2:
@@ -456,7 +455,7 @@ def normalize_rewards(
 ) -> torch.Tensor:
     """(s − mean)/(std + 1e-8) over the batch (unbiased std), then clamp to ±clip_range.
 
-    Source: TRL OLD_ONPOLICY RLOO `normalize_reward` / `reward_clip_range` (Reinforce++, trl#2552).
+    Source: TRL 0.19 RLOO `normalize_reward` / `reward_clip_range` (Reinforce++, trl#2552).
     `moments` = (mean, unbiased var) of the whole batch when it is spread over several ranks.
     """
     if moments is None and scores.numel() < 2:
@@ -469,7 +468,7 @@ def normalize_rewards(
 def normalize_advantages(advantages: torch.Tensor, eps: float = 1e-8, moments: tuple | None = None) -> torch.Tensor:
     """(A − mean)/(std + eps) over the whole tensor (unbiased std).
 
-    Source: TRL OLD_ONPOLICY RLOO `normalize_advantage` (eps 1e-8); TRL HEAD RLOO uses eps 1e-4.
+    Source: TRL 0.19 RLOO `normalize_advantage` (eps 1e-8); TRL 1.x RLOO uses eps 1e-4.
     For per-token advantages with padding use `whiten_advantages` instead. `moments` = (mean,
     unbiased var) of the whole batch when it is spread over several ranks.
     """

@@ -1,62 +1,243 @@
-"""Trainer callbacks for the online preference trainers (Online DPO, XPO).
+"""Callbacks: `transformers.TrainerCallback` objects, driven exactly as `transformers.Trainer` drives them.
 
-posttrain trainers are not `transformers.Trainer`s, so the callback protocol is small: a trainer
-calls, when a callback defines them,
+A user passes `callbacks=[MyCallback()]` (or calls `trainer.add_callback`) with subclasses of
+`transformers.TrainerCallback`, as with TRL. Each trainer owns one `TrainerEvents`, which holds the
+`transformers.TrainerState` exposed as `trainer.state`, the `transformers.TrainerControl` and
+transformers' own `CallbackHandler`, and fires the events at the points `transformers.Trainer` does.
 
-    on_train_begin(trainer)
-    on_step_end(trainer, step, logs)   # after every rollout batch; logs = the metrics just logged, or None
-    on_train_end(trainer)
-
-`LogCompletionsCallback` keeps TRL's constructor (`LogCompletionsCallback(trainer, num_prompts=8,
-freq=None)`, trl-notes §6 / seed 003) and its purpose: a table of sampled completions on the eval
-set, here sent through the run's tracker (console table, samples.jsonl, and W&B when enabled).
+`LogCompletionsCallback` keeps TRL's constructor and purpose: a table of sampled completions on the
+eval prompts, sent through the run's tracker (console table, samples.jsonl, W&B when enabled).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
+from transformers import TrainerCallback, TrainerControl, TrainerState
+from transformers.trainer_callback import CallbackHandler
+from transformers.trainer_utils import TrainOutput, speed_metrics
+
+from posttrain import distributed as dist
 from posttrain.configs import ConfigError
 
 
-class TrainerCallback:
-    """Base class with no-op hooks; subclass and override what you need."""
+class TrainerEvents:
+    """The callback state of one training run, and the events a trainer fires.
 
-    def on_train_begin(self, trainer: Any) -> None:
-        pass
+    Construction (once per trainer, after the model, optimizer and schedule exist)::
 
-    def on_step_end(self, trainer: Any, step: int, logs: dict | None) -> None:
-        pass
+        events = TrainerEvents(config, callbacks, model=..., processing_class=..., optimizer=...,
+                               lr_scheduler=..., accelerator=..., max_steps=N,
+                               train_batch_size=per_device_batch_size, num_train_epochs=E)
 
-    def on_train_end(self, trainer: Any) -> None:
-        pass
+    `events.state` is a `transformers.TrainerState` (max_steps, logging_steps / eval_steps /
+    save_steps from the config, train_batch_size, num_train_epochs, is_world_process_zero /
+    is_local_process_zero from the accelerator); `events.control` a `transformers.TrainerControl`.
+    `config` is what callbacks receive as `args`. Callbacks also receive model, processing_class,
+    optimizer and lr_scheduler as keyword arguments, as under transformers. Import this module
+    where the run is built, not at a trainer module's top: transformers' callback module imports
+    peft, which `import posttrain.trainers...` must not pull in.
+
+    The training loop calls, in this order (a trainer that resumes sets `state.global_step` and
+    `state.log_history` before `train_begin`)::
+
+        events.train_begin()                            # on_train_begin
+        for each optimizer step (online: each update):
+            ... the update ...
+            events.step_end(global_step, epoch)         # state.global_step / epoch; on_step_end
+            # A callback's requests (control.should_log / should_evaluate / should_save) are read
+            # here: step_end cleared them before on_step_end, on_log / on_evaluate / on_save clear them.
+            if logging is due or requested:
+                events.log(metrics)                     # state.log_history += {**metrics, epoch, step}; on_log
+            if evaluation is due or requested:
+                events.evaluate(eval_metrics)           # logged like a logging step, then on_evaluate
+            if a checkpoint is due or requested:
+                ... save it ...; events.save()          # on_save
+            if events.control.should_training_stop:     # max_steps reached, or a callback stopped training
+                break
+        ... save the final model ...
+        return events.train_end(training_loss, num_samples, total_flos)  # summary entry, on_train_end
+
+    `step_end` returns `control.should_training_stop`: True after the step that reaches max_steps
+    (as transformers' DefaultFlowCallback sets it) or when a callback set it (a callback may also
+    set it in on_log / on_evaluate, hence the check at the end of the step). The summary entry
+    `train_end` appends to `log_history` is the one transformers writes: train_runtime,
+    train_samples_per_second, train_steps_per_second (over this call's steps), total_flos,
+    train_loss, epoch, step; it returns `TrainOutput(global_step, training_loss, metrics)`.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        callbacks: list[Any] | None,
+        *,
+        model: Any,
+        processing_class: Any,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        accelerator: Any = None,
+        max_steps: int,
+        train_batch_size: int,
+        num_train_epochs: float,
+    ) -> None:
+        self.args = config
+        eval_steps = getattr(config, "eval_steps", None)
+        self.state = TrainerState(
+            epoch=0.0,
+            max_steps=max_steps,
+            logging_steps=config.logging_steps,
+            # No eval_steps means evaluation at the end only, i.e. every max_steps steps.
+            eval_steps=eval_steps or max_steps,
+            save_steps=config.save_steps,
+            train_batch_size=train_batch_size,
+            num_train_epochs=num_train_epochs,
+            is_world_process_zero=dist.is_main(accelerator),
+            is_local_process_zero=bool(getattr(accelerator, "is_local_main_process", True)),
+        )
+        self.control = TrainerControl()
+        # CallbackHandler warns when transformers' DefaultFlowCallback is missing; that callback reads
+        # TrainingArguments fields (logging_strategy, ...) a posttrain config does not have, and the
+        # flow it implements (when to log, evaluate, save, stop) is the trainer's own here.
+        handler_logger = logging.getLogger("transformers.trainer_callback")
+        disabled, handler_logger.disabled = handler_logger.disabled, True
+        try:
+            self.handler = CallbackHandler(list(callbacks or []), model, processing_class, optimizer, lr_scheduler)
+        finally:
+            handler_logger.disabled = disabled
+        self._start_time: float | None = None
+        self._start_step = 0
+
+    # -- the callback list, as on transformers.Trainer ------------------------------------------
+    @property
+    def callbacks(self) -> list[Any]:
+        return self.handler.callbacks
+
+    def add_callback(self, callback: Any) -> None:
+        """Add a callback (an instance, or a class, which is instantiated)."""
+        self.handler.add_callback(callback)
+
+    def pop_callback(self, callback: Any) -> Any:
+        """Remove a callback (an instance, or the first of a class) and return it, or None."""
+        return self.handler.pop_callback(callback)
+
+    def remove_callback(self, callback: Any) -> None:
+        """Remove a callback (an instance, or the first of a class)."""
+        self.handler.remove_callback(callback)
+
+    # -- events ------------------------------------------------------------------------------------
+    def train_begin(self) -> None:
+        self._start_time, self._start_step = time.time(), self.state.global_step
+        self.control = self.handler.on_train_begin(self.args, self.state, self.control)
+
+    def step_end(self, global_step: int, epoch: float) -> bool:
+        """Record the finished step and call on_step_end; True when training stops after this step."""
+        self.state.global_step, self.state.epoch = int(global_step), float(epoch)
+        self.control.should_log = self.control.should_evaluate = self.control.should_save = False
+        if self.state.global_step >= self.state.max_steps:
+            self.control.should_training_stop = True
+        self.control = self.handler.on_step_end(self.args, self.state, self.control)
+        return self.control.should_training_stop
+
+    def log(self, logs: dict[str, float]) -> dict[str, float]:
+        """Append `{**logs, "epoch": state.epoch, "step": state.global_step}` to state.log_history
+        and call on_log(logs=...) with the logs and their epoch; returns the appended entry."""
+        logs = {**logs, "epoch": self.state.epoch}
+        entry = {**logs, "step": self.state.global_step}
+        self.state.log_history.append(entry)
+        self.control = self.handler.on_log(self.args, self.state, self.control, logs)
+        return entry
+
+    def evaluate(self, metrics: dict[str, float]) -> None:
+        """What transformers.Trainer.evaluate does with its metrics: log them, then
+        on_evaluate(metrics=...) with the metrics and their epoch."""
+        self.log(metrics)
+        metrics = {**metrics, "epoch": self.state.epoch}
+        self.control = self.handler.on_evaluate(self.args, self.state, self.control, metrics)
+
+    def save(self) -> None:
+        """Call on_save; fire it after a checkpoint has been written."""
+        self.control = self.handler.on_save(self.args, self.state, self.control)
+
+    def train_end(self, training_loss: float, num_samples: int, total_flos: float = 0.0) -> TrainOutput:
+        """Log the end-of-training summary, call on_train_end and return the TrainOutput.
+
+        training_loss: the mean loss over this call's optimizer steps; num_samples: the examples
+        (or episodes) trained on in this call, all ranks; total_flos: the floating-point operations
+        of training (transformers' estimate, 6 · tokens · parameters).
+        """
+        start = self._start_time if self._start_time is not None else time.time()
+        metrics = speed_metrics(
+            "train", start, num_samples=num_samples, num_steps=self.state.global_step - self._start_step
+        )
+        self.state.total_flos = float(total_flos)
+        metrics["total_flos"] = self.state.total_flos
+        metrics["train_loss"] = float(training_loss)
+        metrics["epoch"] = self.state.epoch
+        self.log(metrics)
+        self.control = self.handler.on_train_end(self.args, self.state, self.control)
+        return TrainOutput(self.state.global_step, float(training_loss), metrics)
 
 
 class LogCompletionsCallback(TrainerCallback):
-    """Every `freq` rollout batches (default: the trainer's logging_steps), sample completions for the
-    first `num_prompts` prompts of the trainer's eval dataset and log them as the table
-    "completions" (columns prompt, completion, and score when the trainer scores with rewards).
+    """Every `freq` steps (default: the trainer's logging_steps), sample completions for the first
+    `num_prompts` prompts of the trainer's eval dataset (None: all of them) and log them as the table
+    "completions" (columns step, prompt, completion, and score when the trainer scores with rewards).
 
     Sampling uses the trainer's sampling settings with a generator seeded from config.seed, so the
-    tables of different steps are comparable and the training sampler is never advanced.
+    tables of different steps are comparable and the training sampler is never advanced. The
+    trainer provides `sample_completions(num_prompts)` and its tracker (`trainer.run.tracker`).
     """
 
-    def __init__(self, trainer: Any, num_prompts: int = 8, freq: int | None = None) -> None:
-        if getattr(trainer, "eval_dataset", None) is None:
+    def __init__(
+        self, trainer: Any, generation_config: Any = None, num_prompts: int | None = None, freq: int | None = None
+    ) -> None:
+        eval_dataset = getattr(trainer, "eval_dataset", None)
+        if eval_dataset is None:
             raise ConfigError(
                 "LogCompletionsCallback needs a trainer built with eval_dataset= (the prompts it samples)."
             )
-        if num_prompts < 1:
-            raise ConfigError(f"num_prompts={num_prompts} must be >= 1.")
+        if not hasattr(trainer, "sample_completions"):
+            raise ConfigError(
+                f"LogCompletionsCallback samples with an online trainer's policy; {type(trainer).__name__} has none."
+            )
+        if num_prompts is not None and num_prompts < 1:
+            raise ConfigError(f"num_prompts={num_prompts} must be >= 1 (or None for every eval prompt).")
         if freq is not None and freq < 1:
             raise ConfigError(f"freq={freq} must be >= 1 (or None for the trainer's logging_steps).")
-        self.trainer = trainer
-        self.num_prompts = num_prompts
-        self.freq = freq
+        if generation_config is not None:
+            import inspect
 
-    def on_step_end(self, trainer: Any, step: int, logs: dict | None) -> None:
-        freq = self.freq or trainer.args.logging_steps
-        if step % freq != 0:
+            if "generation_config" not in inspect.signature(trainer.sample_completions).parameters:
+                raise ConfigError(
+                    f"{type(trainer).__name__} samples the table with its own sampling settings "
+                    "(temperature, top_k, top_p, max_new_tokens of its config); leave generation_config=None."
+                )
+        self.trainer = trainer
+        self.generation_config = generation_config
+        self.num_prompts = num_prompts if num_prompts is not None else len(eval_dataset)
+        self.freq = freq
+        self._last_logged_step = -1
+
+    def on_step_end(self, args: Any, state: Any, control: Any = None, **kwargs: Any) -> None:
+        if isinstance(state, TrainerState):
+            step, logging_steps = state.global_step, state.logging_steps
+        else:
+            # The call shape (trainer, step, logs) of the Online DPO / XPO trainers, until they fire
+            # TrainerEvents: `args` is the trainer and `state` the step.
+            step, logging_steps = int(state), args.args.logging_steps
+        if step == self._last_logged_step or step % (self.freq or logging_steps) != 0:
             return
-        rows = trainer.sample_completions(self.num_prompts)
-        trainer.run.tracker.log_table("completions", [{"step": step, **row} for row in rows], step=step)
+        extra = {} if self.generation_config is None else {"generation_config": self.generation_config}
+        rows = self.trainer.sample_completions(self.num_prompts, **extra)
+        self.trainer.run.tracker.log_table("completions", [{"step": step, **row} for row in rows], step=step)
+        self._last_logged_step = step
+
+    # The Online DPO / XPO trainers call these two hooks as (trainer), RLOO / PPO as
+    # (config, state, control): both shapes are accepted until those trainers fire TrainerEvents.
+    def on_train_begin(self, args: Any, state: Any = None, control: Any = None, **kwargs: Any) -> None:
+        return None
+
+    def on_train_end(self, args: Any, state: Any = None, control: Any = None, **kwargs: Any) -> None:
+        return None

@@ -1,9 +1,9 @@
 """`posttrain chat <model_dir>`: talk to a trained model in the terminal.
 
-The seed's XPO page ends with `transformers chat trl-lib/Qwen2-0.5B-XPO`; this is the same idea with
+TRL's XPO documentation ends with `transformers chat trl-lib/Qwen2-0.5B-XPO`; this is the same idea with
 posttrain's generation engine. Each turn is rendered with the tokenizer's chat template (or the
-simple "Role: content" fallback of data.py for tokenizers without one), the whole history included,
-and the reply stops at EOS. Input is read from stdin line by line, so a conversation can be piped:
+simple "Role: content" fallback of posttrain.data.formats for tokenizers without one), the whole
+history included, and the reply stops at EOS. Input is read from stdin line by line, so a conversation can be piped:
 
     printf 'Hello!\\nTell me more.\\n/exit\\n' | posttrain chat out/xpo --max_new_tokens 64
 

@@ -3,7 +3,7 @@
 Every trainer config extends `TrainingConfig` (optimisation, logging, saving, model and data
 locations) and the online trainers extend `OnPolicyConfig` (rollout sizes and generation). Field
 names, meanings and defaults follow TRL's `TrainingArguments` / `OnPolicyConfig` (see
-../shared/reference/trl-notes.md §3.2) so code and command lines written for TRL port unchanged.
+TRL's `OnPolicyConfig`) so code and command lines written for TRL port unchanged.
 Each field's `help` metadata is its `--help` text on the command line.
 
 This module imports only the standard library: `posttrain --help` and config validation run before
@@ -160,7 +160,7 @@ class TrainingConfig:
 class OnPolicyConfig(TrainingConfig):
     """Rollout sizes and generation settings of the online trainers (TRL's OnPolicyConfig).
 
-    Sizes derived by `derive_sizes` (TRL §3.1), all counted in completions (episodes):
+    Sizes derived by `derive_sizes` (as TRL's on-policy trainers do), all counted in completions (episodes):
       local_batch_size   = per_device_train_batch_size · gradient_accumulation_steps · num_mini_batches
       batch_size         = local_batch_size · world_size        (episodes per rollout batch)
       mini_batch_size    = batch_size / num_mini_batches         (episodes per optimizer step)

@@ -1,6 +1,6 @@
 """`posttrain judge`: the win rate of a model against reference completions, decided by a judge.
 
-Like TRL's `examples/scripts/evals/judge_tldr.py` (trl-notes §10): generate greedily (temperature
+Like TRL's `examples/scripts/evals/judge_tldr.py`: generate greedily (temperature
 0) for a prompt set, compare each completion with a reference completion using any pairwise judge,
 and print the model's win rate. Here the win rate comes with a Wilson 95% interval and the number of
 judge failures (-1 answers, left out of the rate), and the pieces are interchangeable:

@@ -1,4 +1,4 @@
-"""A health monitor for online training, from the debugging tips of TRL's RLOO/PPO docs (seed 000).
+"""A health monitor for online training, from the debugging tips of TRL's RLOO/PPO documentation.
 
 - `val/ratio` should hover around 1.0; outside [0.5, 2] the updates between consecutive policies are
   too drastic (lower the learning rate, raise num_mini_batches, check that old logprobs are taken
@@ -8,7 +8,7 @@
   window of logging steps the run is probably not learning.
 - A non-finite loss skips that optimizer step (the gradients are dropped) and is counted; after
   `max_nonfinite` in a row training stops cleanly with `TrainingDiverged`.
-- An out-of-memory error is re-raised with the fix the seed recommends.
+- An out-of-memory error is re-raised with the fix TRL's documentation recommends (smaller batches).
 
 Each warning is printed once per run (a one-time rich warning, also returned so callers can log it).
 """

@@ -1,11 +1,11 @@
-"""Training losses: PPO policy / value, entropy bonus, DPO / IPO / XPO, Bradley–Terry, SFT NLL.
+"""Training losses: PPO policy / value, entropy bonus, DPO / IPO / XPO, Bradley–Terry, SFT NLL and DFT.
 
 Every function is pure torch and returns `(loss, stats)`:
 - `loss` is a 0-d tensor = Σ(per-token or per-sequence loss · mask) / normalizer. Pass the GLOBAL
   normaliser (tokens or sequences in the whole minibatch, across micro-batches and ranks) and
   the losses of the micro-batches add up to the minibatch loss, so gradient accumulation and
   data parallelism do not change the update (the "token-mean with global count" aggregation of
-  verl / OpenRLHF, peers-notes §3.1; TRL averages per micro-batch means instead, trl-notes §3.4).
+  verl / OpenRLHF; TRL averages per micro-batch means instead, see docs/internals.md).
   With `normalizer=None` the local count of this call is used (a plain masked mean).
 - `stats` maps names to detached 0-d tensors. Each statistic is a mean over THIS call's masked
   tokens (or sequences), and `stats["count"]` is how many tokens (or sequences) it averages, so
@@ -66,15 +66,15 @@ def ppo_policy_loss(
     level="token" (PPO, GRPO): ρ_t = exp(lp_t − old_t) per token; logprobs, old_logprobs, mask
       (B, T); advantages (B, T) or (B,) (broadcast over tokens, as GRPO does);
       loss = Σ_t pg_t·mask_t / normalizer (default: tokens in this call).
-      Source: TRL OLD_STEP `loss`, OLD_ONPOLICY PPO (trl-notes §2.3, §3.3 step 9).
+      Source: TRL ≤ 0.11 `PPOTrainer.loss`, TRL 0.19 `PPOTrainer`.
     level="sequence" (RLOO): ρ_b = exp(Σ_t lp·mask − Σ_t old·mask) per sequence; advantages (B,);
       loss = Σ_b pg_b / normalizer (default: sequences in this call).
-      Source: TRL OLD_ONPOLICY / HEAD `RLOOTrainer` (trl-notes §4.1, §4.2).
+      Source: TRL 0.19 and 1.x `RLOOTrainer`.
     The log-ratio is zeroed off-mask before exp, so garbage logprobs on padding cannot overflow.
     stats (means over this call's tokens, or sequences at sequence level; `count` = how many):
       pg_loss (mean pg), approxkl = ½·mean((lp − old)²), policykl = mean(old − lp),
       clipfrac = mean(clipped term > unclipped term), clipfrac_low / clipfrac_high (ρ below 1 − ε_low
-      with A < 0 / above 1 + ε_high with A > 0, TRL HEAD GRPO `clip_ratio/*`), ratio_mean,
+      with A < 0 / above 1 + ε_high with A > 0, TRL 1.x GRPO `clip_ratio/*`), ratio_mean,
       ratio_var (population variance of ρ over this call), count.
     """
     eps_low = cliprange
@@ -136,7 +136,7 @@ def ppo_value_loss(
 
     values (B, T) current critic predictions (with grad), old_values (B, T) from the rollout,
     returns (B, T) GAE returns. cliprange_value=None disables clipping (½·(V − R)²).
-    Source: TRL OLD_STEP `loss`, OLD_ONPOLICY PPO (trl-notes §2.3, §3.3 step 9).
+    Source: TRL ≤ 0.11 `PPOTrainer.loss`, TRL 0.19 `PPOTrainer`.
     stats: vf_loss (mean per-token loss), vf_clipfrac (clipped term > unclipped), value_error
     (mean (V − R)²), vpred (mean V), count (tokens).
     """
@@ -230,7 +230,7 @@ def dpo_loss(
     logits = (π_c − π_r) − (ref_c − ref_r);
     "sigmoid": −log σ(β·logits);  "ipo": (logits − 1/(2β))² (not length-normalised, as TRL Online
     DPO; TRL's offline DPOTrainer divides IPO logprobs by token counts).
-    loss = Σ_pairs / normalizer (default B). Source: TRL HEAD Online DPO (trl-notes §5 step 5).
+    loss = Σ_pairs / normalizer (default B). Source: TRL's `OnlineDPOTrainer`; Guo et al. 2024, arXiv:2402.04792.
     stats (means over pairs): rewards/chosen = β(π_c − ref_c), rewards/rejected = β(π_r − ref_r),
     rewards/margins, rewards/accuracies (chosen reward > rejected), logps/chosen, logps/rejected,
     count (pairs).
@@ -258,8 +258,8 @@ def xpo_loss(
     (chosen, rejected) is (policy completion, reference completion) or the reverse, whichever the
     reward prefers; `policy_logps_ref_completion` (B,) is the policy's summed logprob of the
     reference model's completion (with grad). Minimising α·log π_θ(y_ref) pushes probability away
-    from what the reference would say (exploration). Source: TRL HEAD XPO `training_step`
-    (trl-notes §6): loss = mean(dpo_losses + alpha·model_logprobs_ref_data_sum).
+    from what the reference would say (exploration). Source: Xie et al. 2024,
+    arXiv:2405.21046; TRL 1.x `XPOTrainer.training_step`: loss = mean(dpo_losses + alpha·model_logprobs_ref_data_sum).
     stats: the `dpo_loss` stats plus loss/dpo and loss/xpo (means of the two terms), count.
     """
     losses, stats = _dpo_terms(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type)
@@ -282,7 +282,7 @@ def bradley_terry_loss(
 
     chosen_rewards, rejected_rewards, margin: (B,). With normalizer=None this is the batch mean,
     exactly TRL's `RewardTrainer.compute_loss` (mean of −logsigmoid + coef·mean((r_c + r_r)²);
-    trl-notes §7; centring from Eisenstein et al. 2023).
+    TRL's `RewardTrainer`; centring from Eisenstein et al. 2023).
     stats: accuracy (mean r_c > r_r), margin (mean r_c − r_r), chosen_rewards, rejected_rewards
     (means), count (pairs).
     """
@@ -322,7 +322,7 @@ def chunked_nll(
 
     logits (..., V) and labels (...) must already be ALIGNED (the caller shifts:
     `logits[:, :-1]`, `labels[:, 1:]`). Only rows with a real label enter the chunked float32
-    log-softmax (ops.selective_log_softmax), as TRL's "chunked_nll" SFT loss does (trl-notes §8).
+    log-softmax (ops.selective_log_softmax), as TRL's "chunked_nll" SFT loss does.
     normalizer defaults to the number of real labels in this call.
     stats: nll (mean over this call's labelled tokens), token_accuracy (argmax == label),
     num_correct, count (labelled tokens).
@@ -343,6 +343,46 @@ def chunked_nll(
         num_correct = (rows.detach().argmax(dim=-1) == targets).float().sum()
         stats = {
             "nll": nll.detach().sum() / count.clamp(min=1),
+            "token_accuracy": num_correct / count.clamp(min=1),
+            "num_correct": num_correct,
+            "count": count,
+        }
+    return loss, stats
+
+
+def dft_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    normalizer: Normalizer = None,
+    chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Dynamic Fine-Tuning loss: Σ_{labels ≠ ignore} −sg(p_t) · log p_t / normalizer, p_t = softmax(logits)[label].
+
+    Wu et al. 2025, "On the Generalization of SFT: A Reinforcement Learning Perspective with Reward
+    Rectification" (arXiv:2508.05629): the SFT gradient is a policy gradient whose implicit reward
+    is 1/p_t, so tokens the model finds unlikely get huge weights; scaling each token's NLL by its
+    own probability, detached (sg = stop-gradient), cancels that factor. The gradient with respect
+    to the logits of one token is p_t · (softmax − onehot(label)) / normalizer.
+
+    Same arguments, alignment and stats as `chunked_nll` (stats["nll"] is the plain NLL, without
+    the weights); normalizer defaults to the number of real labels in this call.
+    """
+    flat = logits.reshape(-1, logits.size(-1))
+    flat_labels = labels.reshape(-1)
+    valid = flat_labels != ignore_index
+    rows = flat[valid]
+    targets = flat_labels[valid]
+    logp = selective_log_softmax(rows, targets, chunk_tokens=chunk_tokens)
+    loss = _aggregate(-logp.detach().exp() * logp, None, normalizer)
+    if targets.numel() == 0:
+        # As in chunked_nll: connected to the graph so that backward() runs on every rank.
+        loss = loss + 0.0 * logits.sum()
+    with torch.no_grad():
+        count = torch.tensor(float(targets.numel()), device=logits.device)
+        num_correct = (rows.detach().argmax(dim=-1) == targets).float().sum()
+        stats = {
+            "nll": -logp.detach().sum() / count.clamp(min=1),
             "token_accuracy": num_correct / count.clamp(min=1),
             "num_correct": num_correct,
             "count": count,

@@ -1,14 +1,13 @@
-"""Loading tokenizers and models for post-training, plus offline tiny builders.
+"""Loading tokenizers and models for post-training: policies, reward and value models, LoRA, value heads.
 
 Loaders wrap the `transformers` Auto classes with the settings RLHF needs: a pad token that never
 breaks EOS handling, dropout disabled (so the logprobs of the rollout and of the update come from
 the same function), `pad_token_id` written into reward/value model configs (TRL #937: without it a
 sequence-classification head reads the score at the wrong position), and dtype given as a string.
 
-The tiny builders make a byte-level BPE tokenizer and randomly initialised Llama / GPT-NeoX models
-from config alone, so tests, the demo and the benchmarks never touch the network.
+Tiny offline tokenizers and models for tests, the demo and the benchmarks live in `posttrain.testing`.
 
-`transformers`, `tokenizers` and `safetensors` are imported inside functions so that
+`transformers` and `safetensors` are imported inside functions so that
 `import posttrain.models` stays cheap; torch is needed for the `nn.Module` value-head wrapper.
 """
 
@@ -30,40 +29,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-EOS_TOKEN = "<|endoftext|>"
-PAD_TOKEN = "<|pad|>"
 VALUE_HEAD_FILE = "value_head.safetensors"
-
-# Chat template of the tiny tokenizer: "role: content" per turn, EOS closing each assistant turn
-# (so generation stops on EOS), and a generation prompt that is a strict prefix of the rendered
-# assistant turn (so assistant spans can be found by rendering prefixes). Newlines are written as
-# `{{ '\n' }}` because transformers renders templates with trim_blocks, which eats a literal
-# newline that follows a block tag.
-TINY_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ message['role'] + ': ' + message['content'] }}"
-    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
-    "{{ '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
-)
-
-# Default training text for the tiny tokenizer: enough English for BPE merges of common words,
-# chat role names and digits, so test strings tokenize into a handful of tokens each.
-_DEFAULT_CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "user: What is the capital of France?\nassistant: The capital of France is Paris.",
-    "system: You are a helpful assistant.\nuser: Write a short poem about the sea.",
-    "assistant: The sea is wide and blue, the waves are calm and true.",
-    "Once upon a time there was a little robot who loved to read books.",
-    "Summarize the following text in one sentence. The movie was great and funny.",
-    "I think this answer is good, but that one is better and more helpful.",
-    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 42 100 2024.",
-    "Question: how many legs does a spider have? Answer: eight legs.",
-    "Please explain reinforcement learning from human feedback in simple words.",
-    "The reward model scores each response; the policy learns to write better responses.",
-    "Hello world! Good morning. Thank you very much. Yes, no, maybe.",
-]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -266,20 +232,36 @@ def load_policy(
     return _finish(model, dropout_off=disable_dropout, gradient_checkpointing=gradient_checkpointing)
 
 
-def _load_scalar_head_model(
+SCALAR_MODEL_ROLES = ("reward", "value")
+
+
+def load_scalar_model(
     path: str | os.PathLike,
-    what: str,
-    dtype: str | torch.dtype | None,
-    trust_remote_code: bool,
-    dropout_off: bool,
-    gradient_checkpointing: bool,
-    tokenizer: PreTrainedTokenizerBase | None,
-    pad_token_id: int | None,
-    attn_implementation: str | None,
-    revision: str | None,
+    dtype: str | torch.dtype | None = None,
+    trust_remote_code: bool = False,
+    disable_dropout: bool = True,
+    gradient_checkpointing: bool = False,
+    *,
+    role: str = "reward",
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    pad_token_id: int | None = None,
+    attn_implementation: str | None = None,
+    revision: str | None = None,
 ) -> PreTrainedModel:
+    """Load a model that outputs one score per sequence: `AutoModelForSequenceClassification(num_labels=1)`.
+
+    Reward models and value models (critics) are the same class, so `load_reward_model` and
+    `load_value_model` are this function; `role` ("reward" or "value") only names the model in
+    error messages. `config.pad_token_id` is always set: from `pad_token_id`, else `tokenizer`,
+    else the config, else the tokenizer saved in `path` (TRL #937: an unset pad id makes the head
+    score the wrong token). A `path` holding a causal LM loads with a freshly initialised `score`
+    head (transformers logs which weights are new).
+    """
     from transformers import AutoModelForSequenceClassification
 
+    if role not in SCALAR_MODEL_ROLES:
+        raise ValueError(f"role must be one of {SCALAR_MODEL_ROLES}, got {role!r}")
+    what = f"{role} model"
     kwargs: dict[str, Any] = {
         **dtype_kwargs(resolve_dtype(dtype)),
         "trust_remote_code": trust_remote_code,
@@ -306,69 +288,21 @@ def _load_scalar_head_model(
         model.config.pad_token_id = pad_token_id
     if model.config.pad_token_id is None:
         raise ValueError(f"{what} {path}: could not determine pad_token_id; pass tokenizer= or pad_token_id=")
-    return _finish(model, dropout_off=dropout_off, gradient_checkpointing=gradient_checkpointing)
+    return _finish(model, dropout_off=disable_dropout, gradient_checkpointing=gradient_checkpointing)
 
 
-def load_reward_model(
-    path: str | os.PathLike,
-    dtype: str | torch.dtype | None = None,
-    trust_remote_code: bool = False,
-    disable_dropout: bool = True,
-    gradient_checkpointing: bool = False,
-    *,
-    tokenizer: PreTrainedTokenizerBase | None = None,
-    pad_token_id: int | None = None,
-    attn_implementation: str | None = None,
-    revision: str | None = None,
-) -> PreTrainedModel:
-    """Load a reward model: `AutoModelForSequenceClassification(num_labels=1)` with `config.pad_token_id` set.
+def load_reward_model(path: str | os.PathLike, *args: Any, **kwargs: Any) -> PreTrainedModel:
+    """Load a reward model: `load_scalar_model(path, ..., role="reward")`, same arguments."""
+    return load_scalar_model(path, *args, role="reward", **kwargs)
 
-    The pad id comes from `pad_token_id`, else `tokenizer`, else the config, else the tokenizer
-    saved in `path` (TRL #937: an unset pad id makes the head score the wrong token).
+
+def load_value_model(path: str | os.PathLike, *args: Any, **kwargs: Any) -> PreTrainedModel:
+    """Load a value model (critic): `load_scalar_model(path, ..., role="value")`, same arguments.
+
+    `path` may be a reward model (the usual PPO init) or a causal LM, whose `score` head is then
+    freshly initialised.
     """
-    return _load_scalar_head_model(
-        path,
-        "reward model",
-        dtype,
-        trust_remote_code,
-        disable_dropout,
-        gradient_checkpointing,
-        tokenizer,
-        pad_token_id,
-        attn_implementation,
-        revision,
-    )
-
-
-def load_value_model(
-    path: str | os.PathLike,
-    dtype: str | torch.dtype | None = None,
-    trust_remote_code: bool = False,
-    disable_dropout: bool = True,
-    gradient_checkpointing: bool = False,
-    *,
-    tokenizer: PreTrainedTokenizerBase | None = None,
-    pad_token_id: int | None = None,
-    attn_implementation: str | None = None,
-    revision: str | None = None,
-) -> PreTrainedModel:
-    """Load a value model (critic): same class as a reward model, `num_labels=1`.
-
-    `path` may be a reward model (the usual PPO init) or a causal LM; in the latter case the
-    `score` head is freshly initialised (transformers logs which weights are new).
-    """
-    return _load_scalar_head_model(
-        path,
-        "value model",
-        dtype,
-        trust_remote_code,
-        disable_dropout,
-        gradient_checkpointing,
-        tokenizer,
-        pad_token_id,
-        attn_implementation,
-        revision,
-    )
+    return load_scalar_model(path, *args, role="value", **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -552,164 +486,3 @@ class CausalLMWithValueHead(nn.Module):
         else:
             logger.info("no %s in %s; the value head is freshly initialised", VALUE_HEAD_FILE, path)
         return model
-
-
-# --------------------------------------------------------------------------------------------
-# Offline tiny builders
-# --------------------------------------------------------------------------------------------
-
-
-def build_tiny_tokenizer(
-    corpus: list[str] | None = None,
-    vocab_size: int = 512,
-    save_dir: str | os.PathLike | None = None,
-    *,
-    pad_equals_eos: bool = False,
-    chat_template: str | None = TINY_CHAT_TEMPLATE,
-) -> PreTrainedTokenizerBase:
-    """Train a byte-level BPE tokenizer on `corpus` (a built-in English sample by default).
-
-    Special tokens: `<|endoftext|>` (eos, also bos) and `<|pad|>` (pad), or pad = eos with
-    `pad_equals_eos=True` to exercise that case. Byte-level means any UTF-8 text is encodable.
-    Returns a fast tokenizer with left padding and `chat_template` set.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    special = [EOS_TOKEN] if pad_equals_eos else [EOS_TOKEN, PAD_TOKEN]
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    # trim_offsets=False keeps character offsets exact, which label masking relies on.
-    backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(corpus if corpus is not None else _DEFAULT_CORPUS, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        eos_token=EOS_TOKEN,
-        bos_token=EOS_TOKEN,
-        pad_token=EOS_TOKEN if pad_equals_eos else PAD_TOKEN,
-        padding_side="left",
-    )
-    tokenizer.chat_template = chat_template
-    if save_dir is not None:
-        tokenizer.save_pretrained(str(save_dir))
-    return tokenizer
-
-
-def _tiny_config(
-    tokenizer: PreTrainedTokenizerBase,
-    arch: str,
-    hidden_size: int,
-    num_layers: int,
-    num_heads: int,
-    overrides: dict[str, Any],
-):
-    from transformers import GPTNeoXConfig, LlamaConfig
-
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=4 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
-    if arch == "llama":
-        # Grouped-query attention (2 query heads per KV head) exercises the GQA path.
-        kv_heads = num_heads // 2 if num_heads % 2 == 0 else num_heads
-        return LlamaConfig(**{**common, "num_key_value_heads": kv_heads, **overrides})
-    if arch == "gpt_neox":
-        return GPTNeoXConfig(**{**common, "use_parallel_residual": True, **overrides})
-    raise ValueError(f"unknown tiny arch {arch!r}; use 'llama' or 'gpt_neox'")
-
-
-def _build_tiny(
-    auto_cls_name: str,
-    tokenizer: PreTrainedTokenizerBase,
-    arch: str,
-    hidden_size: int,
-    num_layers: int,
-    num_heads: int,
-    seed: int,
-    save_dir: str | os.PathLike | None,
-    overrides: dict[str, Any],
-) -> PreTrainedModel:
-    import transformers
-
-    config = _tiny_config(tokenizer, arch, hidden_size, num_layers, num_heads, overrides)
-    auto_cls = getattr(transformers, auto_cls_name)
-    # A private RNG fork: building a model must not move the caller's global random stream.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = auto_cls.from_config(config, **dtype_kwargs(torch.float32))
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-    if save_dir is not None:
-        model.save_pretrained(str(save_dir))
-        tokenizer.save_pretrained(str(save_dir))
-    return model
-
-
-def build_tiny_causal_lm(
-    tokenizer: PreTrainedTokenizerBase,
-    hidden_size: int = 32,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    arch: str = "llama",
-    seed: int = 0,
-    *,
-    save_dir: str | os.PathLike | None = None,
-    **config_overrides: Any,
-) -> PreTrainedModel:
-    """A randomly initialised causal LM ("llama" or "gpt_neox") sized for `tokenizer`; float32.
-
-    `config_overrides` go to the config class (e.g. `hidden_dropout=0.1`). With `save_dir`, the
-    model and tokenizer are saved there (loadable with plain `from_pretrained`).
-    """
-    return _build_tiny(
-        "AutoModelForCausalLM",
-        tokenizer,
-        arch,
-        hidden_size,
-        num_layers,
-        num_heads,
-        seed,
-        save_dir,
-        config_overrides,
-    )
-
-
-def build_tiny_reward_model(
-    tokenizer: PreTrainedTokenizerBase,
-    hidden_size: int = 32,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    arch: str = "llama",
-    seed: int = 0,
-    *,
-    save_dir: str | os.PathLike | None = None,
-    **config_overrides: Any,
-) -> PreTrainedModel:
-    """A randomly initialised sequence-classification model, `num_labels=1`, `pad_token_id` set."""
-    return _build_tiny(
-        "AutoModelForSequenceClassification",
-        tokenizer,
-        arch,
-        hidden_size,
-        num_layers,
-        num_heads,
-        seed,
-        save_dir,
-        {"num_labels": 1, **config_overrides},
-    )

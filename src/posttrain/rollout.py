@@ -1,14 +1,14 @@
 """The one generation engine shared by every online trainer (PPO, RLOO, GRPO, Online DPO, XPO).
 
 `generate(model, prompt_ids, prompt_mask, sampling, ...)` samples completions for left-padded prompts
-with the model's KV cache and returns a `Rollout`. The EOS/stop contract (docs/internals.md, and the
-TRL bugs in trl-notes §3.3, §13–15 that it fixes):
+with the model's KV cache and returns a `Rollout`. The EOS/stop contract (docs/internals.md), with the
+upstream bugs each rule avoids:
 
 - each row stops at the first sampled id in `sampling.stop_token_ids`; the stop token is kept and
   counted, every position after it holds `pad_token_id` and is False in `completion_mask`;
 - the decode loop ends as soon as every row has stopped, never forced to `max_new_tokens`
   (TRL#2387 ran every rollout to the maximum; DeepSpeed-Chat passed min_length = max_length,
-  DeepSpeedExamples#539 — peers-notes §3.2);
+  microsoft/DeepSpeedExamples#539);
 - masks come from lengths, never from `ids == pad`, so pad == eos is safe (TRL PR #5303 review,
   DeepSpeed-Chat PR#672);
 - `ended` says whether a row stopped on a stop token, judged on the completion only (TRL#6805
@@ -184,7 +184,7 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     """Whether the model's forward takes `logits_to_keep` (transformers ≥ 4.50 causal LMs): then the
-    LM head runs only on the positions we need (trl-notes §13)."""
+    LM head runs only on the positions we need."""
     try:
         params = inspect.signature(_unwrap(model).forward).parameters
     except (TypeError, ValueError):
@@ -198,7 +198,7 @@ def generation_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
     Gradient checkpointing is switched off through the per-module `gradient_checkpointing` flag
     (the one transformers layers read), so the checkpoint function and its kwargs survive; TRL's
-    `unwrap_model_for_generation` does the same disable/restore (trl-notes §13). Each module's own
+    `unwrap_model_for_generation` does the same disable/restore. Each module's own
     training flag is restored, so modules a caller deliberately left in eval stay in eval.
     """
     modules = list(model.modules())

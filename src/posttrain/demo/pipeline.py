@@ -1,4 +1,6 @@
-"""`posttrain demo`: the three steps of RLHF (seed 002, DeepSpeed-Chat) on an embedded task, offline.
+"""`posttrain demo`: the three steps of RLHF on an embedded task, offline.
+
+The steps are DeepSpeed-Chat's (Yao et al. 2023, arXiv:2308.01320):
 
 1. SFT: a tiny Llama learns, from scratch, to write the task's short reviews (task.py).
 2. Reward model: the SFT model writes two reviews per prompt; the gold sentiment rule (the
@@ -262,7 +264,7 @@ def _last_with(records: list[dict], key: str) -> dict:
 def train_sft(config: DemoConfig, sizes: Sizes, task: demo_task.Task, tokenizer: Any, out: Path) -> Any:
     from datasets import Dataset
 
-    from posttrain.models import build_tiny_causal_lm
+    from posttrain.testing import build_tiny_causal_lm
     from posttrain.trainers.sft import SFTTrainer
     from posttrain.trainers.sft_config import SFTConfig
 
@@ -464,7 +466,7 @@ def train_rl(
     if config.algo == "ppo":
         from posttrain.trainers.ppo import PPOTrainer
 
-        # DeepSpeed-Chat (seed 002) initialises the critic from the reward model.
+        # DeepSpeed-Chat initialises the critic from the reward model.
         critic = load_value_model(rm_dir, tokenizer=tokenizer)
         trainer = PPOTrainer(
             args=rl_args,

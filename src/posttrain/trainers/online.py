@@ -1040,9 +1040,7 @@ class OnlineTrainer:
             self.log_history.append(logs)
             self.notify("log", logs)
         if run.should_sample(update):
-            run.tracker.log_table(
-                "completions", self.sample_completions(self.config.per_device_eval_batch_size), update + 1
-            )
+            self.sample_table(update)
         self.notify("step_end", logs)
         if run.should_save(update):
             run.save(self.checkpoint_models(), self.optimizer, self.lr_scheduler, extra=self.extra_state())
@@ -1062,12 +1060,22 @@ class OnlineTrainer:
             elif event == "train_end" and hasattr(cb, "on_train_end"):
                 cb.on_train_end(self.config, run.state, None)
 
+    def sample_table(self, update: int) -> None:
+        """THE sample table of every online trainer, every sample_generations_freq rollout batches:
+        columns query, model response, score (TRL's on-policy trainers' names), from the rows of
+        `sample_completions` for the first per_device_eval_batch_size eval prompts; printed and
+        written to samples.jsonl by the tracker."""
+        rows = self.sample_completions(self.config.per_device_eval_batch_size)
+        table = [{"query": r["prompt"], "model response": r["completion"], "score": r["score"]} for r in rows]
+        self.run.tracker.log_table("completions", table, step=update + 1)
+
     @torch.no_grad()
     def sample_completions(self, num_prompts: int) -> list[dict]:
-        """The sample table of every online trainer: greedy completions of the first `num_prompts`
-        eval prompts (TRL samples at temperature 0.01), decoded with special tokens (EOS shown,
-        padding not), and their scores as objective/scores computes them (missing_eos_penalty
-        included; None where the trainer has no scores). Columns: query, model response, score."""
+        """Greedy completions of the first `num_prompts` eval prompts (TRL samples its tables at
+        temperature 0.01), decoded with special tokens (EOS shown, padding not), and their scores as
+        objective/scores computes them (missing_eos_penalty included; None where the trainer has no
+        scores, e.g. with a judge): rows {prompt, completion, score}, TRL LogCompletionsCallback's
+        names. The same rows make every trainer's sample table (see `end_of_update`)."""
         run = self.run
         if run.eval_dataset is None:
             raise ConfigError("sampling completions needs an eval_dataset (--dataset_test_split).")
@@ -1077,7 +1085,7 @@ class OnlineTrainer:
         scores = self.table_scores(rollout, batch)
         scores = scores.tolist() if scores is not None else [None] * len(rollout)
         shown = decode_completions(run.tokenizer, rollout, skip_special_tokens=False)
-        return [{"query": q, "model response": r, "score": s} for q, r, s in zip(batch["prompt"], shown, scores)]
+        return [{"prompt": p, "completion": c, "score": s} for p, c, s in zip(batch["prompt"], shown, scores)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Configuration of Online DPO (`posttrain online-dpo`, `OnlineDPOTrainer`).
 
-Fields, meanings and defaults follow TRL's `OnlineDPOConfig` (trl-notes §5) on top of the shared
+Fields, meanings and defaults follow TRL's `OnlineDPOConfig` on top of the shared
 `OnPolicyConfig`. Deliberate differences, each for a reason:
 
 - `per_device_train_batch_size` counts completions, as in every posttrain online trainer (and

@@ -9,7 +9,6 @@ non-finite policy) and records the per-sequence metrics both trainers log.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,21 +65,13 @@ class Feedback:
             scores=scores,
         )
 
-    # A pairwise judge flips pair order with its own RNG; saving it keeps resume exact.
-    _JUDGE_RNGS = ("_flip_rng", "_answer_rng")
-
+    # A judge owns its state (e.g. the RNG of its order flips); saving it keeps resume exact.
     def state_dict(self) -> dict:
-        state = {}
-        for name in self._JUDGE_RNGS:
-            rng = getattr(self.judge, name, None)
-            if isinstance(rng, random.Random):
-                version, internal, gauss = rng.getstate()
-                state[name] = [version, list(internal), gauss]
-        return state
+        return self.judge.state_dict() if hasattr(self.judge, "state_dict") else {}
 
     def load_state_dict(self, state: dict) -> None:
-        for name, (version, internal, gauss) in state.items():
-            getattr(self.judge, name).setstate((version, tuple(internal), gauss))
+        if state and hasattr(self.judge, "load_state_dict"):  # {}: a fresh run, nothing to restore
+            self.judge.load_state_dict(state)
 
 
 def build_feedback(

@@ -1,10 +1,10 @@
 """Configuration of `posttrain ppo` / `PPOTrainer`: PPO with a critic, both ways in.
 
 One dataclass serves both APIs of trainers/ppo.py:
-- `train()` (TRL 0.19 "on-policy" PPOTrainer, trl-notes §3.2): the OnPolicyConfig sizes plus
+- `train()` (TRL 0.19 "on-policy" PPOTrainer): the OnPolicyConfig sizes plus
   num_ppo_epochs, kl_coef, kl_estimator, whiten_rewards, cliprange, vf_coef, cliprange_value,
   gamma, lam;
-- `generate()` / `step()` (TRL ≤ 0.11 PPOTrainer, seed 004 and trl-notes §2.2): steps, batch_size,
+- `generate()` / `step()` (TRL ≤ 0.11 PPOTrainer and its gpt2-sentiment notebook): steps, batch_size,
   mini_batch_size, ppo_epochs, adap_kl_ctrl, init_kl_coef, target, horizon, kl_penalty,
   use_score_scaling, use_score_norm, score_clip, early_stopping, target_kl, ratio_threshold,
   log_with.

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,39 +30,24 @@ from torch import nn
 from posttrain import checkpoint as ckpt
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError
+from posttrain.data.collators import PreferenceCollator
 from posttrain.health import oom_advice
 from posttrain.losses import bradley_terry_loss
 from posttrain.models import apply_peft
-from posttrain.ops import lengths_to_mask
 from posttrain.tracking import MetricAccumulator
 from posttrain.trainers.reward_config import RewardConfig
 from posttrain.trainers.supervised import (
     SupervisedRun,
+    SupervisedTrainerAPI,
     begin_supervised,
     check_output_dir,
     eval_shards,
-    pad_right,
     rows,
 )
 
-
-class PreferenceCollator:
-    """Chosen rows then rejected rows in one right-padded (2B, T) batch, plus lengths and margins."""
-
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None) -> None:
-        self.pad_token_id, self.pad_to_multiple_of = pad_token_id, pad_to_multiple_of
-
-    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        sequences = [e["chosen_input_ids"] for e in examples] + [e["rejected_input_ids"] for e in examples]
-        input_ids, lengths = pad_right(sequences, self.pad_token_id, self.pad_to_multiple_of)
-        batch = {
-            "input_ids": input_ids,  # (2B, T)
-            "attention_mask": lengths_to_mask(lengths, input_ids.size(1)).long(),  # (2B, T)
-            "lengths": lengths,  # (2B,)
-        }
-        if "margin" in examples[0]:
-            batch["margin"] = torch.tensor([float(e["margin"]) for e in examples])  # (B,)
-        return batch
+if TYPE_CHECKING:
+    from transformers import TrainerCallback
+    from transformers.trainer_utils import TrainOutput
 
 
 def score_head(model: nn.Module) -> nn.Module:
@@ -87,7 +72,7 @@ def last_token_scores(
     return head(last).squeeze(-1).float()
 
 
-class RewardTrainer:
+class RewardTrainer(SupervisedTrainerAPI):
     """TRL-compatible reward-model trainer (no transformers.Trainer underneath).
 
     model: an `AutoModelForSequenceClassification` with num_labels=1, or its path / hub name (a
@@ -105,6 +90,7 @@ class RewardTrainer:
         eval_dataset: Any = None,
         processing_class: Any = None,
         *,
+        callbacks: list[TrainerCallback] | None = None,
         accelerator: Any = None,
         peft_config: Any = None,
     ) -> None:
@@ -127,7 +113,7 @@ class RewardTrainer:
         model = apply_peft(model, peft_config)
         self.train_dataset = self._prepare(train_dataset, "train_dataset")
         self.eval_dataset = self._prepare(eval_dataset, "eval_dataset") if eval_dataset is not None else None
-        self.collator = PreferenceCollator(self.processing_class.pad_token_id, args.pad_to_multiple_of)
+        self.data_collator = PreferenceCollator(self.processing_class.pad_token_id, args.pad_to_multiple_of)
         self.run = SupervisedRun(
             args,
             model,
@@ -135,12 +121,9 @@ class RewardTrainer:
             self.train_dataset,
             accelerator=self.accelerator,
             activation_offloading=args.activation_offloading,
+            callbacks=callbacks,
         )
         self.head = score_head(self.run.unwrapped())
-
-    @property
-    def model(self) -> nn.Module:
-        return self.run.model
 
     def _prepare(self, dataset: Any, source: str) -> Any:
         from posttrain.data import prepare_preference_dataset
@@ -200,12 +183,13 @@ class RewardTrainer:
         metrics.add_var(f"{prefix}reward_var", both)
 
     # -- training ---------------------------------------------------------------------------
-    def train(self) -> dict[str, float]:
-        """Train to max_steps / num_train_epochs, evaluate, save the final model; returns the last logged metrics."""
+    def train(self) -> TrainOutput:
+        """Train to max_steps / num_train_epochs (or until a callback sets control.should_training_stop),
+        evaluate, save the final model; returns TrainOutput(global_step, training_loss, metrics)."""
         run = self.run
         with ckpt.OutputDirGuard(self.args.output_dir, is_main=run.is_main), oom_advice():
             run.model.train()
-            for batches in run.steps(self.collator):
+            for batches in run.steps(self.data_collator):
                 (n_pairs,) = run.global_counts(sum(b["lengths"].numel() // 2 for b in batches))
                 normaliser = run.normaliser(n_pairs)
                 for _, batch in run.micro_steps(batches):
@@ -215,8 +199,9 @@ class RewardTrainer:
                     run.metrics.add_sum("num_tokens", batch["lengths"].sum())
                 run.end_step(evaluate=self.evaluate if self.eval_dataset is not None else None)
             self.save_model()
+            output = run.end_training()
         run.close()
-        return run.last_logged or {}
+        return output
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -235,7 +220,7 @@ class RewardTrainer:
             len(self.eval_dataset), self.args.per_device_eval_batch_size, self.accelerator
         ):
             examples = rows(self.eval_dataset, indices)
-            batch = run.to_device(self.collator(examples))
+            batch = run.to_device(self.data_collator(examples))
             keep = keep.to(run.device)
             with run.autocast():
                 chosen, rejected = self.compute_scores(model, batch)
@@ -259,7 +244,7 @@ class RewardTrainer:
         # min / max do not reduce as sums: gather one value per rank instead.
         values["eval_min_reward"] = float(dist.gather(low.reshape(1), self.accelerator).min())
         values["eval_max_reward"] = float(dist.gather(high.reshape(1), self.accelerator).max())
-        run.tracker.log(values, step=run.global_step)
+        run.log_evaluation(values)
         if run.is_main:
             print(
                 f"chosen_last_scores (higher is better) : {values['eval_chosen_scores']}, "
@@ -293,10 +278,6 @@ class RewardTrainer:
                 }
             )
         return out
-
-    def save_model(self, output_dir: str | None = None) -> None:
-        """Save model (config with pad_token_id) + tokenizer with save_pretrained (safetensors)."""
-        self.run.save_final(output_dir)
 
 
 def run(config: RewardConfig) -> int:

@@ -1,6 +1,6 @@
 """Configuration of reward-model training (`posttrain reward`, `RewardTrainer`).
 
-Field names, meanings and defaults follow TRL's `RewardConfig` at HEAD (trl-notes §7).
+Field names, meanings and defaults follow TRL's `RewardConfig` (TRL 1.x).
 Standard library only: validation runs before torch loads.
 """
 

@@ -1,11 +1,11 @@
 """Configuration of REINFORCE leave-one-out (`posttrain rloo`, `RLOOTrainer`).
 
-Every field of TRL's on-policy `RLOOConfig` (seed docs 000/001, trl-notes §4.1) exists here with
+Every field of TRL's on-policy `RLOOConfig` (TRL 0.19 documentation) exists here with
 the same name, meaning and default, on top of `OnPolicyConfig` (rollout sizes, sampling, EOS
 handling). Deliberate differences, each for a reason:
 
 - `learning_rate` defaults to 5e-05, the value TRL documents for `RLOOConfig` (inherited from
-  `TrainingArguments`, seed 000/001 signature); TRL's example commands pass `--learning_rate 3e-6`.
+  `TrainingArguments`, as TRL 0.19 documents it); TRL's example commands pass `--learning_rate 3e-6`.
 - `whiten_rewards` is declared by TRL and never read. Here it does what its name says: the
   per-sequence RLHF rewards of the whole rollout batch (all ranks) are divided by their standard
   deviation, mean kept (`advantages.whiten_rewards`, shift_mean=False, as TRL's PPO whitening).

@@ -19,17 +19,21 @@ one row. Their `position_ids` restart at 0 for each sequence; the forward turns 
 block-diagonal causal mask (sdpa / eager) or hands them to flash-attention's varlen path, and the
 first token of each sequence is no target, so every sequence's loss equals its loss alone.
 
-The loss is TRL's "chunked_nll" (trl-notes §8): the full (B, T, V) float32 logits never exist.
-The model runs once with `logits_to_keep=1`, the lm_head is applied only to the hidden states of
-trained positions, chunk by chunk, each chunk under activation checkpointing so its logits are
-recomputed in backward instead of kept alive.
+The loss is computed as TRL's "chunked_nll" loss type does: the full (B, T, V) float32 logits
+never exist. The model runs once with `logits_to_keep=1`, the lm_head is applied only to the
+hidden states of trained positions, chunk by chunk, each chunk under activation checkpointing so
+its logits are recomputed in backward instead of kept alive. loss_type="dft" weights each token's
+NLL by its own detached probability (losses.dft_loss; Wu et al. 2025, arXiv:2508.05629).
+
+Callbacks are `transformers.TrainerCallback` objects; `trainer.state` is the run's
+`transformers.TrainerState` (supervised.SupervisedRun fires the events).
 """
 
 from __future__ import annotations
 
 import inspect
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -38,92 +42,26 @@ from torch.utils.checkpoint import checkpoint
 from posttrain import checkpoint as ckpt
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError
+from posttrain.data.collators import SFTCollator
 from posttrain.health import oom_advice
-from posttrain.losses import chunked_nll
+from posttrain.losses import chunked_nll, dft_loss
 from posttrain.models import apply_peft
-from posttrain.ops import entropy_from_logits, lengths_to_mask, selective_log_softmax
+from posttrain.ops import entropy_from_logits
 from posttrain.tracking import MetricAccumulator
 from posttrain.trainers.sft_config import SFTConfig
 from posttrain.trainers.supervised import (
     IGNORE_INDEX,
     SupervisedRun,
+    SupervisedTrainerAPI,
     begin_supervised,
     check_output_dir,
     eval_shards,
-    pad_right,
     rows,
 )
 
-
-def _labels_of(row: dict) -> list[int]:
-    """Labels of a prepared row, or of a pre-tokenized one (skip_prepare_dataset): `labels`, else
-    input_ids masked by `completion_mask` / `assistant_masks` when present, else every token."""
-    if "labels" in row:
-        return row["labels"]
-    ids = row["input_ids"]
-    for key in ("completion_mask", "assistant_masks"):
-        if key in row and row[key] is not None:
-            return [t if m else IGNORE_INDEX for t, m in zip(ids, row[key])]
-    return list(ids)
-
-
-def _positions_of(row: dict) -> list[int]:
-    """Per-token positions restarting at 0 for every sequence of a row: `position_ids` of a
-    BFD-packed row, else built from its `seq_lengths`, else one sequence 0..n-1."""
-    if row.get("position_ids") is not None:
-        return list(row["position_ids"])
-    if row.get("seq_lengths") is not None:
-        return [p for n in row["seq_lengths"] for p in range(n)]
-    return list(range(len(row["input_ids"])))
-
-
-class SFTCollator:
-    """Right-pads `input_ids` and `labels`; the attention mask comes from the lengths.
-
-    Rows holding several sequences (BFD packing: `position_ids` / `seq_lengths`) and every
-    batch with `padding_free` also get `position_ids` (B, T) restarting at 0 for each sequence,
-    from which the forward builds attention that stays inside each sequence. `padding_free`
-    concatenates the micro-batch into a single row (B = 1; TRL's padding-free), so no pad token is
-    computed at all (unless pad_to_multiple_of asks for some). Padding positions count 0, 1, ...
-    as a sequence of their own, so they never join the last real sequence.
-    """
-
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, padding_free: bool = False) -> None:
-        self.pad_token_id, self.pad_to_multiple_of, self.padding_free = pad_token_id, pad_to_multiple_of, padding_free
-
-    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        ids = [list(e["input_ids"]) for e in examples]
-        labels = [list(_labels_of(e)) for e in examples]
-        multi = self.padding_free or any(
-            e.get("position_ids") is not None or e.get("seq_lengths") is not None for e in examples
-        )
-        if not multi:
-            input_ids, lengths = pad_right(ids, self.pad_token_id, self.pad_to_multiple_of)
-            padded_labels, _ = pad_right(labels, IGNORE_INDEX, self.pad_to_multiple_of)
-            return {
-                "input_ids": input_ids,  # (B, T)
-                "attention_mask": lengths_to_mask(lengths, input_ids.size(1)).long(),  # (B, T)
-                "labels": padded_labels,  # (B, T), −100 on untrained and padded positions
-            }
-        positions = [_positions_of(e) for e in examples]
-        if self.padding_free:
-            ids, labels, positions = ([[t for row in part for t in row]] for part in (ids, labels, positions))
-        input_ids, lengths = pad_right(ids, self.pad_token_id, self.pad_to_multiple_of)
-        padded_labels, _ = pad_right(labels, IGNORE_INDEX, self.pad_to_multiple_of)
-        width = input_ids.size(1)
-        position_ids = torch.arange(width).repeat(len(ids), 1)  # padding: a sequence of its own
-        for row, (pos, n) in enumerate(zip(positions, lengths.tolist())):
-            position_ids[row, :n] = torch.as_tensor(pos, dtype=torch.long)
-            position_ids[row, n:] -= n
-        # The first token of a sequence is predicted by nothing of its own sequence: without this
-        # it would be the target of the previous sequence's last token (labels are shifted in the loss).
-        padded_labels[position_ids == 0] = IGNORE_INDEX
-        return {
-            "input_ids": input_ids,  # (B, T); B = 1 with padding_free
-            "attention_mask": lengths_to_mask(lengths, width).long(),  # (B, T), real tokens (counts only)
-            "labels": padded_labels,  # (B, T)
-            "position_ids": position_ids,  # (B, T), 0 at the start of every sequence
-        }
+if TYPE_CHECKING:
+    from transformers import TrainerCallback
+    from transformers.trainer_utils import TrainOutput
 
 
 def packed_attention_inputs(
@@ -157,7 +95,7 @@ def num_trained_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
-class SFTTrainer:
+class SFTTrainer(SupervisedTrainerAPI):
     """TRL-compatible supervised fine-tuning trainer (no transformers.Trainer underneath).
 
     model: a causal LM or its path / hub name. peft_config: a peft.LoraConfig to train LoRA adapters
@@ -174,6 +112,7 @@ class SFTTrainer:
         eval_dataset: Any = None,
         processing_class: Any = None,
         *,
+        callbacks: list[TrainerCallback] | None = None,
         accelerator: Any = None,
         peft_config: Any = None,
     ) -> None:
@@ -190,7 +129,7 @@ class SFTTrainer:
             if eval_dataset is not None
             else None
         )
-        self.collator = SFTCollator(self.processing_class.pad_token_id, args.pad_to_multiple_of, args.padding_free)
+        self.data_collator = SFTCollator(self.processing_class.pad_token_id, args.pad_to_multiple_of, args.padding_free)
         self.run = SupervisedRun(
             args,
             model,
@@ -198,12 +137,9 @@ class SFTTrainer:
             self.train_dataset,
             accelerator=self.accelerator,
             activation_offloading=args.activation_offloading,
+            callbacks=callbacks,
         )
         self._forward_kwargs = _forward_kwargs(self.run.unwrapped(), args.router_aux_loss_coef)
-
-    @property
-    def model(self) -> nn.Module:
-        return self.run.model
 
     def _prepare(self, dataset: Any, packing: bool, source: str) -> Any:
         from posttrain.data import detect_format, prepare_sft_dataset
@@ -272,12 +208,13 @@ class SFTTrainer:
         return loss_sum, stats, getattr(out, "aux_loss", None)
 
     # -- training ---------------------------------------------------------------------------
-    def train(self) -> dict[str, float]:
-        """Train to max_steps / num_train_epochs, evaluate, save the final model; returns the last logged metrics."""
+    def train(self) -> TrainOutput:
+        """Train to max_steps / num_train_epochs (or until a callback sets control.should_training_stop),
+        evaluate, save the final model; returns TrainOutput(global_step, training_loss, metrics)."""
         run = self.run
         with ckpt.OutputDirGuard(self.args.output_dir, is_main=run.is_main), oom_advice():
             run.model.train()
-            for batches in run.steps(self.collator):
+            for batches in run.steps(self.data_collator):
                 (n_trained,) = run.global_counts(sum(num_trained_tokens(b) for b in batches))
                 normaliser = run.normaliser(n_trained)
                 for _, batch in run.micro_steps(batches):
@@ -293,8 +230,9 @@ class SFTTrainer:
                     run.metrics.add_sum("num_tokens", batch["attention_mask"].sum())
                 run.end_step(evaluate=self.evaluate if self.eval_dataset is not None else None)
             self.save_model()
+            output = run.end_training()
         run.close()
-        return run.last_logged or {}
+        return output
 
     def _add_metrics(self, metrics: MetricAccumulator, stats: dict, prefix: str) -> None:
         metrics.add(f"{prefix}loss", stats["loss"], stats["count"])
@@ -320,7 +258,7 @@ class SFTTrainer:
                 e if keep else {**e, "labels": [IGNORE_INDEX] * len(e["input_ids"])}
                 for e, keep in zip(examples, counts.tolist())
             ]
-            batch = run.to_device(self.collator(examples))
+            batch = run.to_device(self.data_collator(examples))
             with run.autocast():
                 _, stats, _ = self.compute_loss(model, batch)
             self._add_metrics(metrics, stats, "eval_")
@@ -328,13 +266,9 @@ class SFTTrainer:
                 "eval_num_tokens", sum(len(e["input_ids"]) for e, keep in zip(examples, counts.tolist()) if keep)
             )
         values = metrics.reduce(self.accelerator)
-        run.tracker.log(values, step=run.global_step)
+        run.log_evaluation(values)
         model.train(was_training)
         return values
-
-    def save_model(self, output_dir: str | None = None) -> None:
-        """Save model + tokenizer with save_pretrained (safetensors) into output_dir."""
-        self.run.save_final(output_dir)
 
 
 def _chunk_loss(
@@ -345,11 +279,8 @@ def _chunk_loss(
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     if loss_type == "dft":
-        # Dynamic Fine-Tuning (Wu et al. 2025): each token's NLL weighted by its own probability,
-        # detached, which damps the gradient of tokens the model finds very unlikely.
-        logp = selective_log_softmax(logits, y)
-        loss = -(logp.detach().exp() * logp).sum()
-        nll = -logp.detach().sum()
+        loss, stats = dft_loss(logits, y, normalizer=1.0)
+        nll = stats["nll"] * stats["count"]
     else:
         loss, _ = chunked_nll(logits, y, normalizer=1.0)
         nll = loss.detach()

@@ -1,6 +1,6 @@
 """Configuration of supervised fine-tuning (`posttrain sft`, `SFTTrainer`).
 
-Field names, meanings and defaults follow TRL's `SFTConfig` (trl-notes §8) so command lines and
+Field names, meanings and defaults follow TRL's `SFTConfig` so command lines and
 code written for TRL port unchanged. Standard library only: validation runs before torch loads.
 """
 

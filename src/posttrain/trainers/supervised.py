@@ -8,8 +8,12 @@ that loop, written once:
   and the seed. Resuming therefore needs only the step to find its data position, and the same
   examples land in the same accumulated batch whatever the micro-batch size.
 - `SupervisedRun`: accelerator, optimizer and schedule (the online trainers' builders from
-  `common`), exact gradient accumulation, logging, evaluation and checkpoint cadence, resume
-  (weights, optimizer, schedule, RNG, counters, pending metrics) and the final save.
+  `common`), exact gradient accumulation, logging, evaluation and checkpoint cadence, the
+  callback events (`callbacks.TrainerEvents`: `trainer.state`, `transformers.TrainerCallback`
+  hooks, the end-of-training summary), resume (weights, optimizer, schedule, RNG, counters,
+  pending metrics, log history) and the final save.
+- `SupervisedTrainerAPI`: the accessors SFTTrainer and RewardTrainer share (state, callbacks,
+  log, save_model), as TRL users touch them on a `transformers.Trainer`.
 - small collation helpers (right padding, attention masks from lengths).
 """
 
@@ -193,6 +197,7 @@ class SupervisedRun:
         *,
         accelerator: Any = None,
         activation_offloading: bool = False,
+        callbacks: list[Any] | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -217,6 +222,9 @@ class SupervisedRun:
         )
         self.global_step = 0
         self.num_tokens = 0.0  # input tokens seen, all ranks (TRL's num_tokens)
+        # This call's training loss (Σ over steps of the step's mean loss, this rank's share) and
+        # examples, for the end-of-training summary.
+        self.loss_total, self.samples_seen, self.steps_run = 0.0, 0, 0
         self.metrics = MetricAccumulator()
         self.tracker = Tracker(
             config.output_dir, config.report_to, config=config.to_dict(), run_name=config.run_name, is_main=self.is_main
@@ -237,9 +245,27 @@ class SupervisedRun:
         self._set_deepspeed_batch_size()
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.scheduler = scheduler
+        # Imported here: transformers' callback module pulls in peft, which importing a trainer must not.
+        from posttrain.callbacks import TrainerEvents
+
+        self.events = TrainerEvents(
+            config,
+            callbacks,
+            model=self.unwrapped(),
+            processing_class=tokenizer,
+            optimizer=self.optimizer,
+            lr_scheduler=self.scheduler,
+            accelerator=self.accelerator,
+            max_steps=self.plan.total_steps,
+            train_batch_size=config.per_device_train_batch_size,
+            num_train_epochs=math.ceil(self.plan.total_steps / self.plan.steps_per_epoch),
+        )
         if resume_path is not None:
             self.global_step = int(state["global_step"])
             self.num_tokens = float(state.get("num_tokens", 0.0))
+            self.events.state.global_step = self.global_step
+            self.events.state.epoch = self.plan.epoch(self.global_step)
+            self.events.state.log_history = list(state.get("log_history", []))
             if self.is_main and state.get("pending_metrics"):
                 self.metrics.merge(state["pending_metrics"])
             if self.is_main:
@@ -256,15 +282,20 @@ class SupervisedRun:
 
     # -- the training loop ------------------------------------------------------------------
     def steps(self, collate: Callable[[list[dict]], dict]) -> Iterator[list[dict]]:
-        """Yield, for each remaining optimizer step, its collated micro-batches (on device).
+        """Fire on_train_begin, then yield, for each remaining optimizer step, its collated
+        micro-batches (on device), until max_steps or until a callback stops training.
 
-        The caller backwards every micro-batch and then calls `end_step`.
+        The caller backwards every micro-batch and then calls `end_step`; after the loop, `end_training`.
         """
+        self.loss_total, self.samples_seen, self.steps_run = 0.0, 0, 0
+        self.events.train_begin()
         progress = ProgressBar(self.plan.total_steps, disable=not self.is_main, desc="steps")
         progress.update(self.global_step)
         try:
-            while self.global_step < self.plan.total_steps:
-                batches = [collate(rows(self.train_dataset, idx)) for idx in self.plan.micro_batches(self.global_step)]
+            while self.global_step < self.plan.total_steps and not self.events.control.should_training_stop:
+                indices = self.plan.micro_batches(self.global_step)
+                self.samples_seen += sum(len(idx) for idx in indices)
+                batches = [collate(rows(self.train_dataset, idx)) for idx in indices]
                 yield [self.to_device(b) for b in batches]
                 progress.update(1)
                 if self.last_logged is not None:
@@ -310,10 +341,16 @@ class SupervisedRun:
                 f"the loss is {loss.item()} at step {self.global_step + 1}; lower the learning_rate, "
                 "check the data, or use bf16 instead of fp16."
             )
+        self.loss_total += float(loss.detach())
         self.accelerator.backward(loss)
 
     def end_step(self, evaluate: Callable[[], dict[str, float]] | None = None) -> None:
-        """Clip, step optimizer and schedule, then log / evaluate / save when due."""
+        """Clip, step optimizer and schedule, fire on_step_end, then log / evaluate / save when due
+        (or when a callback asked through control.should_log / should_evaluate / should_save).
+
+        The last step (max_steps, or a callback set control.should_training_stop) always logs and
+        evaluates, and writes no checkpoint: the final save follows.
+        """
         lr = self.scheduler.get_last_lr()[0]
         max_norm = self.config.max_grad_norm or math.inf
         grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
@@ -321,26 +358,64 @@ class SupervisedRun:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
+        self.steps_run += 1
         self.metrics.add_value("grad_norm", grad_norm)
-        step, last = self.global_step, self.global_step == self.plan.total_steps
-        if step % self.config.logging_steps == 0 or last:
-            self.log({"lr": lr})
-        if evaluate is not None and (last or (self.config.eval_steps and step % self.config.eval_steps == 0)):
+        step, events = self.global_step, self.events
+        events.step_end(step, self.plan.epoch(step))
+        # A callback's requests, read now: on_log / on_evaluate / on_save reset them.
+        log_now, eval_now, save_now = (
+            events.control.should_log,
+            events.control.should_evaluate,
+            events.control.should_save,
+        )
+        if step % self.config.logging_steps == 0 or log_now or events.control.should_training_stop:
+            self.log_metrics({"lr": lr})
+        eval_due = self.config.eval_steps and step % self.config.eval_steps == 0
+        if evaluate is not None and (eval_due or eval_now or events.control.should_training_stop):
             evaluate()
-        if self.config.save_steps and step % self.config.save_steps == 0 and not last:
+        save_due = self.config.save_steps and step % self.config.save_steps == 0
+        if (save_due or save_now) and not events.control.should_training_stop:
             self.save_checkpoint()
+            events.save()
 
-    def log(self, extra: dict[str, float]) -> dict[str, float]:
-        """Reduce the window's metrics across ranks (one all-reduce) and write them."""
+    def log_metrics(self, extra: dict[str, float]) -> dict[str, float]:
+        """Reduce the window's metrics across ranks (one all-reduce) and log them with `extra`."""
         values = self.metrics.reduce(self.accelerator)
         self.metrics.reset()
         self.num_tokens += values.pop("num_tokens", 0.0)
         values.update(extra)
         values["num_tokens"] = self.num_tokens
         values["epoch"] = self.plan.epoch(self.global_step)
-        self.tracker.log(values, step=self.global_step)
+        self.log(values)
         self.last_logged = values
         return values
+
+    def log(self, logs: dict[str, float]) -> None:
+        """Write `logs` at the current step (tracker sinks, state.log_history, on_log)."""
+        self.tracker.log(logs, step=self.global_step)
+        self.events.log(logs)
+
+    def log_evaluation(self, metrics: dict[str, float]) -> None:
+        """Write eval metrics at the current step (tracker sinks, state.log_history, on_log, on_evaluate)."""
+        self.tracker.log(metrics, step=self.global_step)
+        self.events.evaluate(metrics)
+
+    def end_training(self) -> Any:
+        """The end-of-training summary (state.log_history, on_log, on_train_end) -> TrainOutput.
+
+        train_loss is the mean over this call's steps of each step's mean loss (what was
+        backpropagated, summed over micro-batches and ranks), as transformers reports it.
+        """
+        loss_total, samples = self.global_counts(self.loss_total, self.samples_seen)
+        training_loss = loss_total / self.world_size / max(self.steps_run, 1)
+        return self.events.train_end(training_loss, int(samples), total_flos=self._flos())
+
+    def _flos(self) -> float:
+        """transformers' estimate of the training compute: 6 · input tokens · non-embedding parameters."""
+        model = self.unwrapped()
+        counter = getattr(model, "num_parameters", None)
+        params = counter(exclude_embeddings=True) if callable(counter) else sum(p.numel() for p in model.parameters())
+        return 6.0 * self.num_tokens * params
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
@@ -352,6 +427,7 @@ class SupervisedRun:
             "pending_metrics": self.metrics.state(),
             "data_epoch": self.global_step // self.plan.steps_per_epoch,
             "time": time.time(),
+            "log_history": self.events.state.log_history,
         }
         ckpt.save_checkpoint(
             self.config.output_dir,
@@ -381,6 +457,56 @@ class SupervisedRun:
 
     def close(self) -> None:
         self.tracker.close()
+
+
+class SupervisedTrainerAPI:
+    """What SFTTrainer and RewardTrainer expose as a `transformers.Trainer` does (set up in their
+    constructors: `args`, `accelerator`, `processing_class`, `train_dataset`, `eval_dataset`,
+    `data_collator`, `run`)."""
+
+    run: SupervisedRun
+
+    @property
+    def model(self) -> nn.Module:
+        return self.run.model
+
+    @property
+    def state(self) -> Any:
+        """The `transformers.TrainerState`: global_step, epoch, log_history (one entry per logging
+        step or evaluation, with step and epoch; after train() the summary entry), max_steps, ..."""
+        return self.run.events.state
+
+    @property
+    def control(self) -> Any:
+        return self.run.events.control
+
+    @property
+    def callback_handler(self) -> Any:
+        return self.run.events.handler
+
+    @property
+    def collator(self) -> Any:  # posttrain's earlier name for data_collator
+        return self.data_collator
+
+    def add_callback(self, callback: Any) -> None:
+        """Add a `transformers.TrainerCallback` (an instance, or a class, which is instantiated)."""
+        self.run.events.add_callback(callback)
+
+    def pop_callback(self, callback: Any) -> Any:
+        """Remove a callback (an instance, or the first of a class) and return it, or None."""
+        return self.run.events.pop_callback(callback)
+
+    def remove_callback(self, callback: Any) -> None:
+        """Remove a callback (an instance, or the first of a class)."""
+        self.run.events.remove_callback(callback)
+
+    def log(self, logs: dict[str, float]) -> None:
+        """Log `logs` at the current step: metrics.jsonl and the trackers, state.log_history, on_log."""
+        self.run.log(logs)
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """Save model + tokenizer with save_pretrained (safetensors) into output_dir."""
+        self.run.save_final(output_dir)
 
 
 def resolve_model_and_tokenizer(

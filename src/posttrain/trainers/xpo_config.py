@@ -1,6 +1,6 @@
 """Configuration of XPO (`posttrain xpo`, `XPOTrainer`): OnlineDPOConfig plus `alpha`.
 
-As in TRL's `XPOConfig` (trl-notes §6, seed 003). Each prompt yields one completion from the policy
+As in TRL's `XPOConfig` (Xie et al. 2024, arXiv:2405.21046). Each prompt yields one completion from the policy
 and one from the reference model; both count as episodes, so `per_device_train_batch_size` (which
 counts completions, see online_dpo_config) of 8 means 4 prompts per micro-batch.
 """

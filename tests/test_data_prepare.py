@@ -1,4 +1,4 @@
-"""posttrain.data: loading, format detection, chat templates, validation, prompt / preference / SFT prep."""
+"""posttrain.data.prepare: prompt, preference and SFT datasets tokenized, validated row by row, cut or dropped."""
 
 from __future__ import annotations
 
@@ -7,18 +7,11 @@ import json
 import logging
 
 import pytest
-import torch
-from datasets import Dataset, DatasetDict
+from datasets import Dataset
 
 from posttrain.data import (
     IGNORE_INDEX,
-    SIMPLE_CHAT_TEMPLATE,
     DataError,
-    PromptCollator,
-    apply_chat_template,
-    detect_format,
-    ensure_chat_template,
-    is_conversational,
     load_any_dataset,
     prepare_preference_dataset,
     prepare_prompt_dataset,
@@ -51,138 +44,7 @@ def trained_text(tok, row):
 
 
 # --------------------------------------------------------------------------------------------
-# loading
-# --------------------------------------------------------------------------------------------
-
-ROWS = [{"prompt": "hello", "n": 1}, {"prompt": "world", "n": 2}, {"prompt": "again", "n": 3}]
-
-
-def test_load_jsonl_json_csv_parquet(tmp_path):
-    jsonl = write_jsonl(tmp_path / "a.jsonl", ROWS)
-    as_list = tmp_path / "b.json"
-    as_list.write_text(json.dumps(ROWS), encoding="utf-8")
-    lines_in_json = write_jsonl(tmp_path / "c.json", ROWS)
-    csv = tmp_path / "d.csv"
-    csv.write_text("prompt,n\nhello,1\nworld,2\nagain,3\n", encoding="utf-8")
-    parquet = tmp_path / "e.parquet"
-    Dataset.from_list(ROWS).to_parquet(str(parquet))
-    for path in (jsonl, as_list, lines_in_json, csv, parquet):
-        ds = load_any_dataset(path)
-        assert isinstance(ds, Dataset), path
-        assert ds["prompt"] == ["hello", "world", "again"] and ds["n"] == [1, 2, 3]
-    assert load_any_dataset(str(jsonl), split="train").num_rows == 3
-    assert load_any_dataset(jsonl, split="train[:2]").num_rows == 2
-
-
-def test_load_saved_folders_and_splits(tmp_path):
-    Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "one"))
-    assert load_any_dataset(tmp_path / "one").num_rows == 3
-    DatasetDict({"train": Dataset.from_list(ROWS), "test": Dataset.from_list(ROWS[:1])}).save_to_disk(
-        str(tmp_path / "dict")
-    )
-    whole = load_any_dataset(tmp_path / "dict")
-    assert isinstance(whole, DatasetDict) and set(whole) == {"train", "test"}
-    assert load_any_dataset(tmp_path / "dict", split="test").num_rows == 1
-    with pytest.raises(DataError, match=r"no split 'validation'; available splits: train, test"):
-        load_any_dataset(tmp_path / "dict", split="validation")
-
-
-def test_load_errors_name_file_and_line(tmp_path):
-    bad_json = tmp_path / "bad.jsonl"
-    bad_json.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n{"prompt": "c",}\n', encoding="utf-8")
-    with pytest.raises(DataError, match=r"bad\.jsonl, line 4: malformed JSON .*Fix:"):
-        load_any_dataset(bad_json)
-
-    bad_utf8 = tmp_path / "latin1.jsonl"
-    bad_utf8.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
-    with pytest.raises(DataError, match=r"latin1\.jsonl, line 2: invalid UTF-8.*iconv"):
-        load_any_dataset(bad_utf8)
-
-    bad_csv = tmp_path / "latin1.csv"
-    bad_csv.write_bytes(b"prompt\nok\ncaf\xe9\n")
-    with pytest.raises(DataError, match=r"latin1\.csv, line 3: invalid UTF-8"):
-        load_any_dataset(bad_csv)
-
-    not_object = tmp_path / "list.jsonl"
-    not_object.write_text('{"prompt": "a"}\n["prompt"]\n', encoding="utf-8")
-    with pytest.raises(DataError, match=r"list\.jsonl, line 2: expected a JSON object"):
-        load_any_dataset(not_object)
-
-    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "a"}, {"prompt": None}, {"prompt": [1, 2]}])
-    with pytest.raises(DataError, match=r"mixed\.jsonl, line 3, field 'prompt': is a list here but a string at line 1"):
-        load_any_dataset(mixed)
-
-    json_list = tmp_path / "rows.json"
-    json_list.write_text(json.dumps([{"prompt": "a"}, "oops"]), encoding="utf-8")
-    with pytest.raises(DataError, match=r"rows\.json, row 1: expected a JSON object"):
-        load_any_dataset(json_list)
-
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("\n\n", encoding="utf-8")
-    with pytest.raises(DataError, match=r"empty\.jsonl: the file has no records"):
-        load_any_dataset(empty)
-
-    (tmp_path / "x.txt").write_text("hi", encoding="utf-8")
-    with pytest.raises(DataError, match=r"unsupported file type '\.txt'"):
-        load_any_dataset(tmp_path / "x.txt")
-    with pytest.raises(DataError, match=r"one split, 'train'"):
-        load_any_dataset(write_jsonl(tmp_path / "ok.jsonl", ROWS), split="test")
-    with pytest.raises(DataError, match=r"missing\.jsonl: no such file"):
-        load_any_dataset(tmp_path / "missing.jsonl")
-
-
-def test_load_hub_name_offline_gives_clear_error():
-    with pytest.raises(DataError, match=r"no-such-org/no-such-dataset: not a local file or folder.*hub"):
-        load_any_dataset("no-such-org/no-such-dataset", split="train")
-
-
-def test_load_empty_dataset(tmp_path):
-    header_only = tmp_path / "empty.csv"
-    header_only.write_text("prompt\n", encoding="utf-8")
-    with pytest.raises(DataError, match=r"empty\.csv: the file has no records"):
-        load_any_dataset(header_only)
-
-
-# --------------------------------------------------------------------------------------------
-# formats and chat templates
-# --------------------------------------------------------------------------------------------
-
-
-def test_detect_format_and_is_conversational():
-    cases = {
-        "prompt": {"prompt": ["hi"]},
-        "preference": {"prompt": ["q"], "chosen": ["a"], "rejected": ["b"]},
-        "text": {"text": ["hello"]},
-        "messages": {"messages": [conv(("user", "hi"), ("assistant", "yo"))]},
-        "prompt_completion": {"prompt": ["q"], "completion": ["a"]},
-        "tokenized": {"input_ids": [[1, 2]]},
-    }
-    for fmt, columns in cases.items():
-        assert detect_format(Dataset.from_dict(columns)) == fmt
-    assert detect_format(Dataset.from_dict({"body": ["x"]}), dataset_text_field="body") == "text"
-    assert detect_format(Dataset.from_dict({"chosen": ["a"], "rejected": ["b"]})) == "preference"
-    with pytest.raises(DataError, match=r"cannot tell the format from the columns \['foo'\]"):
-        detect_format(Dataset.from_dict({"foo": ["x"]}))
-    with pytest.raises(DataError, match="select a split"):
-        detect_format(DatasetDict({"train": Dataset.from_dict({"prompt": ["x"]})}))
-
-    assert is_conversational({"prompt": conv(("user", "hi"))})
-    assert is_conversational({"chosen": conv(("assistant", "a")), "rejected": conv(("assistant", "b"))})
-    assert not is_conversational({"prompt": "hi", "completion": "there"})
-    assert not is_conversational({"messages": []})
-
-
-def test_fallback_chat_template(tok):
-    tok.chat_template = None
-    text = apply_chat_template(conv(("system", "Be brief."), ("user", "Hi")), tok, add_generation_prompt=True)
-    assert text == "System: Be brief.\n\nUser: Hi\n\nAssistant:"
-    assert tok.chat_template == SIMPLE_CHAT_TEMPLATE
-    ensure_chat_template(tok, CHATML)
-    assert apply_chat_template(conv(("user", "x")), tok) == "<|im_start|>user\nx<|im_end|>\n"
-
-
-# --------------------------------------------------------------------------------------------
-# prompt datasets and collation
+# prompt datasets
 # --------------------------------------------------------------------------------------------
 
 
@@ -263,32 +125,6 @@ def test_prompt_dataset_bad_data(tok, tmp_path):
     path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "fine"}, {"prompt": ""}])
     with pytest.raises(DataError, match=r"train_dataset \(.*prompts\.jsonl\), row 1, field 'prompt': is empty"):
         prepare_prompt_dataset(load_any_dataset(path), tok, source="train_dataset")
-
-
-def test_prompt_collator_left_pads_with_masks_from_lengths(tiny_tokenizer_pad_eos):
-    tok = tiny_tokenizer_pad_eos
-    eos = tok.eos_token_id
-    assert tok.pad_token_id == eos
-    # The second prompt ends with a real EOS token: with pad == eos it must stay unmasked.
-    rows = [
-        {"input_ids": [5, 6, 7], "prompt": "a", "solution": 1},
-        {"input_ids": [8, eos], "prompt": "b", "solution": 2},
-        {"input_ids": [eos], "prompt": "c", "solution": 3},
-    ]
-    batch = PromptCollator(tok.pad_token_id)(rows)
-    assert batch["input_ids"].tolist() == [[5, 6, 7], [eos, 8, eos], [eos, eos, eos]]
-    assert batch["attention_mask"].dtype == torch.bool
-    assert batch["attention_mask"].tolist() == [[True] * 3, [False, True, True], [False, False, True]]
-    assert batch["prompt"] == ["a", "b", "c"] and batch["solution"] == [1, 2, 3]
-
-
-def test_prompt_collator_on_prepared_dataset(tok):
-    ds = prepare_prompt_dataset(Dataset.from_dict({"prompt": ["Hello world, this is long", "Hi"]}), tok)
-    batch = PromptCollator(tok.pad_token_id)([ds[0], ds[1]])
-    lengths = batch["attention_mask"].sum(1).tolist()
-    assert lengths == [len(ds[0]["input_ids"]), len(ds[1]["input_ids"])]
-    assert batch["input_ids"][1, -lengths[1] :].tolist() == ds[1]["input_ids"]
-    assert (batch["input_ids"][1, : -lengths[1]] == tok.pad_token_id).all()
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,79 @@
+"""Datasets in, token ids out.
+
+- `loading`: `load_any_dataset` (files, folders, the hub) and the file / row / field checks that
+  raise `DataError` naming the source, line or row, and field.
+- `formats`: format detection (`detect_format`, `FORMATS`) and chat templates (`render_chat`,
+  `ensure_chat_template`, `SIMPLE_CHAT_TEMPLATE`).
+- `prepare`: tokenization for each trainer: `prepare_prompt_dataset`, `prepare_preference_dataset`,
+  `prepare_sft_dataset`.
+- `packing`: best-fit decreasing and wrapped packing (`best_fit_decreasing`, `PACKING_STRATEGIES`).
+- `collators`: `PromptCollator`, `SFTCollator`, `PreferenceCollator` (imported on first use: torch).
+- `helpers`: TRL's public data helpers (`maybe_apply_chat_template`, `unpair_preference_dataset`,
+  `pack_dataset`, ...), also exported from `posttrain`.
+
+Nothing here imports datasets, transformers or torch at import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from posttrain.data.formats import FORMATS, SIMPLE_CHAT_TEMPLATE, detect_format, ensure_chat_template, render_chat
+from posttrain.data.helpers import (
+    apply_chat_template,
+    extract_prompt,
+    is_conversational,
+    maybe_apply_chat_template,
+    maybe_convert_to_chatml,
+    maybe_extract_prompt,
+    maybe_unpair_preference_dataset,
+    pack_dataset,
+    pack_examples,
+    truncate_dataset,
+    unpair_preference_dataset,
+)
+from posttrain.data.loading import DataError, load_any_dataset
+from posttrain.data.packing import PACKING_STRATEGIES, best_fit_decreasing
+from posttrain.data.prepare import (
+    IGNORE_INDEX,
+    prepare_preference_dataset,
+    prepare_prompt_dataset,
+    prepare_sft_dataset,
+)
+
+_COLLATORS = ("PromptCollator", "SFTCollator", "PreferenceCollator")
+
+__all__ = [
+    "DataError",
+    "load_any_dataset",
+    "FORMATS",
+    "SIMPLE_CHAT_TEMPLATE",
+    "detect_format",
+    "ensure_chat_template",
+    "render_chat",
+    "IGNORE_INDEX",
+    "prepare_prompt_dataset",
+    "prepare_preference_dataset",
+    "prepare_sft_dataset",
+    "PACKING_STRATEGIES",
+    "best_fit_decreasing",
+    *_COLLATORS,
+    "apply_chat_template",
+    "extract_prompt",
+    "is_conversational",
+    "maybe_apply_chat_template",
+    "maybe_convert_to_chatml",
+    "maybe_extract_prompt",
+    "maybe_unpair_preference_dataset",
+    "pack_dataset",
+    "pack_examples",
+    "truncate_dataset",
+    "unpair_preference_dataset",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _COLLATORS:
+        return getattr(importlib.import_module("posttrain.data.collators"), name)
+    raise AttributeError(f"module 'posttrain.data' has no attribute {name!r}")

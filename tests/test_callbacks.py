@@ -1,0 +1,467 @@
+"""transformers.TrainerCallback objects in posttrain's trainers: the events SFT and reward training
+fire and their order, trainer.state (global_step, epoch, log_history and the end-of-training summary),
+TrainOutput, callbacks stopping training or asking for a checkpoint, the callback list, and
+LogCompletionsCallback."""
+
+from __future__ import annotations
+
+import copy
+import json
+import types
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback, TrainerControl, TrainerState
+from transformers.trainer_utils import TrainOutput
+
+from posttrain.callbacks import LogCompletionsCallback
+from posttrain.configs import ConfigError
+from posttrain.testing import build_tiny_causal_lm, build_tiny_reward_model
+from posttrain.trainers.reward import RewardTrainer
+from posttrain.trainers.reward_config import RewardConfig
+from posttrain.trainers.sft import SFTTrainer
+from posttrain.trainers.sft_config import SFTConfig
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! Good morning.",
+    "Once upon a time there was a little robot.",
+    "The sea is wide and blue.",
+    "Thank you very much.",
+    "How many legs does a spider have? Eight.",
+    "I think this answer is good.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9.",
+]
+PAIRS = [{"chosen": f"Q: {w}? A: The sea is blue.", "rejected": f"Q: {w}? A: dog."} for w in SENTENCES[:4]]
+SUMMARY_KEYS = {
+    "train_runtime",
+    "train_samples_per_second",
+    "train_steps_per_second",
+    "total_flos",
+    "train_loss",
+    "epoch",
+    "step",
+}
+
+
+class Recorder(TrainerCallback):
+    """Records (event, state.global_step, payload) for every event, as a user's callback would."""
+
+    def __init__(self):
+        self.events = []
+        self.kwargs = {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.kwargs = kwargs
+        self.events.append(("train_begin", state.global_step, None))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.events.append(("step_end", state.global_step, state.epoch))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.events.append(("log", state.global_step, dict(logs)))
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.events.append(("evaluate", state.global_step, dict(metrics)))
+
+    def on_save(self, args, state, control, **kwargs):
+        self.events.append(("save", state.global_step, None))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.events.append(("train_end", state.global_step, None))
+
+
+def sft_trainer(tmp_path, tokenizer, callbacks=None, eval_dataset=True, **overrides):
+    values = dict(
+        output_dir=str(tmp_path / "sft"),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        logging_steps=2,
+        save_steps=0,
+        report_to="none",
+        max_length=64,
+    )
+    values.update(overrides)
+    return SFTTrainer(
+        build_tiny_causal_lm(tokenizer),
+        args=SFTConfig(**values),
+        train_dataset=Dataset.from_list([{"text": s} for s in SENTENCES]),
+        eval_dataset=Dataset.from_list([{"text": s} for s in SENTENCES[:2]]) if eval_dataset else None,
+        processing_class=copy.deepcopy(tokenizer),
+        callbacks=callbacks,
+    )
+
+
+def names(recorder):
+    return [(name, step) for name, step, _ in recorder.events]
+
+
+def test_sft_fires_every_event_in_transformers_order(tmp_path, tiny_tokenizer):
+    recorder = Recorder()
+    # 8 examples, batch 2: one epoch is 4 steps, so step s ends at epoch s/4.
+    trainer = sft_trainer(tmp_path, tiny_tokenizer, callbacks=[recorder], eval_steps=2, save_steps=2)
+    assert isinstance(trainer.state, TrainerState) and isinstance(trainer.control, TrainerControl)
+    assert trainer.state.max_steps == 4 and trainer.state.num_train_epochs == 1
+    assert trainer.state.logging_steps == 2 and trainer.state.save_steps == 2 and trainer.state.eval_steps == 2
+    assert trainer.state.train_batch_size == 2 and trainer.state.is_world_process_zero
+    output = trainer.train()
+
+    # on_step_end comes before the step's log / evaluation / checkpoint, as in transformers.Trainer;
+    # the last step writes no checkpoint (the final save follows) and the summary is logged last.
+    assert names(recorder) == [
+        ("train_begin", 0),
+        ("step_end", 1),
+        ("step_end", 2),
+        ("log", 2),
+        ("log", 2),
+        ("evaluate", 2),
+        ("save", 2),
+        ("step_end", 3),
+        ("step_end", 4),
+        ("log", 4),
+        ("log", 4),
+        ("evaluate", 4),
+        ("log", 4),
+        ("train_end", 4),
+    ]
+    assert [epoch for name, _, epoch in recorder.events if name == "step_end"] == [0.25, 0.5, 0.75, 1.0]
+    assert (tmp_path / "sft" / "checkpoint-2").is_dir() and not (tmp_path / "sft" / "checkpoint-4").exists()
+    # Callbacks get the model and the tokenizer as keyword arguments, as under transformers.
+    assert recorder.kwargs["model"] is trainer.run.unwrapped()
+    assert recorder.kwargs["processing_class"] is trainer.processing_class
+
+    # log_history: one entry per logging step and per evaluation, with step and epoch; then the summary.
+    history = trainer.state.log_history
+    assert [(e["step"], e["epoch"]) for e in history] == [(2, 0.5), (2, 0.5), (4, 1.0), (4, 1.0), (4, 1.0)]
+    assert {"loss", "lr", "grad_norm", "num_tokens", "mean_token_accuracy", "entropy"} <= set(history[0])
+    assert {"eval_loss", "eval_mean_token_accuracy", "eval_entropy"} <= set(history[1])
+    # on_log receives what was logged, with epoch (the step is the state's), as transformers passes it.
+    logged = [payload for name, _, payload in recorder.events if name == "log"]
+    assert logged == [{k: v for k, v in e.items() if k != "step"} for e in history]
+    # on_evaluate receives the eval metrics with their epoch.
+    evaluated = [payload for name, _, payload in recorder.events if name == "evaluate"]
+    assert evaluated[1] == {k: v for k, v in history[3].items() if k != "step"}
+    # The same numbers went to metrics.jsonl.
+    jsonl = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert jsonl[2] == history[2]
+
+    summary = history[-1]
+    assert set(summary) == SUMMARY_KEYS and summary["step"] == 4 and summary["epoch"] == 1.0
+    assert isinstance(output, TrainOutput) and output.global_step == 4 == trainer.state.global_step
+    assert output.training_loss == summary["train_loss"] and output.metrics == {
+        k: v for k, v in summary.items() if k != "step"
+    }
+    # 4 steps of 2 examples in train_runtime seconds.
+    runtime = summary["train_runtime"]
+    assert summary["train_samples_per_second"] == pytest.approx(8 / runtime, rel=1e-3, abs=1e-3)
+    assert summary["train_steps_per_second"] == pytest.approx(4 / runtime, rel=1e-3, abs=1e-3)
+    # transformers' estimate: 6 · input tokens · non-embedding parameters.
+    params = trainer.run.unwrapped().num_parameters(exclude_embeddings=True)
+    assert summary["total_flos"] == pytest.approx(6 * history[2]["num_tokens"] * params)
+
+
+def test_train_loss_is_the_mean_of_the_step_losses(tmp_path, tiny_tokenizer):
+    # logging_steps=1 and no accumulation: each logged loss is one step's token-mean loss.
+    trainer = sft_trainer(tmp_path, tiny_tokenizer, eval_dataset=False, logging_steps=1)
+    output = trainer.train()
+    steps = trainer.state.log_history[:-1]
+    assert [e["step"] for e in steps] == [1, 2, 3, 4]
+    assert output.training_loss == pytest.approx(sum(e["loss"] for e in steps) / 4, rel=1e-6)
+
+
+def test_a_callback_stops_sft_after_that_step(tmp_path, tiny_tokenizer):
+    class StopAtTwo(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                control.should_training_stop = True
+
+    recorder = Recorder()
+    trainer = sft_trainer(
+        tmp_path, tiny_tokenizer, callbacks=[StopAtTwo(), recorder], max_steps=6, logging_steps=5, save_steps=2
+    )
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    output = trainer.train()
+    assert output.global_step == 2 == trainer.state.global_step
+    # The stopping step ends training like the last step: logged and evaluated, no checkpoint, the model saved.
+    assert names(recorder) == [
+        ("train_begin", 0),
+        ("step_end", 1),
+        ("step_end", 2),
+        ("log", 2),
+        ("log", 2),
+        ("evaluate", 2),
+        ("log", 2),
+        ("train_end", 2),
+    ]
+    assert not (tmp_path / "sft" / "checkpoint-2").exists()
+    assert (tmp_path / "sft" / "model.safetensors").is_file()
+    assert trainer.state.log_history[-1]["step"] == 2 and trainer.state.log_history[-1]["epoch"] == 0.5
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+def test_a_callback_asks_for_a_checkpoint_and_a_log(tmp_path, tiny_tokenizer):
+    class SaveAndLogAtOne(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                control.should_save = control.should_log = True
+
+    trainer = sft_trainer(
+        tmp_path, tiny_tokenizer, callbacks=[SaveAndLogAtOne()], eval_dataset=False, max_steps=3, logging_steps=10
+    )
+    trainer.train()
+    assert (tmp_path / "sft" / "checkpoint-1").is_dir()
+    assert [e["step"] for e in trainer.state.log_history] == [1, 3, 3]  # asked, last step, summary
+
+
+def test_callback_list_as_on_transformers_trainer(tmp_path, tiny_tokenizer):
+    trainer = sft_trainer(tmp_path, tiny_tokenizer, eval_dataset=False, max_steps=1)
+    trainer.add_callback(Recorder)  # a class is instantiated
+    (added,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, Recorder)]
+    assert trainer.pop_callback(Recorder) is added and trainer.callback_handler.callbacks == []
+    kept, removed = Recorder(), Recorder()
+    trainer.add_callback(kept)
+    trainer.add_callback(removed)
+    trainer.remove_callback(removed)
+    trainer.train()
+    assert names(kept) == [("train_begin", 0), ("step_end", 1), ("log", 1), ("log", 1), ("train_end", 1)]
+    assert removed.events == []
+
+
+def test_trainer_log_and_evaluate_reach_the_state_and_callbacks(tmp_path, tiny_tokenizer):
+    recorder = Recorder()
+    trainer = sft_trainer(tmp_path, tiny_tokenizer, callbacks=[recorder])
+    trainer.log({"custom": 1.5})
+    metrics = trainer.evaluate()
+    assert set(metrics) == {"eval_loss", "eval_mean_token_accuracy", "eval_entropy", "eval_num_tokens"}
+    assert trainer.state.log_history == [
+        {"custom": 1.5, "epoch": 0.0, "step": 0},
+        {**metrics, "epoch": 0.0, "step": 0},
+    ]
+    assert names(recorder) == [("log", 0), ("log", 0), ("evaluate", 0)]
+
+
+def test_reward_training_fires_the_events(tmp_path, tiny_tokenizer):
+    recorder = Recorder()
+    trainer = RewardTrainer(
+        build_tiny_reward_model(tiny_tokenizer),
+        args=RewardConfig(
+            output_dir=str(tmp_path / "rm"),
+            max_steps=2,
+            per_device_train_batch_size=2,
+            logging_steps=1,
+            save_steps=1,
+            report_to="none",
+            max_length=64,
+        ),
+        train_dataset=Dataset.from_list(PAIRS),
+        eval_dataset=Dataset.from_list(PAIRS[:2]),
+        processing_class=copy.deepcopy(tiny_tokenizer),
+        callbacks=[recorder],
+    )
+    output = trainer.train()
+    assert names(recorder) == [
+        ("train_begin", 0),
+        ("step_end", 1),
+        ("log", 1),
+        ("save", 1),
+        ("step_end", 2),
+        ("log", 2),
+        ("log", 2),
+        ("evaluate", 2),
+        ("log", 2),
+        ("train_end", 2),
+    ]
+    history = trainer.state.log_history
+    # 4 pairs, batch 2: one epoch is 2 steps.
+    assert [(e["step"], e["epoch"]) for e in history] == [(1, 0.5), (2, 1.0), (2, 1.0), (2, 1.0)]
+    assert {"loss", "accuracy", "margin", "lr", "grad_norm"} <= set(history[0])
+    assert {"eval_loss", "eval_accuracy", "eval_margin", "eval_min_reward"} <= set(history[2])
+    evaluated = recorder.events[7][2]
+    assert evaluated == {k: v for k, v in history[2].items() if k != "step"}
+    assert set(history[-1]) == SUMMARY_KEYS
+    assert output.global_step == 2 and output.training_loss == history[-1]["train_loss"]
+    # 2 steps of 2 pairs.
+    assert history[-1]["train_samples_per_second"] == pytest.approx(
+        4 / history[-1]["train_runtime"], rel=1e-3, abs=1e-3
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# LogCompletionsCallback
+# --------------------------------------------------------------------------------------------
+class TableSink:
+    def __init__(self):
+        self.tables = []
+
+    def log_table(self, name, rows, step):
+        self.tables.append((name, rows, step))
+
+
+def completions_trainer(**methods):
+    """What LogCompletionsCallback reads from an online trainer: eval prompts, sample_completions,
+    its tracker, args.logging_steps."""
+    calls = []
+
+    def sample_completions(num_prompts):
+        calls.append(num_prompts)
+        return [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(num_prompts)]
+
+    trainer = types.SimpleNamespace(
+        eval_dataset=[{"prompt": "a"}, {"prompt": "b"}, {"prompt": "c"}],
+        sample_completions=methods.get("sample_completions", sample_completions),
+        run=types.SimpleNamespace(tracker=TableSink()),
+        args=types.SimpleNamespace(logging_steps=2),
+    )
+    return trainer, calls
+
+
+def test_log_completions_callback_is_a_transformers_callback():
+    trainer, calls = completions_trainer()
+    callback = LogCompletionsCallback(trainer, num_prompts=2)
+    assert isinstance(callback, TrainerCallback)
+    control = TrainerControl()
+    for step in (1, 2, 2, 3, 4):  # every logging_steps (2) steps, once per step
+        callback.on_step_end(trainer.args, TrainerState(global_step=step, logging_steps=2), control)
+    assert calls == [2, 2]
+    tables = trainer.run.tracker.tables
+    assert [(name, step) for name, _, step in tables] == [("completions", 2), ("completions", 4)]
+    assert tables[0][1] == [
+        {"step": 2, "prompt": "p0", "completion": "c0"},
+        {"step": 2, "prompt": "p1", "completion": "c1"},
+    ]
+
+    # freq overrides logging_steps; num_prompts=None samples every eval prompt (TRL's default).
+    trainer, calls = completions_trainer()
+    callback = LogCompletionsCallback(trainer, freq=3)
+    for step in range(1, 7):
+        callback.on_step_end(trainer.args, TrainerState(global_step=step, logging_steps=2), control)
+    assert calls == [3, 3] and [step for *_, step in trainer.run.tracker.tables] == [3, 6]
+
+
+def test_log_completions_callback_under_the_online_trainers_call_shapes():
+    # Online DPO / XPO call on_train_begin(trainer), on_step_end(trainer, step, logs), on_train_end(trainer);
+    # RLOO / PPO call on_train_end(config, state, control).
+    trainer, calls = completions_trainer()
+    callback = LogCompletionsCallback(trainer, num_prompts=1)
+    callback.on_train_begin(trainer)
+    for step in (1, 2, 3, 4):
+        callback.on_step_end(trainer, step, {"loss": 0.0} if step % 2 == 0 else None)
+    callback.on_train_end(trainer)
+    callback.on_train_end(trainer.args, TrainerState(), None)
+    assert calls == [1, 1] and [step for *_, step in trainer.run.tracker.tables] == [2, 4]
+
+
+def test_log_completions_callback_errors():
+    trainer, _ = completions_trainer()
+    with pytest.raises(ConfigError, match="eval_dataset"):
+        LogCompletionsCallback(types.SimpleNamespace(eval_dataset=None))
+    with pytest.raises(ConfigError, match="num_prompts=0"):
+        LogCompletionsCallback(trainer, num_prompts=0)
+    with pytest.raises(ConfigError, match="freq=0"):
+        LogCompletionsCallback(trainer, freq=0)
+    with pytest.raises(ConfigError, match="generation_config"):
+        LogCompletionsCallback(trainer, generation_config=object())
+    with pytest.raises(ConfigError, match="sample"):
+        LogCompletionsCallback(types.SimpleNamespace(eval_dataset=[{"prompt": "a"}]))
+
+
+def test_log_completions_callback_in_online_dpo_training(tmp_path, tiny_tokenizer):
+    from posttrain.trainers.online_dpo import OnlineDPOTrainer
+    from posttrain.trainers.online_dpo_config import OnlineDPOConfig
+
+    prompts = Dataset.from_dict({"prompt": ["Hello world", "The quick brown fox", "Once upon a time", "Thank you"]})
+    trainer = OnlineDPOTrainer(
+        build_tiny_causal_lm(tiny_tokenizer),
+        reward_funcs=[lambda prompts, completions, **kw: [float(len(c)) for c in completions]],
+        args=OnlineDPOConfig(
+            output_dir=str(tmp_path / "odpo"),
+            per_device_train_batch_size=4,
+            total_episodes=8,
+            max_new_tokens=4,
+            logging_steps=1,
+            report_to="none",
+            save_steps=0,
+            num_sample_generations=0,
+        ),
+        processing_class=tiny_tokenizer,
+        train_dataset=prompts,
+        eval_dataset=prompts,
+    )
+    trainer.add_callback(LogCompletionsCallback(trainer, num_prompts=2))
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "odpo" / "samples.jsonl").read_text().splitlines()]
+    # Two rollout batches of 4 prompts, logged at steps 1 and 2, two prompts each, with their scores.
+    assert [(row["step"], row["prompt"]) for row in rows] == [
+        (1, "Hello world"),
+        (1, "The quick brown fox"),
+        (2, "Hello world"),
+        (2, "The quick brown fox"),
+    ]
+    assert all(isinstance(row["score"], float) for row in rows)
+
+
+TWO_PROCESS_SCRIPT = """
+import json, sys
+from datasets import Dataset
+from transformers import TrainerCallback
+from posttrain.testing import build_tiny_causal_lm, build_tiny_tokenizer
+from posttrain.trainers.sft import SFTTrainer
+from posttrain.trainers.sft_config import SFTConfig
+
+out, batch, sentences = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+
+
+class Steps(TrainerCallback):
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+
+tokenizer, steps = build_tiny_tokenizer(), Steps()
+args = SFTConfig(output_dir=out, max_steps=3, per_device_train_batch_size=batch, logging_steps=1, save_steps=0,
+                 report_to="none", max_length=64, learning_rate=1e-3)
+trainer = SFTTrainer(build_tiny_causal_lm(tokenizer), args=args, processing_class=tokenizer,
+                     train_dataset=Dataset.from_list([{"text": s} for s in sentences]), callbacks=[steps])
+output = trainer.train()
+result = {"global_step": output.global_step, "training_loss": output.training_loss, "steps": steps.steps,
+          "history": trainer.state.log_history, "world_zero": trainer.state.is_world_process_zero}
+with open(f"{out}/rank{trainer.accelerator.process_index}.json", "w") as f:
+    json.dump(result, f)
+"""
+
+
+@pytest.mark.multiproc
+def test_two_processes_sft_state_equals_one_process(tmp_path):
+    """2 ranks × batch 2 train on the examples of 1 rank × batch 4: every rank's state and TrainOutput
+    hold the all-rank numbers, equal to the one-process run's."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(TWO_PROCESS_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    runs = {}
+    for name, launcher, batch in (
+        ("two", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"], 2),
+        ("one", [sys.executable], 4),
+    ):
+        out = tmp_path / name
+        subprocess.run([*launcher, str(script), str(out), str(batch), json.dumps(SENTENCES)], env=env, check=True)
+        runs[name] = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    (one,), (rank0, rank1) = runs["one"], runs["two"]
+    assert rank0["world_zero"] and not rank1["world_zero"]
+    for rank in (rank0, rank1):
+        assert rank["global_step"] == 3 and rank["steps"] == [1, 2, 3]
+        assert rank["training_loss"] == pytest.approx(one["training_loss"], abs=1e-5)
+        history, expected = rank["history"], one["history"]
+        assert [e["step"] for e in history] == [1, 2, 3, 3]
+        assert [e["loss"] for e in history[:3]] == pytest.approx([e["loss"] for e in expected[:3]], abs=1e-5)
+        assert [e["num_tokens"] for e in history[:3]] == [e["num_tokens"] for e in expected[:3]]
+        # 3 steps of 4 examples (2 per rank) in train_runtime seconds.
+        summary = history[-1]
+        assert summary["train_samples_per_second"] == pytest.approx(12 / summary["train_runtime"], rel=1e-3, abs=1e-3)
