@@ -71,7 +71,7 @@ def main() -> dict:
         out,
         trainer.train,
         k=K,
-        optimizer_steps=lambda: trainer.setup.run.state.optimizer_steps,
+        optimizer_steps=lambda: trainer.run.state.optimizer_steps,
         mean_completion_len=lambda last: last.get("completions/mean_length"),
         first_log=lambda: trainer.log_history[0] if trainer.log_history else {},
     )

@@ -168,7 +168,10 @@ def test_import_posttrain_stays_light():
 def test_importing_trainers_does_not_pull_optional_trackers():
     code = (
         "import sys, posttrain\n"
-        "import posttrain.trainers.common\n"
+        "import posttrain.trainers.online, posttrain.trainers.pairs\n"
+        "import posttrain.trainers.rloo, posttrain.trainers.grpo\n"
+        "import posttrain.trainers.ppo, posttrain.trainers.ppo_classic\n"
+        "import posttrain.trainers.online_dpo, posttrain.trainers.xpo\n"
         "print(','.join(m for m in ('wandb', 'tensorboard', 'deepspeed', 'peft', 'vllm') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

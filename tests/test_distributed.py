@@ -80,6 +80,22 @@ def test_shutdown_without_a_process_group_is_a_no_op():
     assert not torch.distributed.is_initialized()
 
 
+def test_global_moments_are_the_masked_mean_and_unbiased_variance(accelerator):
+    # x = [1, 2, 3, 10], the 10 masked out: mean = 6/3 = 2, var = ((1−2)² + 0 + (3−2)²)/(3 − 1) = 1.
+    x = torch.tensor([1.0, 2.0, 3.0, 10.0])
+    mask = torch.tensor([True, True, True, False])
+    mean, var = distributed.global_moments(x, mask, accelerator)
+    assert (float(mean), float(var)) == (2.0, 1.0)
+    # Moments given to the whitening formula replace the batch's own (here var 4, not 1): (x − 2)/sqrt(4 + 1e-8).
+    from posttrain.advantages import whiten_advantages
+
+    out = whiten_advantages(x, mask, moments=(torch.tensor(2.0), torch.tensor(4.0)))
+    torch.testing.assert_close(out, torch.tensor([-0.5, 0.0, 0.5, 0.0]))
+    # Without a mask every position counts: [1, 2, 3, 10] has mean 4 and var (9 + 4 + 1 + 36)/3 = 50/3.
+    mean, var = distributed.global_moments(x, None, accelerator)
+    assert float(mean) == 4.0 and float(var) == pytest.approx(50 / 3)
+
+
 @pytest.mark.parametrize(
     ("amx", "avx512_bf16", "warns"), [(False, False, True), (True, False, False), (False, True, False)]
 )

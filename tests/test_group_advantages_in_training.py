@@ -356,7 +356,7 @@ def test_grpo_k3_term_against_the_initial_policy(tmp_path, tiny_tokenizer):
     trainer = GRPOTrainer(
         build_tiny_causal_lm(tiny_tokenizer), prompt_and_length, cfg, prompt_dataset(), processing_class=tiny_tokenizer
     )
-    assert trainer.setup.ref_policy is not None
+    assert trainer.ref_model is not None
     last = trainer.train()
     assert last["loss/kl_avg"] == pytest.approx(0.0, abs=1e-6)
     assert last["objective/kl"] == pytest.approx(0.0, abs=1e-4)
@@ -379,7 +379,7 @@ def test_grpo_reward_model_path_brings_its_own_tokenizer(tmp_path, tiny_tokenize
         prompt_dataset(),
         processing_class=tiny_tokenizer,
     )
-    reward = trainer.setup.reward
+    reward = trainer.reward
     assert reward.reward_tokenizer is not None and reward.reward_tokenizer.get_vocab() == other.get_vocab()
     assert reward.models[0].config.pad_token_id == other.pad_token_id
 

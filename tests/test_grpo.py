@@ -139,7 +139,7 @@ def test_learnable_reward_raises_scores(tmp_path, tiny_tokenizer):
     trainer = GRPOTrainer(
         build_tiny_causal_lm(tiny_tokenizer), letter_fraction, cfg, prompt_dataset(64), processing_class=tiny_tokenizer
     )
-    assert trainer.setup.ref_policy is None  # beta = 0: no reference model
+    assert trainer.ref_model is None  # beta = 0: no reference model
     trainer.train()
     scores = [h["objective/scores"] for h in trainer.log_history]
     assert len(scores) == 30 and "loss/kl_avg" not in trainer.log_history[-1]

@@ -545,11 +545,11 @@ def train_dp_run(out_path: str) -> None:
     import os
     import tempfile
 
-    import posttrain.trainers.ppo as ppo_module
+    import posttrain.trainers.online as online
     from helpers import per_row_generate
     from posttrain.testing import build_tiny_tokenizer
 
-    ppo_module.generate = per_row_generate
+    online.generate = per_row_generate
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tok = build_tiny_tokenizer()
     cfg = PPOConfig(

@@ -21,6 +21,7 @@ import torch
 from datasets import Dataset, DatasetDict
 
 import posttrain.advantages as adv
+import posttrain.trainers.online as online
 import posttrain.trainers.rloo as rloo
 from posttrain import cli
 from posttrain.testing import build_tiny_causal_lm
@@ -277,7 +278,7 @@ def test_reinforce_case_skips_the_old_logprob_pass(tmp_path, tiny_tokenizer, tin
         def on_train_end(self, args, state, control):
             self.ended = True
 
-    monkeypatch.setattr(rloo, "old_policy_logprobs", fail)
+    monkeypatch.setattr(online, "old_policy_logprobs", fail)
     recorder = Recorder()
     # TRL's keyword names, `tokenizer=` (TRL <= 0.11) for processing_class, a reward model plus a function.
     trainer = RLOOTrainer(
@@ -418,7 +419,7 @@ DP_SCRIPT = textwrap.dedent("""
 def dp_run(algo: str, out_path: str) -> None:
     import tempfile
 
-    import posttrain.trainers.rloo as shared
+    import posttrain.trainers.online as shared
     from helpers import per_row_generate
     from posttrain.testing import build_tiny_tokenizer
 
@@ -466,9 +467,9 @@ def dp_run(algo: str, out_path: str) -> None:
             optimizers=(optimizer, None),
         )
         params = trainer.model
-    assert trainer.setup.run.world_size == world, "the launcher did not start a real process group"
+    assert trainer.run.world_size == world, "the launcher did not start a real process group"
     last = trainer.train()
-    if trainer.setup.run.is_main:
+    if trainer.run.is_main:
         torch.save({"params": flat(params), "scores": last["objective/scores"]}, out_path)
 
 
@@ -548,8 +549,8 @@ def test_nonfinite_losses_skip_steps_then_stop_cleanly(tmp_path, tiny_tokenizer,
     after = flat(policy)
     finite = torch.isfinite(before)
     assert torch.equal(before[finite], after[finite])  # no optimizer step was taken
-    assert trainer.setup.run.health.nonfinite_total == 3
-    assert trainer.setup.run.state.optimizer_steps == 0
+    assert trainer.run.health.nonfinite_total == 3
+    assert trainer.run.state.optimizer_steps == 0
 
     trainer, _ = build(updates=6)
     with pytest.raises(TrainingDiverged, match="5 non-finite losses in a row"):

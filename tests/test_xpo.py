@@ -17,7 +17,8 @@ from datasets import Dataset
 from posttrain.configs import ConfigError
 from posttrain.judges import CallableJudge
 from posttrain.testing import build_tiny_causal_lm, build_tiny_reward_model
-from posttrain.trainers.online_dpo import reference_logps, reference_policy, sample
+from posttrain.trainers.online import reference_policy, sample
+from posttrain.trainers.pairs import reference_logps
 from posttrain.trainers.xpo import XPOTrainer
 from posttrain.trainers.xpo_config import XPOConfig
 
@@ -141,7 +142,9 @@ def test_peft_reference_is_the_base_model(tmp_path, tiny_tokenizer):
     }
 
     def draw(model):
-        return sample(run, model, batch, generator=torch.Generator().manual_seed(3))
+        return sample(
+            run, model, batch["input_ids"], batch["attention_mask"], generator=torch.Generator().manual_seed(3)
+        )
 
     with reference_policy(trainer.model, None, run.accelerator) as ref:
         ref_rollout = draw(ref)

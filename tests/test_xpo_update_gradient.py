@@ -15,8 +15,9 @@ from posttrain.judges import CallableJudge
 from posttrain.losses import dpo_loss, xpo_loss
 from posttrain.scoring import completion_logprobs
 from posttrain.testing import build_tiny_causal_lm
-from posttrain.trainers.online_dpo import OnlineDPOTrainer, choose, train_on_pairs
+from posttrain.trainers.online_dpo import OnlineDPOTrainer
 from posttrain.trainers.online_dpo_config import OnlineDPOConfig
+from posttrain.trainers.pairs import choose, train_on_pairs
 from posttrain.trainers.xpo import XPOTrainer
 from posttrain.trainers.xpo_config import XPOConfig
 

@@ -227,26 +227,32 @@ def gae(
     return advantages, returns
 
 
-def whiten_rewards(rewards: torch.Tensor, mask: torch.Tensor, shift_mean: bool = False) -> torch.Tensor:
+def whiten_rewards(
+    rewards: torch.Tensor, mask: torch.Tensor, shift_mean: bool = False, moments: tuple | None = None
+) -> torch.Tensor:
     """Masked reward whitening before GAE: (r − mean)/sqrt(var + 1e-8) (+ mean back when shift_mean=False).
 
     Default shift_mean=False keeps the mean (only rescales), as TRL ≤ 0.11 and 0.19
     `whiten_rewards` (`masked_whiten(rewards, mask, shift_mean=False)`). Off-mask positions are 0
     (TRL leaves them whitened, which leaks padding into GAE). Needs ≥ 2 masked positions.
+    `moments` = (mean, unbiased var) of the whole batch when it is spread over several ranks.
     """
     m = mask.bool()
     clean = rewards.float().masked_fill(~m, 0.0)
-    return masked_whiten(clean, m, shift_mean=shift_mean).masked_fill(~m, 0.0)
+    return masked_whiten(clean, m, shift_mean=shift_mean, moments=moments).masked_fill(~m, 0.0)
 
 
-def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def whiten_advantages(
+    advantages: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, moments: tuple | None = None
+) -> torch.Tensor:
     """Masked advantage whitening: (A − mean)/sqrt(var + 1e-8) over the mask (unbiased var), 0 off-mask.
 
     Source: TRL ≤ 0.11 and 0.19 PPO (`masked_whiten(advantages, mask)` then zeroing padding).
+    `moments` = (mean, unbiased var) of the whole batch when it is spread over several ranks.
     """
     m = mask.bool()
     clean = advantages.float().masked_fill(~m, 0.0)
-    return masked_whiten(clean, m, shift_mean=shift_mean).masked_fill(~m, 0.0)
+    return masked_whiten(clean, m, shift_mean=shift_mean, moments=moments).masked_fill(~m, 0.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -444,25 +450,31 @@ def group_advantages(rewards: torch.Tensor, scale_std: bool = True, eps: float =
     return centred / (rewards.std(dim=1, keepdim=True) + eps)
 
 
-def normalize_rewards(scores: torch.Tensor, clip_range: float | None = None) -> torch.Tensor:
+def normalize_rewards(
+    scores: torch.Tensor, clip_range: float | None = None, moments: tuple | None = None
+) -> torch.Tensor:
     """(s − mean)/(std + 1e-8) over the batch (unbiased std), then clamp to ±clip_range.
 
     Source: TRL 0.19 RLOO `normalize_reward` / `reward_clip_range` (Reinforce++, trl#2552).
+    `moments` = (mean, unbiased var) of the whole batch when it is spread over several ranks.
     """
-    if scores.numel() < 2:
+    if moments is None and scores.numel() < 2:
         raise ValueError(f"normalize_rewards needs at least 2 scores for a standard deviation, got {scores.numel()}.")
-    out = (scores - scores.mean()) / (scores.std() + 1e-8)
+    mean, std = (scores.mean(), scores.std()) if moments is None else (moments[0], moments[1].sqrt())
+    out = (scores - mean) / (std + 1e-8)
     return out if clip_range is None else out.clamp(-clip_range, clip_range)
 
 
-def normalize_advantages(advantages: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def normalize_advantages(advantages: torch.Tensor, eps: float = 1e-8, moments: tuple | None = None) -> torch.Tensor:
     """(A − mean)/(std + eps) over the whole tensor (unbiased std).
 
     Source: TRL 0.19 RLOO `normalize_advantage` (eps 1e-8); TRL 1.x RLOO uses eps 1e-4.
-    For per-token advantages with padding use `whiten_advantages` instead.
+    For per-token advantages with padding use `whiten_advantages` instead. `moments` = (mean,
+    unbiased var) of the whole batch when it is spread over several ranks.
     """
-    if advantages.numel() < 2:
+    if moments is None and advantages.numel() < 2:
         raise ValueError(
             f"normalize_advantages needs at least 2 values for a standard deviation, got {advantages.numel()}."
         )
-    return (advantages - advantages.mean()) / (advantages.std() + eps)
+    mean, std = (advantages.mean(), advantages.std()) if moments is None else (moments[0], moments[1].sqrt())
+    return (advantages - mean) / (std + eps)

@@ -198,3 +198,24 @@ def shutdown() -> None:
         return
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def no_sync_unless_last(accelerator: Accelerator | None, model: nn.Module, is_last: bool):
+    """Skip the DDP gradient all-reduce on all but the last micro-batch of an accumulation."""
+    if is_last or world_size(accelerator) == 1:
+        return contextlib.nullcontext()
+    return accelerator.no_sync(model)
+
+
+def global_moments(
+    values: torch.Tensor, mask: torch.Tensor | None, accelerator: Accelerator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, unbiased variance) of `values` over the True positions of `mask` (all positions when
+    None) on every rank together: two all-reduces of (Σx, n) and Σ(x − mean)², so each rank gets
+    the statistics of the global batch without gathering it."""
+    x = values.float()
+    m = torch.ones_like(x) if mask is None else mask.to(torch.float32)
+    sums = reduce_sum(torch.stack([(x * m).sum(), m.sum()]), accelerator)
+    mean = sums[0] / sums[1]
+    var = reduce_sum(((x - mean).square() * m).sum(), accelerator) / (sums[1] - 1)
+    return mean, var

@@ -61,15 +61,21 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     return sq / n.clamp(min=1)
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    moments: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """(v − mean)·rsqrt(var + eps) over the True positions (unbiased var).
 
     With shift_mean=False the mean is added back, so only the scale changes (reward whitening in
     the "N implementation details of RLHF" keeps the sign of the rewards this way).
-    Masked positions are returned whitened too; callers zero them if they need to.
+    Masked positions are returned whitened too; callers zero them if they need to. `moments`
+    (mean, var) computed elsewhere (e.g. over all ranks) replace the ones of `values`.
     """
-    mean = masked_mean(values, mask)
-    var = masked_var(values, mask)
+    mean, var = moments if moments is not None else (masked_mean(values, mask), masked_var(values, mask))
     whitened = (values - mean) * torch.rsqrt(var + eps)
     return whitened if shift_mean else whitened + mean
 

@@ -1,14 +1,14 @@
-"""Forward passes over a `Rollout`: completion log-probs, values, reward-model scores, and text
-reward functions.
+"""Forward passes over a `Rollout`: completion log-probs, values, reward-model scores, text reward
+functions, and `RewardSource`, which combines reward models and functions into one score per row.
 
 Index conventions (sequence = prompt (P, left-padded) + completion (T, right-padded)):
-- logits at sequence position P−1+t predict completion token t, so with `logits_to_keep=T+1` the
-  model returns exactly positions P−1 … P+T−1 and the LM head never runs on the prompt
-  (trl-notes §13);
+- logits at sequence position P−1+t predict completion token t; an index tensor `logits_to_keep`
+  makes the model return exactly positions P−1 … P+T−2, so the LM head never runs on the prompt
+  (`completion_forward`, which also returns the hidden states a value head reads);
 - the value of the state before completion token t is read at position P−1+t;
 - a reward model's score is read at the last real token, P + length − 1: the stop token when the
   row ended. TRL put the PPO score one slot after EOS (TRL#1893, #3750) and DeepSpeed-Chat's
-  `ends` pointed one past EOS (PR#672, peers-notes §3.2). We index from lengths, never from
+  `ends` pointed one past EOS (DeepSpeed-Chat PR#672). We index from lengths, never from
   `ids == pad`, because pad may equal eos.
 """
 
@@ -18,11 +18,14 @@ import inspect
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from posttrain.configs import ConfigError
 from posttrain.ops import lengths_to_mask, logprobs_and_entropy, selective_log_softmax
 from posttrain.rollout import (
     Rollout,
@@ -58,23 +61,65 @@ def _trimmed_inputs(rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch
     return ids.masked_fill(~mask, 0), mask, position_ids_from_mask(mask), P - start, end - P
 
 
-def _lm_logits(
-    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, P: int, T: int
-) -> torch.Tensor:
-    """Logits (B, T, V) at positions P−1 … P+T−2, i.e. the ones predicting completion tokens 0 … T−1."""
+@dataclass
+class CompletionForward:
+    """One forward of a causal LM over a rollout, cut to the completion columns.
+
+    logits (B, T', V) at sequence positions P−1 … P+T'−2, i.e. the ones predicting completion tokens
+    0 … T'−1; hidden (B, T', H): the last hidden states at the same positions (the state before each
+    completion token, where a value head reads V), or None; targets / mask (B, T'): the completion
+    ids and mask of those columns. T' ≤ T drops completion columns that are padding in every row;
+    `pad` puts a (B, T') result back on the rollout's T columns, 0 off-mask.
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+    targets: torch.Tensor
+    mask: torch.Tensor
+    width: int
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        return _pad_to(x.masked_fill(~self.mask, 0.0), self.width)
+
+
+def completion_forward(
+    model: torch.nn.Module, rollout: Rollout, *, output_hidden_states: bool = False
+) -> CompletionForward:
+    """Differentiable forward of `model` over prompt + completion with the LM head run only on the
+    positions that predict completion tokens (an index tensor `logits_to_keep` when the model takes
+    it: the LM head never runs on prompt positions and backward never zero-fills a (B, T+1, V)
+    gradient); with output_hidden_states the last hidden states at those positions too."""
+    rollout = rollout.to(_device(model))
+    T = rollout.completion_ids.size(1)
+    ids, mask, positions, P, Tc = _trimmed_inputs(rollout)
+    kwargs: dict[str, Any] = dict(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+    if output_hidden_states:
+        kwargs["output_hidden_states"] = True
     if accepts_logits_to_keep(model):
-        # An index tensor keeps exactly positions P−1 … P+T−2: the LM head never runs on prompt
-        # positions, and no extra row has to be sliced off (which would make backward zero-fill and
-        # copy a (B, T+1, V) gradient).
-        keep = torch.arange(P - 1, P - 1 + T, device=ids.device)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=keep)
-        return out.logits
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
-    return out.logits[:, P - 1 : P - 1 + T]
+        out = model(**kwargs, logits_to_keep=torch.arange(P - 1, P - 1 + Tc, device=ids.device))
+        logits = out.logits
+    else:
+        out = model(**kwargs)
+        logits = out.logits[:, P - 1 : P - 1 + Tc]
+    hidden = out.hidden_states[-1][:, P - 1 : P - 1 + Tc] if output_hidden_states else None
+    return CompletionForward(logits, hidden, rollout.completion_ids[:, :Tc], rollout.completion_mask[:, :Tc], T)
 
 
 def _pad_to(x: torch.Tensor, T: int) -> torch.Tensor:
     return F.pad(x, (0, T - x.size(1)))
+
+
+def forward_logprobs(
+    forward: CompletionForward, *, temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / temperature)[completion token] (B, T) float32 and optionally the entropy
+    (B, T) of a completion forward, both 0 off-mask."""
+    if with_entropy:
+        logprobs, entropy = logprobs_and_entropy(
+            forward.logits, forward.targets, temperature, entropy_grad=entropy_grad
+        )
+        return forward.pad(logprobs), forward.pad(entropy)
+    return forward.pad(selective_log_softmax(forward.logits, forward.targets, temperature)), None
 
 
 def completion_logprobs(
@@ -91,18 +136,12 @@ def completion_logprobs(
     `SamplingConfig.logprob_temperature` so the result matches the recorded rollout logprobs.
     entropy_grad: let gradients flow through the entropy (only for an entropy bonus in the loss).
     """
-    rollout = rollout.to(_device(model))
-    B, T = rollout.completion_ids.shape
-    ids, mask, positions, P, Tc = _trimmed_inputs(rollout)
-    logits = _lm_logits(model, ids, mask, positions, P, Tc)
-    targets = rollout.completion_ids[:, :Tc]
-    cmask = rollout.completion_mask[:, :Tc]
-    if with_entropy:
-        logprobs, entropy = logprobs_and_entropy(logits, targets, temperature, entropy_grad=entropy_grad)
-        entropy = _pad_to(entropy.masked_fill(~cmask, 0.0), T)
-    else:
-        logprobs, entropy = selective_log_softmax(logits, targets, temperature), None
-    return _pad_to(logprobs.masked_fill(~cmask, 0.0), T), entropy
+    return forward_logprobs(
+        completion_forward(model, rollout),
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+    )
 
 
 @torch.no_grad()
@@ -356,3 +395,60 @@ def apply_missing_eos_penalty(scores: torch.Tensor, ended: torch.Tensor, penalty
     if penalty is None:
         return scores
     return scores - penalty * (~ended.to(scores.device, torch.bool)).to(scores.dtype)
+
+
+class RewardSource:
+    """Scores completions: a reward model, text reward functions, or both (summed with weights).
+
+    `reward` may be an nn.Module (a sequence-classification reward model; scored at the last real
+    token, re-tokenized when its tokenizer differs from the policy's), a callable
+    `f(prompts, completions, **columns) -> list[float]`, or a list of those. The missing-EOS
+    penalty looks at the completion only (`rollout.ended`, set by the configured stop tokens).
+    """
+
+    def __init__(
+        self,
+        reward: Any,
+        *,
+        policy_tokenizer: Any,
+        reward_tokenizer: Any = None,
+        weights: Sequence[float] | None = None,
+        batch_size: int = 64,
+        missing_eos_penalty: float | None = None,
+    ) -> None:
+        items = list(reward) if isinstance(reward, (list, tuple)) else [reward]
+        if not items or any(r is None for r in items):
+            raise ConfigError(
+                "no reward given: pass a reward model (reward_model_path) or reward functions (reward_funcs)."
+            )
+        self.models = [r for r in items if isinstance(r, nn.Module)]
+        self.funcs = [r for r in items if not isinstance(r, nn.Module)]
+        if weights is not None and len(weights) != len(items):
+            raise ConfigError(
+                f"reward_weights has {len(weights)} entries for {len(items)} rewards; give one weight per reward."
+            )
+        weights = list(weights) if weights is not None else [1.0] * len(items)
+        self.model_weights = [w for r, w in zip(items, weights) if isinstance(r, nn.Module)]
+        self.func_weights = [w for r, w in zip(items, weights) if not isinstance(r, nn.Module)]
+        self.policy_tokenizer, self.reward_tokenizer = policy_tokenizer, reward_tokenizer
+        self.batch_size, self.missing_eos_penalty = batch_size, missing_eos_penalty
+
+    @torch.no_grad()
+    def __call__(
+        self, rollout: Rollout, prompts: list[str], completions: list[str], columns: dict[str, list] | None = None
+    ) -> torch.Tensor:
+        device = rollout.completion_ids.device
+        scores = torch.zeros(len(rollout), dtype=torch.float32, device=device)
+        for model, w in zip(self.models, self.model_weights):
+            s = reward_model_scores(
+                model,
+                rollout,
+                batch_size=self.batch_size,
+                policy_tokenizer=self.policy_tokenizer,
+                reward_tokenizer=self.reward_tokenizer,
+            )
+            scores = scores + w * s.to(device=device, dtype=torch.float32)
+        if self.funcs:
+            s = reward_function_scores(self.funcs, prompts, completions, weights=self.func_weights, columns=columns)
+            scores = scores + s.to(device=device, dtype=torch.float32)
+        return apply_missing_eos_penalty(scores, rollout.ended, self.missing_eos_penalty)

@@ -1,11 +1,9 @@
-"""GRPO: group relative policy optimisation (Shao et al. 2024, DeepSeekMath), on RLOO's pieces.
+"""GRPO: group relative policy optimisation (Shao et al. 2024, "DeepSeekMath").
 
-Everything except the advantage and the loss is shared with rloo.py (rollout + scoring, the
-epochs × minibatches update loop, logging, sample tables, checkpoints); see that file for the
-rollout layout and the update loop. One rollout batch, per rank, with P prompts and G =
-num_generations:
+No value function: each prompt gets G completions and each completion's advantage is its score
+relative to its group. One rollout batch, per rank, with P prompts and G = num_generations:
 
-1. Rollout and score exactly as RLOO: the P prompts repeated as G blocks (row i·P + p is sample
+1. Rollout and score: the P prompts repeated as G blocks (row i·P + p is sample
    i of prompt p), s = Σ_j w_j·reward_j (reward_weights; reward model first, then reward_funcs),
    s −= missing_eos_penalty without a stop token. No KL in the reward.
 2. Advantage, one per completion (advantages.group_advantages on the explicit (P, G) grid =
@@ -23,8 +21,11 @@ num_generations:
    update forward's detached logprobs when num_iterations = num_mini_batches = 1).
 
 Metrics (masked, count-weighted across micro-batches and ranks):
-  objective/scores, objective/entropy, objective/kl, val/num_eos_tokens, completions/mean_length
-                              as in rloo.py (objective/kl: mean over sequences of Σ_t k1, with a reference)
+  objective/scores            mean score s (after missing_eos_penalty)
+  objective/entropy           mean over sequences of Σ_t −log π(y_t) (sampled-token NLL of the rollout)
+  objective/kl                mean over sequences of Σ_t k1 (log π − log π_ref on sampled tokens; with beta > 0)
+  val/num_eos_tokens          completions that ended on a stop token (sum over ranks)
+  completions/mean_length     mean completion length in tokens
   frac_reward_zero_std        fraction of groups whose scores are all equal (no learning signal)
   loss/policy_avg             token mean of the clipped surrogate term
   loss/kl_avg                 token mean of KL3 (the term beta multiplies; with beta > 0)
@@ -46,33 +47,41 @@ import torch
 from torch import nn
 
 from posttrain import advantages as adv
-from posttrain import checkpoint as ckpt
-from posttrain import distributed as dist
 from posttrain.configs import ConfigError
-from posttrain.health import oom_advice
 from posttrain.losses import ppo_policy_loss
 from posttrain.rollout import Rollout
+from posttrain.scoring import RewardSource
+from posttrain.trainers import online
 from posttrain.trainers.grpo_config import GRPOConfig
-from posttrain.trainers.rloo import TrainerSetup, policy_update, run_from_config, sample_and_score
+from posttrain.trainers.online import (
+    OnlineTrainer,
+    default_config,
+    load_parts,
+    policy_update,
+    prepare_policy,
+    sample_and_score,
+    score,
+)
 
 
-class GRPOTrainer:
+class GRPOTrainer(OnlineTrainer):
     """`GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset=None, processing_class,
     reward_processing_classes=None, callbacks=None, optimizers=(None, None))`, then `.train()`,
     with TRL GRPOTrainer's argument names.
 
-    model: a causal LM or a path (loaded with models.load_policy). reward_funcs: a reward model
-    (nn.Module or path), a text reward function `f(prompts, completions, **columns) -> list[float]`,
-    or a list of them, weighted by args.reward_weights. A reward model path brings the tokenizer saved
-    with it (completions are re-tokenized when it differs) unless reward_processing_classes is given.
-    ref_model: the frozen reference (beta > 0); None copies the initial policy, or with `peft_config`
-    (a peft.LoraConfig: only the adapter trains) uses the policy with its adapter disabled.
-    `accelerator=` shares an existing Accelerator.
+    model: a causal LM, a hub id or a folder (None: args.sft_model_path). reward_funcs: a reward
+    model (nn.Module or path), a text reward function `f(prompts, completions, **columns) -> list[float]`,
+    or a list of them, weighted by args.reward_weights (None: args.reward_model_path /
+    reward_funcs). A reward model path brings the tokenizer saved with it (completions are
+    re-tokenized when it differs) unless reward_processing_classes is given. ref_model: the frozen
+    reference (beta > 0); None copies the initial policy, or with `peft_config` (a peft.LoraConfig:
+    only the adapter trains) uses the policy with its adapter disabled. `accelerator=` shares an
+    existing Accelerator.
     """
 
     def __init__(
         self,
-        model: nn.Module | str,
+        model: nn.Module | str | None = None,
         reward_funcs: Any = None,
         args: GRPOConfig | None = None,
         train_dataset: Any = None,
@@ -82,81 +91,79 @@ class GRPOTrainer:
         callbacks: Sequence[Any] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
         *,
-        ref_model: nn.Module | None = None,
+        ref_model: nn.Module | str | None = None,
         data_collator: Callable | None = None,
         accelerator: Any = None,
         peft_config: Any = None,
     ) -> None:
-        from posttrain.models import load_policy, load_reward_model, load_tokenizer
-
+        if args is None:
+            args = default_config(GRPOConfig, model, "GRPO")
         if not isinstance(args, GRPOConfig):
             raise ConfigError(f"args must be a GRPOConfig, got {type(args).__name__}.")
-        self.config = args
-        common = dict(dtype=args.torch_dtype, trust_remote_code=args.trust_remote_code)
-        if isinstance(model, str):
-            processing_class = processing_class or load_tokenizer(model, trust_remote_code=args.trust_remote_code)
-            model = load_policy(
-                model, gradient_checkpointing=args.gradient_checkpointing, tokenizer=processing_class, **common
-            )
-        rewards = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         if isinstance(reward_processing_classes, (list, tuple)):
             # One reward tokenizer is supported: the first one given for a reward model.
             reward_processing_classes = next((t for t in reward_processing_classes if t is not None), None)
-        if reward_processing_classes is None:
-            # A reward model given by path brings the tokenizer saved with it (as TRL GRPO and the CLI's
-            # load_parts do): scoring the policy's token ids with a model of another vocabulary is silently wrong.
-            for r in rewards:
-                if isinstance(r, str):
-                    try:
-                        reward_processing_classes = load_tokenizer(r, trust_remote_code=args.trust_remote_code)
-                    except (OSError, ValueError):
-                        pass  # no tokenizer saved with the reward model: it shares the policy's
-                    break
-        rewards = [
-            load_reward_model(r, tokenizer=reward_processing_classes or processing_class, **common)
-            if isinstance(r, str)
-            else r
-            for r in rewards
-        ]
-        self.setup = TrainerSetup.create(
+        self.use_reference = args.beta > 0
+        parts = load_parts(
             args,
-            processing_class,
-            model,
-            ref_model,
-            rewards,
-            train_dataset,
-            eval_dataset,
+            model=model,
+            ref_model=ref_model,
+            rewards=reward_funcs,
+            processing_class=processing_class,
+            reward_processing_class=reward_processing_classes,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            peft_config=peft_config,
+            needs_reference=self.use_reference,
+        )
+        policy, self.ref_model = prepare_policy(
+            parts.policy, parts.reference, args, peft_config=parts.peft_config, needs_reference=self.use_reference
+        )
+        self.wrapped = self.setup(
+            args,
+            parts.tokenizer,
+            policy,
+            train_dataset=parts.train_dataset,
+            eval_dataset=parts.eval_dataset,
             data_collator=data_collator,
             optimizers=optimizers,
             callbacks=callbacks,
-            reward_processing_class=reward_processing_classes,
             accelerator=accelerator,
-            needs_reference=args.beta > 0,
-            reward_weights=args.reward_weights,
-            peft_config=peft_config,
         )
-        self.log_history: list[dict[str, float]] = self.setup.log_history
+        for r in parts.rewards:
+            if isinstance(r, nn.Module):
+                r.to(self.run.device).eval()
+        self.reward = RewardSource(
+            parts.rewards,
+            policy_tokenizer=self.processing_class,
+            reward_tokenizer=parts.reward_tokenizer,
+            weights=args.reward_weights,
+            batch_size=args.local_rollout_forward_batch_size,
+            missing_eos_penalty=args.missing_eos_penalty,
+        )
 
-    @property
-    def model(self) -> nn.Module:
-        return dist.unwrap(self.setup.policy, self.setup.run.accelerator)
+    @classmethod
+    def from_config(cls, config: GRPOConfig) -> GRPOTrainer:
+        return cls(args=config)
 
     def train(self) -> dict[str, float]:
         """Run to total_episodes (resuming if asked); save the policy; return the last logged metrics."""
-        s, config = self.setup, self.config
-        run, metrics, G = s.run, s.run.metrics, config.num_generations
-        with ckpt.OutputDirGuard(config.output_dir, is_main=run.is_main), oom_advice():
-            s.resume()
+        config, run, metrics, G = self.config, self.run, self.run.metrics, self.config.num_generations
+        with self.training():
             for update in run.updates():
                 # 1. rollout G completions per prompt (G blocks of P prompts) and score them
                 exp = sample_and_score(
-                    run, s.policy, s.ref_policy, s.reward, run.next_batch(), G, adapter_reference=s.adapter_reference
+                    run,
+                    self.wrapped,
+                    self.ref_model,
+                    self.reward,
+                    run.next_batch(),
+                    G,
+                    with_reference=self.use_reference,
                 )
                 # 2. group-relative advantages on the explicit (num_prompts, G) grid
                 grid = exp.scores.view(G, exp.num_prompts).T  # (P, G)
-                advantages = adv.group_advantages(grid, scale_std=config.scale_rewards).T.reshape(
-                    -1
-                )  # (B,) block layout
+                advantages = adv.group_advantages(grid, scale_std=config.scale_rewards).T.reshape(-1)  # (B,) blocks
                 metrics.add_mean("frac_reward_zero_std", (grid.max(dim=1).values == grid.min(dim=1).values).float())
                 loss_mask = exp.rollout.completion_mask
                 if config.mask_truncated_completions:
@@ -203,38 +210,20 @@ class GRPOTrainer:
 
                 policy_update(
                     run,
-                    s.policy,
-                    s.optimizer,
+                    self.wrapped,
+                    self.optimizer,
                     exp.rollout,
                     num_epochs=config.num_iterations,
                     count=lambda rows: loss_mask[rows].sum(),
                     loss_fn=loss_fn,
                 )
-                s.end_of_update(update)
-            s.finish()
-        return self.log_history[-1] if self.log_history else {}
+                self.end_of_update(update)
+        return self.last_logs
 
-    def save_model(self, output_dir: str | None = None) -> None:
-        """Save the policy (safetensors) and tokenizer where plain transformers can load them."""
-        self.setup.save_model(output_dir)
+    def table_scores(self, rollout: Rollout, batch: dict) -> torch.Tensor:
+        return score(self.run, self.reward, rollout, batch, 1)
 
 
 def run(config: GRPOConfig) -> int:
-    """`posttrain grpo`: load tokenizer, policy, reference (beta > 0), rewards and prompts; train."""
-    return run_from_config(
-        "grpo",
-        config,
-        lambda parts: GRPOTrainer(
-            parts.policy,
-            parts.rewards,
-            config,
-            parts.train_dataset,
-            parts.eval_dataset,
-            parts.tokenizer,
-            reward_processing_classes=parts.reward_tokenizer,
-            ref_model=parts.reference,
-            accelerator=parts.accelerator,
-            peft_config=parts.peft_config,
-        ),
-        needs_reference=config.beta > 0,
-    )
+    """`posttrain grpo`: policy, reference (beta > 0), rewards and prompts from the config; train."""
+    return online.run(GRPOTrainer, config)

@@ -284,7 +284,7 @@ def run(config: RewardConfig) -> int:
     """`posttrain reward`: load tokenizer, model and data from the config, train, save. Exit code."""
     from posttrain.data import DataError
     from posttrain.models import peft_config_from
-    from posttrain.trainers.common import load_split
+    from posttrain.trainers.online import load_split
 
     try:
         check_output_dir(config)

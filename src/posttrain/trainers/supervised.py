@@ -32,8 +32,9 @@ from torch import nn
 from posttrain import checkpoint as ckpt
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError, TrainingConfig
+from posttrain.distributed import no_sync_unless_last
+from posttrain.optim import build_optimizer, build_scheduler
 from posttrain.tracking import MetricAccumulator, ProgressBar, Tracker
-from posttrain.trainers.common import build_optimizer, build_scheduler, no_sync_unless_last
 
 IGNORE_INDEX = -100
 

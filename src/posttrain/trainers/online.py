@@ -1,0 +1,1100 @@
+"""The online skeleton: everything PPO, RLOO, GRPO, Online DPO and XPO share, written once.
+
+An online trainer file tells its algorithm (sample → score → advantages → update → controllers)
+and calls into this module for the plumbing around it:
+
+- loading the parts of a run from a config or from the Python API (`load_parts`, the one loader
+  for the command line and for trainers given paths instead of models);
+- the run's environment (`OnlineRun`): accelerator, derived batch sizes, the resumable prompt
+  stream, sampling settings and stop tokens, metric accumulation, logging, checkpoints;
+- sampling and scoring a rollout batch (`sample`, `score`, `sample_and_score`) and the
+  reference policy (`reference_policy`);
+- batch statistics over all ranks (`OnlineRun.batch_moments`) for whitening and normalisation;
+- the update loop: epochs × minibatches × micro-batches whose losses are divided by the GLOBAL
+  count of the minibatch (`policy_update`, `minibatch_step`), and the one non-finite policy:
+  every rank learns whether any rank's loss is NaN/inf and all skip that optimizer step together;
+  after `HealthMonitor.max_nonfinite` skipped steps in a row training stops with `TrainingDiverged`;
+- `OnlineTrainer`: the public surface of every online trainer and the steps around the algorithm
+  (`training()`: output-dir guard, OOM advice, resume, begin/end events and the final save;
+  `end_of_update()`: learning-rate schedule, metrics, health, sample table, callbacks, checkpoint);
+- `run()`: the command-line path (`posttrain rloo|grpo|ppo|online-dpo|xpo`); errors meant for
+  people are printed once by cli.main.
+
+docs/internals.md ("Trainers") shows where each concern lives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import importlib
+import json
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from posttrain import checkpoint as ckpt
+from posttrain import distributed as dist
+from posttrain.configs import ConfigError, OnPolicyConfig
+from posttrain.health import HealthMonitor, oom_advice
+from posttrain.optim import build_optimizer, build_scheduler, clip_and_step
+from posttrain.rollout import Rollout, SamplingConfig, decode_completions, generate, generation_mode
+from posttrain.scoring import RewardSource, batched_completion_logprobs, completion_logprobs
+from posttrain.tracking import MetricAccumulator, ProgressBar, Tracker
+
+
+# ---------------------------------------------------------------------------------------------
+# the reference policy and sampling settings
+# ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def reference_policy(model: nn.Module, ref_model: nn.Module | None, accelerator: Any) -> Iterator[nn.Module]:
+    """The reference model in eval mode, or the PEFT policy with its adapter TRULY disabled.
+
+    With LoRA (`peft_config` / --use_peft) and no reference model the reference is the frozen base,
+    i.e. the policy with its adapter off, so no second copy of the weights is held. TRL's XPO
+    generated "reference" completions with `get_base_model()`, which in PEFT still runs the LoRA
+    layers (peft#430), so they came from the policy; `disable_adapter()` really switches the adapter
+    off for log-probs and generation alike.
+    """
+    if ref_model is not None:
+        with generation_mode(ref_model):
+            yield ref_model
+        return
+    policy = dist.unwrap(model, accelerator)
+    with policy.disable_adapter(), generation_mode(policy):
+        yield policy
+
+
+def stop_token_ids(config: OnPolicyConfig, tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a completion: the tokenizer's EOS, plus `stop_token_id` (e.g. end of turn).
+
+    Completions always stop at EOS (TRL 0.19's PPO/RLOO sampled to response_length unless told
+    otherwise, TRL#2387, which wastes time and feeds the reward model text after EOS).
+    `stop_token="eos"` is accepted for TRL command lines and means the EOS id.
+    """
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    if config.stop_token_id is not None and config.stop_token_id not in ids:
+        ids.append(int(config.stop_token_id))
+    return tuple(ids)
+
+
+def sampling_config(config: OnPolicyConfig, tokenizer: Any, max_new_tokens: int | None = None) -> SamplingConfig:
+    return SamplingConfig(
+        max_new_tokens=max_new_tokens or config.response_length,
+        temperature=config.temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        do_sample=config.temperature > 0,
+        stop_token_ids=stop_token_ids(config, tokenizer),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# prompts
+# ---------------------------------------------------------------------------------------------
+class PromptStream:
+    """An endless, reshuffled-per-epoch stream of prompt batches that can be checkpointed.
+
+    Each epoch's order is a permutation drawn from (seed, epoch), so resuming at (epoch, position)
+    reproduces exactly the batches an uninterrupted run would have seen. Partial batches at the end
+    of an epoch are dropped (every rollout batch has the same size). Under data parallelism each
+    rank takes its own contiguous slice of every global batch.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        collate: Callable[[list[dict]], dict],
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+    ) -> None:
+        global_batch = batch_size * world_size
+        if len(dataset) < global_batch:
+            raise ConfigError(
+                f"the prompt dataset has {len(dataset)} rows, fewer than one rollout batch needs "
+                f"({global_batch} prompts = {batch_size} per device × {world_size} devices); "
+                "add prompts or lower per_device_train_batch_size / gradient_accumulation_steps."
+            )
+        self.dataset, self.batch_size, self.collate = dataset, batch_size, collate
+        self.seed, self.rank, self.world_size, self.shuffle = seed, rank, world_size, shuffle
+        self.batches_per_epoch = len(dataset) // global_batch
+        self.epoch, self.position = 0, 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(len(self.dataset), generator=g).tolist()
+
+    def __iter__(self) -> PromptStream:
+        return self
+
+    def __next__(self) -> dict:
+        if self.position >= self.batches_per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+            self._order = self._permutation()
+        global_batch = self.batch_size * self.world_size
+        start = self.position * global_batch + self.rank * self.batch_size
+        rows = [self.dataset[i] for i in self._order[start : start + self.batch_size]]
+        self.position += 1
+        return self.collate(rows)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation()
+
+
+def prompt_dataset(config: OnPolicyConfig, tokenizer: Any, dataset: Any, source: str) -> Any:
+    """Tokenize (chat template applied) and validate a prompt dataset; see data.prepare_prompt_dataset."""
+    from posttrain.data import prepare_prompt_dataset
+
+    return prepare_prompt_dataset(
+        dataset, tokenizer, max_prompt_length=config.max_prompt_length, overflow=config.prompt_overflow, source=source
+    )
+
+
+def load_split(config: Any, split: str, required: bool = True) -> Any:
+    """The `split` of config.dataset_name (a hub name, a saved folder or a data file); None when an
+    optional split is absent."""
+    from posttrain.data import load_any_dataset
+
+    if not config.dataset_name:
+        raise ConfigError("dataset_name is not set: pass --dataset_name (a hub name, a saved folder or a data file).")
+    if not required and not has_split(config.dataset_name, split):
+        return None
+    return load_any_dataset(config.dataset_name, split=split, config_name=config.dataset_config)
+
+
+def has_split(name_or_path: str, split: str) -> bool:
+    """Whether an optional split (e.g. the test split used for sample tables) exists. A single data
+    file holds only "train"; a saved DatasetDict folder lists its splits; for hub datasets we try to
+    load and treat only a missing split as absent — any other data error still stops the run."""
+    from posttrain.data import DataError, load_any_dataset
+
+    path = os.path.expanduser(str(name_or_path))
+    if os.path.isfile(path):
+        return split.startswith("train")
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        with open(os.path.join(path, "dataset_dict.json")) as f:
+            return split in json.load(f).get("splits", [])
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "dataset_info.json")):
+        return split.startswith("train")
+    try:
+        load_any_dataset(name_or_path, split=split)
+    except DataError as err:
+        if "no split" in str(err):
+            return False
+        raise
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# reward functions given by import path
+# ---------------------------------------------------------------------------------------------
+def import_callable(path: str) -> Callable:
+    """Resolve "package.module:function" or "package.module.function" to the object."""
+    # The console script does not put the working directory on sys.path (python -m does); reward
+    # modules next to the user's data are the common case, so look there too.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    module, sep, name = path.partition(":")
+    if not sep:
+        module, _, name = path.rpartition(".")
+    if not module or not name:
+        raise ConfigError(f"reward function {path!r} must be an import path like my_pkg.rewards:length_reward.")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"cannot import reward function {path!r}: {err}") from None
+    if not callable(fn):
+        raise ConfigError(f"reward function {path!r} is not callable.")
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------
+# loading the parts of a run: one loader for the command line and the Python API
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Parts:
+    """What a trainer trains with, resolved from objects, paths and the config."""
+
+    tokenizer: Any
+    policy: nn.Module
+    reference: nn.Module | None
+    rewards: list[Any]  # reward models (nn.Module) and reward functions, in order
+    reward_tokenizer: Any
+    train_dataset: Any
+    eval_dataset: Any
+    peft_config: Any = None  # a peft.LoraConfig: only the adapter trains; the reference is the adapter off
+
+
+def as_list(x: Any) -> list[Any]:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _model_path(model: Any) -> str | None:
+    if isinstance(model, (str, os.PathLike)):
+        return os.fspath(model)
+    return getattr(getattr(model, "config", None), "_name_or_path", None) or None
+
+
+def load_parts(
+    config: OnPolicyConfig,
+    *,
+    model: Any = None,
+    ref_model: Any = None,
+    rewards: Any = None,
+    processing_class: Any = None,
+    reward_processing_class: Any = None,
+    train_dataset: Any = None,
+    eval_dataset: Any = None,
+    peft_config: Any = None,
+    needs_reference: bool = False,
+    needs_reward: bool = True,
+    rewards_from_config: bool = True,
+) -> Parts:
+    """Resolve every part of an online run; what is not given comes from the config.
+
+    model / ref_model: a module, a hub id or folder, or None (config.sft_model_path, which defaults
+    to model_name_or_path). rewards: reward models (modules or paths) and reward functions, or None
+    (config.reward_model_path first, then config.reward_funcs). processing_class None: the
+    tokenizer of config.model_name_or_path or of the model. A reward model given by path brings the
+    tokenizer saved with it (completions are re-tokenized when it differs); a reward model saved
+    without one shares the policy's. Datasets None: config.dataset_name's train / test split. With
+    the model loaded from the config, `--use_peft` gives the LoRA config. The reference is None
+    (not loaded) when not needed or with PEFT; the trainer then copies the policy or disables the
+    adapter. rewards_from_config False: no reward from the config (e.g. a judge was given).
+    Cheap checks (paths set, reward functions importable, data readable) run before any
+    model loads.
+    """
+    from posttrain.models import ensure_pad_token, load_policy, load_reward_model, load_tokenizer, peft_config_from
+
+    from_config = model is None
+    if from_config:
+        model = config.sft_model_path
+        if not model:
+            raise ConfigError("no policy: pass --model_name_or_path (or --sft_model_path), a folder or a hub name.")
+        if peft_config is None:
+            peft_config = peft_config_from(config)
+    rewards = as_list(rewards)
+    if not rewards and rewards_from_config:
+        rewards = ([config.reward_model_path] if config.reward_model_path else []) + [
+            import_callable(path) for path in config.reward_funcs or []
+        ]
+        if needs_reward and not rewards:
+            raise ConfigError(
+                "no reward: pass reward_model (a reward model or reward functions), or on the command "
+                "line --reward_model_path (a reward model) and/or --reward_funcs (module:function ...)."
+            )
+    if train_dataset is None and config.dataset_name:
+        train_dataset = load_split(config, config.dataset_train_split)
+        if eval_dataset is None:
+            eval_dataset = load_split(config, config.dataset_test_split, required=False)
+    common = dict(dtype=config.torch_dtype, trust_remote_code=config.trust_remote_code)
+    if processing_class is None:
+        path = config.model_name_or_path if from_config else _model_path(model)
+        if not path:
+            raise ConfigError(
+                "processing_class (the policy's tokenizer) is required when the model was not loaded from a path."
+            )
+        processing_class = load_tokenizer(path, trust_remote_code=config.trust_remote_code)
+    tokenizer = ensure_pad_token(processing_class)
+
+    def policy_from(m: Any) -> nn.Module:
+        if not isinstance(m, (str, os.PathLike)):
+            return m
+        return load_policy(
+            m,
+            gradient_checkpointing=config.gradient_checkpointing,
+            disable_dropout=config.disable_dropout,
+            tokenizer=tokenizer,
+            **common,
+        )
+
+    policy = policy_from(model)
+    if ref_model is None and needs_reference and from_config and peft_config is None:
+        ref_model = model  # the CLI loads the reference from the same path
+    reference = policy_from(ref_model) if ref_model is not None else None
+    loaded = []
+    for r in rewards:
+        if isinstance(r, (str, os.PathLike)):
+            if reward_processing_class is None:
+                try:
+                    reward_processing_class = load_tokenizer(r, trust_remote_code=config.trust_remote_code)
+                except (OSError, ValueError):
+                    pass  # no tokenizer saved with the reward model: it shares the policy's
+            r = load_reward_model(
+                r, tokenizer=reward_processing_class or tokenizer, disable_dropout=config.disable_dropout, **common
+            )
+        loaded.append(r)
+    return Parts(
+        tokenizer, policy, reference, loaded, reward_processing_class, train_dataset, eval_dataset, peft_config
+    )
+
+
+def prepare_policy(
+    policy: nn.Module, reference: nn.Module | None, config: OnPolicyConfig, *, peft_config: Any, needs_reference: bool
+) -> tuple[nn.Module, nn.Module | None]:
+    """(policy, reference) ready to train: LoRA applied (only the adapter trains), dropout off in both
+    (LoRA dropout included), the reference frozen in eval mode. No reference given: a frozen copy of
+    the initial policy, or None with PEFT, meaning "the policy with its adapter disabled"."""
+    from posttrain.models import apply_peft, disable_dropout, is_peft_model
+
+    if reference is not None and reference is policy:
+        raise ConfigError("the reference model is the policy object itself; pass a separate copy (or None to copy it).")
+    policy = apply_peft(policy, peft_config)
+    if needs_reference and reference is None and not is_peft_model(policy):
+        reference = copy.deepcopy(policy)  # the initial policy, frozen
+    if config.disable_dropout:
+        for model in (policy, reference):
+            if model is not None:
+                disable_dropout(model)
+    if config.gradient_checkpointing and not getattr(policy, "is_gradient_checkpointing", True):
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if reference is not None:
+        reference.eval().requires_grad_(False)
+    return policy, reference
+
+
+# ---------------------------------------------------------------------------------------------
+# the run: accelerator, prompts, metrics, checkpoints
+# ---------------------------------------------------------------------------------------------
+def default_config(config_cls: type, model: Any, algo: str) -> OnPolicyConfig:
+    """TRL's default when a trainer gets no config: `config_cls(output_dir=f"{model_name}-{algo}")`,
+    model_name = the last part of the model's hub id or path (the config's default output_dir for a
+    model built in memory)."""
+    name = model if isinstance(model, (str, os.PathLike)) else _model_path(model)
+    if not name:
+        return config_cls()
+    return config_cls(output_dir=f"{os.fspath(name).rstrip('/').split('/')[-1]}-{algo}")
+
+
+def derive_sizes(config: OnPolicyConfig, world_size: int, dataset_size: int) -> None:
+    """config.derive_sizes; a total_episodes smaller than one rollout batch runs one batch, with a
+    warning (TRL's trainers do the same instead of stopping)."""
+    requested = config.total_episodes
+    try:
+        config.derive_sizes(world_size, dataset_size)
+    except ConfigError:
+        if requested is None or not getattr(config, "batch_size", None) or requested >= config.batch_size:
+            raise
+        warnings.warn(
+            f"total_episodes={requested} is smaller than one rollout batch ({config.batch_size} completions); "
+            "running one batch.",
+            stacklevel=4,
+        )
+        config.total_episodes = config.batch_size
+        config.derive_sizes(world_size, dataset_size)
+
+
+@dataclass
+class RunState:
+    """Counters that a checkpoint must restore for an exact resume."""
+
+    update: int = 0  # rollout batches done
+    episode: int = 0  # completions generated (global)
+    optimizer_steps: int = 0
+
+
+class OnlineRun:
+    """The environment of one online training run.
+
+    Owns: the accelerator (one per run; gradient accumulation is done here with exact global
+    normalisation, so accelerate's own loss scaling stays off), derived sizes (validated before any
+    forward pass), the prompt stream, the tracker and progress bar, metric accumulation, the health
+    monitor, checkpointing and resume.
+    """
+
+    def __init__(
+        self,
+        config: OnPolicyConfig,
+        tokenizer: Any,
+        train_dataset: Any,
+        eval_dataset: Any = None,
+        *,
+        accelerator: Any = None,
+        data_collator: Callable | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.accelerator = accelerator or dist.build_accelerator(mixed_precision=config.mixed_precision)
+        dist.set_seed(config.seed)
+        self.world_size = dist.world_size(self.accelerator)
+        self.device = dist.device(self.accelerator)
+        self.is_main = dist.is_main(self.accelerator)
+        if train_dataset is None:
+            raise ConfigError(
+                "train_dataset is required: pass a prompt dataset (or --dataset_name on the command line)."
+            )
+        self.train_dataset = prompt_dataset(config, tokenizer, train_dataset, source="train_dataset")
+        # Sizes count the prompts that survived validation (overflow="drop" may remove some).
+        derive_sizes(config, self.world_size, len(self.train_dataset))
+        self.eval_dataset = (
+            prompt_dataset(config, tokenizer, eval_dataset, source="eval_dataset") if eval_dataset is not None else None
+        )
+        from posttrain.data import PromptCollator
+
+        self.collate = data_collator or PromptCollator(tokenizer.pad_token_id)
+        self.prompts = PromptStream(
+            self.train_dataset,
+            config.prompts_per_rollout,
+            self.collate,
+            config.seed,
+            rank=dist.process_index(self.accelerator),
+            world_size=self.world_size,
+        )
+        self.sampling = sampling_config(config, tokenizer)
+        # Sampling stream: one per rank, seeded so runs are reproducible and ranks differ.
+        self.generator = torch.Generator(device=self.device).manual_seed(
+            config.seed + 7919 * dist.process_index(self.accelerator)
+        )
+        self.state = RunState()
+        self.metrics = MetricAccumulator()
+        self.tracker = Tracker(
+            config.output_dir, config.report_to, config=config.to_dict(), run_name=config.run_name, is_main=self.is_main
+        )
+        self.health = HealthMonitor(enabled=self.is_main)
+        self.progress: ProgressBar | None = None
+        self.start_time = time.time()
+        self._episodes_at_start = 0
+
+    def autocast(self):
+        """bf16/fp16 autocast for forwards when mixed precision is on (CPU AMX or GPU)."""
+        if self.config.mixed_precision == "no":
+            return contextlib.nullcontext()
+        return self.accelerator.autocast()
+
+    # -- the outer loop ---------------------------------------------------------------------------
+    def updates(self) -> Iterator[int]:
+        """Yield rollout-batch indices from the resumed position to num_total_batches − 1."""
+        total = self.config.num_total_batches
+        self.progress = ProgressBar(self.config.total_episodes, disable=not self.is_main)
+        self.progress.update(self.state.episode)
+        self._episodes_at_start = self.state.episode
+        self.start_time = time.time()
+        try:
+            while self.state.update < total:
+                yield self.state.update
+                self.state.update += 1
+                self.state.episode += self.config.batch_size
+                self.progress.update(self.config.batch_size)
+        finally:
+            self.progress.close()
+
+    def to_device(self, batch: dict) -> dict:
+        batch["input_ids"] = batch["input_ids"].to(self.device)
+        batch["attention_mask"] = batch["attention_mask"].to(self.device)
+        return batch
+
+    def next_batch(self) -> dict:
+        return self.to_device(next(self.prompts))
+
+    def eval_prompts(self, n: int) -> dict:
+        rows = [self.eval_dataset[i] for i in range(min(n, len(self.eval_dataset)))]
+        return self.to_device(self.collate(rows))
+
+    @property
+    def eps(self) -> float:
+        """Episodes per second since this process started training (TRL's `eps`)."""
+        elapsed = max(time.time() - self.start_time, 1e-9)
+        return (self.state.episode + self.config.batch_size - self._episodes_at_start) / elapsed
+
+    # -- statistics over the whole rollout batch --------------------------------------------------
+    def batch_moments(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> tuple | None:
+        """(mean, unbiased variance) of `values` over the True positions of `mask` on ALL ranks, for the
+        whitening / normalisation functions of advantages.py, so N processes transform exactly like
+        one process with the global batch (TRL whitens per rank). None on one process: the pure
+        functions then compute the statistics themselves."""
+        if self.world_size == 1:
+            return None
+        return dist.global_moments(values, mask, self.accelerator)
+
+    # -- logging, health, checkpoints -------------------------------------------------------------
+    def should_log(self, update: int) -> bool:
+        return (update + 1) % self.config.logging_steps == 0 or update + 1 == self.config.num_total_batches
+
+    def log(self, update: int, extra: dict[str, float]) -> dict[str, float]:
+        """Reduce accumulated metrics across ranks (one all-reduce), add counters, write to sinks."""
+        values = self.metrics.reduce(self.accelerator)
+        self.metrics.reset()
+        values.update(extra)
+        values["eps"] = self.eps
+        values["episode"] = self.state.episode + self.config.batch_size
+        values["epoch"] = values["episode"] / max(len(self.train_dataset) * self.config.samples_per_prompt, 1)
+        self.tracker.log(values, step=update + 1)
+        self.health.check(values, update + 1)
+        return values
+
+    def should_sample(self, update: int) -> bool:
+        freq = self.config.sample_generations_freq
+        return freq > 0 and self.eval_dataset is not None and (update + 1) % freq == 0
+
+    def should_save(self, update: int) -> bool:
+        steps = self.config.save_steps
+        return steps > 0 and (update + 1) % steps == 0 and update + 1 < self.config.num_total_batches
+
+    def save(self, models: dict[str, nn.Module], optimizer: Any, scheduler: Any, extra: dict | None = None) -> None:
+        """A resumable checkpoint after the current rollout batch (counters already advanced)."""
+        state = {
+            "run": {
+                "update": self.state.update + 1,
+                "episode": self.state.episode + self.config.batch_size,
+                "optimizer_steps": self.state.optimizer_steps,
+            },
+            "prompts": self.prompts.state_dict(),
+            "generator": self.generator.get_state(),
+            "health": self.health.state_dict(),
+            **(extra or {}),
+        }
+        unwrapped = {k: dist.unwrap(m, self.accelerator) for k, m in models.items()}
+        ckpt.save_checkpoint(
+            self.config.output_dir,
+            self.state.update + 1,
+            models=unwrapped,
+            tokenizer=self.tokenizer,
+            config=self.config.to_dict(),
+            optimizer=optimizer,
+            scheduler=scheduler,
+            trainer_state=state,
+            save_total_limit=self.config.save_total_limit,
+            accelerator=self.accelerator,
+        )
+
+    def maybe_resume(self, models: dict[str, nn.Module], optimizer: Any, scheduler: Any) -> dict:
+        """Restore weights, optimizer, scheduler, RNG, counters and data position; return the extra state."""
+        path = ckpt.resolve_checkpoint(self.config.output_dir, self.config.resume_from_checkpoint)
+        if path is None:
+            return {}
+        unwrapped = {k: dist.unwrap(m, self.accelerator) for k, m in models.items()}
+        state = ckpt.load_checkpoint(
+            path, models=unwrapped, optimizer=optimizer, scheduler=scheduler, accelerator=self.accelerator
+        )
+        run = state.pop("run")
+        self.state = RunState(update=run["update"], episode=run["episode"], optimizer_steps=run["optimizer_steps"])
+        self.prompts.load_state_dict(state.pop("prompts"))
+        self.generator.set_state(state.pop("generator"))
+        self.health.load_state_dict(state.pop("health", {}))
+        if self.is_main:
+            print(f"Resumed from {path} at rollout batch {self.state.update} (episode {self.state.episode}).")
+        return state
+
+    def finish(self, model: nn.Module, extra_models: dict[str, nn.Module] | None = None) -> None:
+        """Save the trained policy (and e.g. the critic) where plain transformers can load it.
+        Called on every rank: under ZeRO-3 / FSDP the full weights are gathered collectively."""
+        dist.wait_for_everyone(self.accelerator)
+        ckpt.save_final(
+            self.config.output_dir,
+            dist.unwrap(model, self.accelerator),
+            tokenizer=self.tokenizer,
+            config=self.config.to_dict(),
+            extra_models={k: dist.unwrap(m, self.accelerator) for k, m in (extra_models or {}).items()},
+            accelerator=self.accelerator,
+        )
+        self.tracker.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling and scoring
+# ---------------------------------------------------------------------------------------------
+@torch.no_grad()
+def sample(
+    run: OnlineRun,
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    sampling: SamplingConfig | None = None,
+    num_samples: int = 1,
+    generator: torch.Generator | None = None,
+    return_logprobs: bool = False,
+) -> Rollout:
+    """Completions of left-padded prompts from `model` (the policy, possibly DDP-wrapped, or a
+    reference), in generation mode, with the run's sampling settings and sampling stream."""
+    config = run.config
+    with (
+        dist.unwrap_for_generation(model, run.accelerator, config.ds3_gather_for_generation) as m,
+        generation_mode(m),
+        run.autocast(),
+    ):
+        return generate(
+            m,
+            prompt_ids,
+            prompt_mask,
+            sampling or run.sampling,
+            pad_token_id=run.tokenizer.pad_token_id,
+            num_samples=num_samples,
+            batch_size=config.local_rollout_forward_batch_size,
+            generator=run.generator if generator is None else generator,
+            return_logprobs=return_logprobs,
+        )
+
+
+def row_texts(run: OnlineRun, batch: dict, rollout: Rollout, repeat: int, *, blocks: bool) -> tuple[list, list, dict]:
+    """Per-row prompt texts, completion texts and extra dataset columns (for reward functions and
+    judges) of a rollout whose rows are the batch's prompts repeated `repeat` times, as blocks
+    (row = sample·P + prompt) or prompt-major (row = prompt·repeat + sample)."""
+
+    def per_row(values: Sequence) -> list:
+        return list(values) * repeat if blocks else [v for v in values for _ in range(repeat)]
+
+    columns = {k: per_row(v) for k, v in batch.items() if k not in ("input_ids", "attention_mask", "prompt")}
+    return per_row(batch["prompt"]), decode_completions(run.tokenizer, rollout), columns
+
+
+def score(run: OnlineRun, reward: RewardSource, rollout: Rollout, batch: dict, k: int) -> torch.Tensor:
+    """Scores (B,) of a rollout whose prompts are `batch` repeated as k blocks; texts are decoded only
+    for reward functions. Non-finite scores stop the run with a message."""
+    n = len(rollout)
+    prompts, completions, columns = [""] * n, [""] * n, {}
+    if reward.funcs:
+        prompts, completions, columns = row_texts(run, batch, rollout, k, blocks=True)
+    with run.autocast():
+        scores = reward(rollout, prompts, completions, columns)
+    if not torch.isfinite(scores).all():
+        raise FloatingPointError(f"reward scores are not finite ({scores.detach().flatten()[:4].tolist()} ...).")
+    return scores
+
+
+@torch.no_grad()
+def reference_logprobs(
+    run: OnlineRun, policy: nn.Module, ref_model: nn.Module | None, rollout: Rollout, temperature: float | None = None
+) -> torch.Tensor:
+    """log π_ref per completion token (B, T), 0 off-mask, at `temperature` (default the rollout's
+    log-prob temperature); from ref_model or, when it is None, the PEFT policy with its adapter
+    disabled."""
+    with reference_policy(policy, ref_model, run.accelerator) as ref, run.autocast():
+        logprobs, _ = batched_completion_logprobs(
+            ref,
+            rollout,
+            batch_size=run.config.local_rollout_forward_batch_size,
+            temperature=run.sampling.logprob_temperature if temperature is None else temperature,
+        )
+    return logprobs
+
+
+@dataclass
+class Experience:
+    """One rollout batch on this rank: row = sample_index · num_prompts + prompt_index."""
+
+    rollout: Rollout
+    scores: torch.Tensor  # (B,) float32, after missing_eos_penalty
+    ref_logprobs: torch.Tensor | None  # (B, T), None without a reference
+    kl: torch.Tensor | None  # (B, T) k1 = rollout logprobs − ref_logprobs, 0 off-mask
+    num_prompts: int
+    k: int
+
+
+@torch.no_grad()
+def sample_and_score(
+    run: OnlineRun,
+    policy: nn.Module,
+    ref_policy: nn.Module | None,
+    reward: RewardSource,
+    batch: dict,
+    k: int,
+    *,
+    with_reference: bool,
+) -> Experience:
+    """k completions per prompt, their scores and (with a reference) reference log-probs and k1 KL.
+
+    Prompts are repeated as k blocks (TRL's `queries.repeat(rloo_k, 1)`), so `scores.view(k, P)` is
+    the (sample, prompt) grid. with_reference: take reference log-probs from `ref_policy`, or with
+    `ref_policy` None from the PEFT policy with its adapter disabled. Logs objective/scores, objective/entropy,
+    objective/kl, val/num_eos_tokens and completions/mean_length.
+    """
+    from posttrain.advantages import kl_penalty
+
+    num_prompts = batch["input_ids"].size(0)
+    rollout = sample(
+        run, policy, batch["input_ids"].repeat(k, 1), batch["attention_mask"].repeat(k, 1), return_logprobs=True
+    )
+    scores = score(run, reward, rollout, batch, k)
+    mask = rollout.completion_mask
+    ref_logprobs = kl = None
+    m = run.metrics
+    if with_reference:
+        ref_logprobs = reference_logprobs(run, policy, ref_policy, rollout)
+        kl = kl_penalty(rollout.logprobs, ref_logprobs, "k1", mask)
+        m.add_mean("objective/kl", kl.sum(-1))
+    m.add_mean("objective/scores", scores)
+    m.add_mean("objective/entropy", -(rollout.logprobs * mask).sum(-1))
+    m.add_sum("val/num_eos_tokens", rollout.ended.sum())
+    m.add_mean("completions/mean_length", rollout.completion_lengths.float())
+    return Experience(rollout, scores, ref_logprobs, kl, num_prompts, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# the update: micro-batches, the global normaliser, the one non-finite policy
+# ---------------------------------------------------------------------------------------------
+def micro_batches(indices: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
+    for start in range(0, indices.numel(), size):
+        yield indices[start : start + size]
+
+
+def global_normalizer(local_count: torch.Tensor | float, accelerator: Any) -> float:
+    """The per-rank normaliser that makes a DDP-averaged gradient equal Σ_all / N_global.
+
+    DDP averages gradients over ranks, so each rank divides its loss sum by N_global / world_size.
+    Passing this to the losses makes micro-batching and data parallelism leave the loss unchanged
+    (verl's global token-mean; TRL's per-micro-batch means do not have this property).
+    """
+    count = torch.as_tensor(local_count, dtype=torch.float32, device=dist.device(accelerator))
+    total = dist.reduce_sum(count.clone(), accelerator)
+    return max(float(total.item()) / dist.world_size(accelerator), 1e-8)
+
+
+def backward_micro_batches(
+    accelerator: Any, model: nn.Module, micros: Sequence[torch.Tensor], micro_loss: Callable[[torch.Tensor], Any]
+) -> torch.Tensor:
+    """Backward `micro_loss(rows)` (already divided by the minibatch's global normaliser) of each
+    micro-batch, synchronising DDP gradients on the last one only; the summed detached loss."""
+    total = torch.zeros((), device=dist.device(accelerator))
+    for i, rows in enumerate(micros):
+        with dist.no_sync_unless_last(accelerator, model, i == len(micros) - 1):
+            loss = micro_loss(rows)
+            accelerator.backward(loss)
+        total = total + loss.detach().float()
+    return total
+
+
+def step_if_finite(
+    model: nn.Module, optimizer: Any, loss: torch.Tensor, *, accelerator: Any, health: HealthMonitor, config: Any
+) -> bool:
+    """THE non-finite policy of every online trainer: the finiteness of this rank's loss is summed
+    over all ranks, so either every rank takes the optimizer step (clipping the global grad norm)
+    or every rank drops its gradients together, and ranks never fall out of step. Skipped steps
+    are counted by the health monitor, which stops training after max_nonfinite in a row."""
+    local = loss.detach().float().reshape(())
+    flags = dist.reduce_sum(
+        torch.stack([local.nan_to_num(0.0, 0.0, 0.0), (~torch.isfinite(local)).float()]), accelerator
+    )
+    value = float(flags[0]) if float(flags[1]) == 0 else float("nan")
+    if health.loss_is_finite(value):
+        clip_and_step(model, optimizer, config, accelerator)
+        return True
+    optimizer.zero_grad(set_to_none=True)
+    return False
+
+
+def minibatch_step(
+    run: OnlineRun,
+    model: nn.Module,
+    optimizer: Any,
+    micros: Sequence[torch.Tensor],
+    micro_loss: Callable[[torch.Tensor], Any],
+    veto: Callable[[], bool] | None = None,
+) -> bool:
+    """One optimizer step over a minibatch split into micro-batches (see backward_micro_batches);
+    `veto()` (e.g. PPO's early stopping) may cancel it before the non-finite check. Returns
+    whether the optimizer stepped."""
+    total = backward_micro_batches(run.accelerator, model, micros, micro_loss)
+    if veto is not None and veto():
+        optimizer.zero_grad(set_to_none=True)
+        return False
+    stepped = step_if_finite(model, optimizer, total, accelerator=run.accelerator, health=run.health, config=run.config)
+    run.state.optimizer_steps += int(stepped)
+    return stepped
+
+
+def shuffled_orders(run: OnlineRun, n: int, num_epochs: int) -> list[torch.Tensor]:
+    """One permutation of the n local rows per epoch, drawn from the run's sampling stream."""
+    return [
+        torch.randperm(n, generator=run.generator, device=run.generator.device).to(run.device)
+        for _ in range(num_epochs)
+    ]
+
+
+LossFn = Callable[[torch.Tensor, Rollout, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def policy_update(
+    run: OnlineRun,
+    policy: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rollout: Rollout,
+    *,
+    num_epochs: int,
+    count: Callable[[torch.Tensor], Any],
+    loss_fn: LossFn,
+) -> None:
+    """num_epochs × num_mini_batches optimizer steps over one rollout batch (PPO's inner loops).
+
+    Each epoch draws a permutation of the rows; each minibatch (local_mini_batch_size rows) is split
+    into micro-batches of per_device_train_batch_size whose losses are divided by the minibatch's
+    GLOBAL `count` (sequences or tokens), gradients synchronised on the last micro-batch only.
+    `loss_fn(rows, micro_rollout, logprobs, old_logprobs, normalizer)` returns the micro-batch loss
+    and logs its own metrics; this loop logs policy/entropy_avg. log π_old comes from a no-grad pass
+    over the first epoch's micro-batches (ratio exactly 1 on the first minibatch); with one epoch
+    and one minibatch it is the update forward's own detached value.
+    """
+    config, acc = run.config, run.accelerator
+    temperature = run.sampling.logprob_temperature
+    orders = shuffled_orders(run, len(rollout), num_epochs)
+    policy.train()
+    old_logprobs = None
+    if not (num_epochs == 1 and config.num_mini_batches == 1):
+        old_logprobs = old_policy_logprobs(run, dist.unwrap(policy, acc), rollout, orders[0], temperature)
+
+    def micro_loss(rows: torch.Tensor) -> torch.Tensor:
+        mb = rollout.select(rows)
+        with run.autocast():
+            logprobs, entropy = completion_logprobs(policy, mb, temperature=temperature, with_entropy=True)
+        old = logprobs.detach() if old_logprobs is None else old_logprobs[rows]
+        run.metrics.add_mean("policy/entropy_avg", entropy, mb.completion_mask)
+        return loss_fn(rows, mb, logprobs, old, normalizer)
+
+    for order in orders:
+        for start in range(0, len(rollout), config.local_mini_batch_size):
+            rows = order[start : start + config.local_mini_batch_size]
+            normalizer = global_normalizer(count(rows), acc)
+            minibatch_step(
+                run, policy, optimizer, list(micro_batches(rows, config.per_device_train_batch_size)), micro_loss
+            )
+
+
+@torch.no_grad()
+def old_policy_logprobs(
+    run: OnlineRun, policy: nn.Module, rollout: Rollout, first_order: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """log π_old per completion token (B, T), computed in the first epoch's micro-batches with the same
+    function and mode as the update forward, so the first minibatch's ratio is exactly 1."""
+    out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=rollout.completion_ids.device)
+    for rows in micro_batches(first_order, run.config.per_device_train_batch_size):
+        with run.autocast():
+            logprobs, _ = completion_logprobs(policy, rollout.select(rows), temperature=temperature, with_entropy=True)
+        out[rows] = logprobs.float()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer skeleton
+# ---------------------------------------------------------------------------------------------
+def check_output_dir(config: OnPolicyConfig) -> None:
+    """Refuse to train into an output_dir that already holds a run, before any model loads."""
+    from posttrain.trainers.supervised import check_output_dir as check
+
+    check(config)
+
+
+class OnlineTrainer:
+    """The public surface of every online trainer and the steps around its algorithm.
+
+    A trainer's constructor calls `self.setup(...)`; its `train()` is
+
+        with self.training():
+            for update in self.run.updates():
+                ...                              # sample → score → advantages → update → controllers
+                self.end_of_update(update, extra_metrics)
+        return self.last_logs
+
+    Attributes: args (= config), processing_class, run (OnlineRun), model (the trained policy,
+    unwrapped), ref_model, optimizer, lr_scheduler, callbacks, log_history; train_dataset,
+    eval_dataset and state (the run's counters).
+    """
+
+    # How callbacks are called: "hf" = transformers' method names on_log(args, state, control, logs=)
+    # and on_train_end(args, state, control); "trainer" = posttrain.callbacks.TrainerCallback's
+    # on_train_begin(trainer), on_step_end(trainer, step, logs), on_train_end(trainer).
+    callback_protocol = "hf"
+    # Learning-rate schedule stepped once per rollout batch (TRL's on-policy trainers) or, when
+    # False, by the update loop once per optimizer step (TRL's Online DPO / XPO).
+    schedule_per_update = True
+
+    def setup(
+        self,
+        config: OnPolicyConfig,
+        tokenizer: Any,
+        model: nn.Module,
+        *,
+        train_dataset: Any,
+        eval_dataset: Any = None,
+        data_collator: Callable | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        callbacks: Sequence[Any] | None = None,
+        accelerator: Any = None,
+    ) -> nn.Module:
+        """Build the run, the optimizer and schedule (unless given) and prepare `model` with the
+        accelerator; returns the prepared (possibly DDP-wrapped) model."""
+        from posttrain.models import ensure_pad_token
+
+        self.args = self.config = config
+        self.processing_class = ensure_pad_token(tokenizer)
+        self.run = OnlineRun(
+            config, tokenizer, train_dataset, eval_dataset, accelerator=accelerator, data_collator=data_collator
+        )
+        self.accelerator = self.run.accelerator
+        self.callbacks = list(callbacks or [])
+        self.log_history: list[dict[str, float]] = []
+        optimizer, scheduler = optimizers
+        optimizer = optimizer or build_optimizer(model.parameters(), config)
+        steps = config.num_total_batches * (1 if self.schedule_per_update else config.num_mini_batches)
+        self.lr_scheduler = scheduler or build_scheduler(optimizer, config, num_training_steps=steps)
+        prepared, self.optimizer = self.run.accelerator.prepare(model, optimizer)
+        return prepared
+
+    # -- hooks a trainer may override ---------------------------------------------------------------
+    def checkpoint_models(self) -> dict[str, nn.Module]:
+        """The modules a checkpoint saves and a resume restores."""
+        return {"policy": self.model}
+
+    def extra_state(self) -> dict:
+        """Algorithm state a checkpoint must restore (e.g. the KL controller)."""
+        return {}
+
+    def load_extra_state(self, state: dict) -> None:
+        pass
+
+    def final_models(self) -> tuple[nn.Module, dict[str, nn.Module] | None]:
+        """(policy, extra models) saved at the end: the policy at the top of output_dir."""
+        return self.model, None
+
+    def table_scores(self, rollout: Rollout, batch: dict) -> torch.Tensor | None:
+        """Scores of the sample table's completions (None: the trainer has no scores, e.g. a judge)."""
+        return None
+
+    # -- public API ---------------------------------------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        """The trained policy, unwrapped (`self.wrapped` is the accelerator-prepared module)."""
+        return dist.unwrap(self.wrapped, self.accelerator)
+
+    @property
+    def generation_model(self) -> nn.Module:
+        """The module that samples completions (the prepared policy)."""
+        return self.wrapped
+
+    @property
+    def train_dataset(self) -> Any:
+        return self.run.train_dataset
+
+    @property
+    def eval_dataset(self) -> Any:
+        return self.run.eval_dataset
+
+    @property
+    def state(self) -> RunState:
+        return self.run.state
+
+    @property
+    def last_logs(self) -> dict[str, float]:
+        return self.log_history[-1] if self.log_history else {}
+
+    def add_callback(self, callback: Any) -> None:
+        self.callbacks.append(callback)
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """Save the policy (safetensors) and tokenizer where plain transformers can load them."""
+        run = self.run
+        ckpt.save_final(
+            output_dir or run.config.output_dir,
+            dist.unwrap(self.model, run.accelerator),
+            tokenizer=run.tokenizer,
+            config=run.config.to_dict(),
+            accelerator=run.accelerator,
+        )
+
+    # -- the steps around the algorithm -------------------------------------------------------------
+    @contextlib.contextmanager
+    def training(self) -> Iterator[None]:
+        """Around every train(): the output-dir guard (no half-written output_dir on failure), OOM
+        advice, resume, the begin event; on success the final save and the end event."""
+        run = self.run
+        with ckpt.OutputDirGuard(self.config.output_dir, is_main=run.is_main), oom_advice():
+            extra = run.maybe_resume(self.checkpoint_models(), self.optimizer, self.lr_scheduler)
+            if extra:
+                self.load_extra_state(extra)
+            self.notify("train_begin")
+            yield
+            policy, extra_models = self.final_models()
+            run.finish(policy, extra_models)
+            self.notify("train_end")
+
+    def end_of_update(self, update: int, extra: dict[str, float] | None = None) -> dict[str, float] | None:
+        """After each rollout batch: step the schedule; log (metrics reduced over ranks, health
+        checks), sample table, callbacks and checkpoint when due. Returns the logged metrics."""
+        run, logs = self.run, None
+        lr = self.lr_scheduler.get_last_lr()[0]
+        if self.schedule_per_update:
+            self.lr_scheduler.step()
+        if run.should_log(update):
+            logs = run.log(update, {"lr": lr, **(extra or {})})
+            self.log_history.append(logs)
+            self.notify("log", logs)
+        if run.should_sample(update):
+            self.sample_table(update)
+        self.notify("step_end", logs)
+        if run.should_save(update):
+            run.save(self.checkpoint_models(), self.optimizer, self.lr_scheduler, extra=self.extra_state())
+        return logs
+
+    def notify(self, event: str, logs: dict | None = None) -> None:
+        """THE place where callbacks are called (train_begin, log, step_end, train_end)."""
+        run = self.run
+        for cb in self.callbacks:
+            if self.callback_protocol == "trainer":
+                if event == "step_end":
+                    getattr(cb, "on_step_end", lambda t, step, logs: None)(self, run.state.update + 1, logs)
+                elif event in ("train_begin", "train_end"):
+                    getattr(cb, f"on_{event}", lambda t: None)(self)
+            elif event == "log" and hasattr(cb, "on_log"):
+                cb.on_log(self.config, run.state, None, logs=logs)
+            elif event == "train_end" and hasattr(cb, "on_train_end"):
+                cb.on_train_end(self.config, run.state, None)
+
+    def sample_table(self, update: int) -> None:
+        """THE sample table of every online trainer, every sample_generations_freq rollout batches:
+        columns query, model response, score (TRL's on-policy trainers' names), from the rows of
+        `sample_completions` for the first per_device_eval_batch_size eval prompts; printed and
+        written to samples.jsonl by the tracker."""
+        rows = self.sample_completions(self.config.per_device_eval_batch_size)
+        table = [{"query": r["prompt"], "model response": r["completion"], "score": r["score"]} for r in rows]
+        self.run.tracker.log_table("completions", table, step=update + 1)
+
+    @torch.no_grad()
+    def sample_completions(self, num_prompts: int) -> list[dict]:
+        """Greedy completions of the first `num_prompts` eval prompts (TRL samples its tables at
+        temperature 0.01), decoded with special tokens (EOS shown, padding not), and their scores as
+        objective/scores computes them (missing_eos_penalty included; None where the trainer has no
+        scores, e.g. with a judge): rows {prompt, completion, score}, TRL LogCompletionsCallback's
+        names. The same rows make every trainer's sample table (see `end_of_update`)."""
+        run = self.run
+        if run.eval_dataset is None:
+            raise ConfigError("sampling completions needs an eval_dataset (--dataset_test_split).")
+        batch = run.eval_prompts(num_prompts)
+        greedy = dataclasses.replace(run.sampling, temperature=0.0, do_sample=False)
+        rollout = sample(run, self.generation_model, batch["input_ids"], batch["attention_mask"], sampling=greedy)
+        scores = self.table_scores(rollout, batch)
+        scores = scores.tolist() if scores is not None else [None] * len(rollout)
+        shown = decode_completions(run.tokenizer, rollout, skip_special_tokens=False)
+        return [{"prompt": p, "completion": c, "score": s} for p, c, s in zip(batch["prompt"], shown, scores)]
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line
+# ---------------------------------------------------------------------------------------------
+def run(trainer_cls: type, config: OnPolicyConfig) -> int:
+    """`posttrain <algorithm>`: refuse to overwrite a finished run, then build the trainer from the
+    config alone (its constructor loads every part with `load_parts`) and train. Errors are
+    reported by cli.main."""
+    check_output_dir(config)
+    trainer_cls.from_config(config).train()
+    return 0

@@ -1,0 +1,121 @@
+"""The one loader of the online trainers (online.load_parts), seen from the Python API: TRL's
+constructor conveniences and a reward model saved without a tokenizer, for every online trainer."""
+
+from __future__ import annotations
+
+import pytest
+from datasets import Dataset
+
+from posttrain.testing import build_tiny_causal_lm, build_tiny_reward_model
+from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+from posttrain.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+from posttrain.trainers.ppo import PPOConfig, PPOTrainer
+from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
+from posttrain.trainers.xpo import XPOConfig, XPOTrainer
+
+PROMPTS = ["Hello world", "The quick brown fox", "Once upon a time", "Thank you very much"] * 2
+
+
+def count_e(prompts, completions, **columns):
+    return [float(c.count("e")) for c in completions]
+
+
+def prompts():
+    return Dataset.from_dict({"prompt": PROMPTS})
+
+
+def test_no_config_and_no_tokenizer_give_trls_defaults(tmp_path, monkeypatch, tiny_policy_dir, tiny_tokenizer):
+    """args=None: the trainer's config with output_dir f"{last part of the model path}-{Algo}" (TRL's
+    default); processing_class=None: the tokenizer saved with the model; the model given by path."""
+    monkeypatch.chdir(tmp_path)
+    path = str(tiny_policy_dir)
+    builds = {
+        "RLOO": lambda: RLOOTrainer(policy=path, reward_model=count_e, train_dataset=prompts()),
+        "GRPO": lambda: GRPOTrainer(model=path, reward_funcs=count_e, train_dataset=prompts()),
+        "PPO": lambda: PPOTrainer(model=path, reward_model=count_e, train_dataset=prompts()),
+        "OnlineDPO": lambda: OnlineDPOTrainer(model=path, reward_funcs=count_e, train_dataset=prompts()),
+        "XPO": lambda: XPOTrainer(model=path, reward_model=count_e, train_dataset=prompts()),
+    }
+    for algo, build in builds.items():
+        trainer = build()
+        assert trainer.args.output_dir == f"{tiny_policy_dir.name}-{algo}", algo
+        assert trainer.processing_class.get_vocab() == tiny_tokenizer.get_vocab(), algo
+        assert trainer.model.config.vocab_size == len(tiny_tokenizer), algo
+
+
+def test_a_reward_model_saved_without_its_tokenizer_shares_the_policys(tmp_path, tiny_tokenizer):
+    """Only the weights were saved: every trainer loads the reward model by path and scores the
+    policy's tokens directly (no second tokenizer, no re-tokenization)."""
+    reward_dir = tmp_path / "rm"
+    build_tiny_reward_model(tiny_tokenizer, seed=1).save_pretrained(reward_dir)
+    assert not (reward_dir / "tokenizer_config.json").exists()
+    common = dict(
+        per_device_train_batch_size=4,
+        total_episodes=4,
+        response_length=4,
+        report_to="none",
+        num_sample_generations=0,
+        save_steps=0,
+    )
+
+    def policy():
+        return build_tiny_causal_lm(tiny_tokenizer)
+
+    rm = str(reward_dir)
+    trainers = {
+        "rloo": RLOOTrainer(
+            RLOOConfig(output_dir=str(tmp_path / "rloo"), **common), tiny_tokenizer, policy(), None, rm, prompts()
+        ),
+        "grpo": GRPOTrainer(
+            policy(),
+            rm,
+            GRPOConfig(output_dir=str(tmp_path / "grpo"), num_generations=2, **common),
+            prompts(),
+            processing_class=tiny_tokenizer,
+        ),
+        "ppo": PPOTrainer(
+            args=PPOConfig(output_dir=str(tmp_path / "ppo"), **common),
+            processing_class=tiny_tokenizer,
+            model=policy(),
+            reward_model=rm,
+            train_dataset=prompts(),
+        ),
+        "online_dpo": OnlineDPOTrainer(
+            policy(),
+            reward_model=rm,
+            args=OnlineDPOConfig(output_dir=str(tmp_path / "dpo"), **common),
+            processing_class=tiny_tokenizer,
+            train_dataset=prompts(),
+        ),
+        "xpo": XPOTrainer(
+            policy(),
+            reward_model=rm,
+            args=XPOConfig(output_dir=str(tmp_path / "xpo"), **common),
+            processing_class=tiny_tokenizer,
+            train_dataset=prompts(),
+        ),
+    }
+    for algo, trainer in trainers.items():
+        source = trainer.feedback.reward if algo in ("online_dpo", "xpo") else trainer.reward
+        assert len(source.models) == 1 and source.reward_tokenizer is None, algo
+        assert source.models[0].config.pad_token_id == tiny_tokenizer.pad_token_id, algo
+    last = trainers["grpo"].train()
+    assert last["objective/scores"] == last["objective/scores"]  # a number: the reward model scored
+
+
+def test_total_episodes_smaller_than_one_batch_runs_one_batch(tmp_path, tiny_tokenizer):
+    cfg = RLOOConfig(
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=4,
+        total_episodes=2,
+        num_ppo_epochs=1,
+        response_length=4,
+        report_to="none",
+        num_sample_generations=0,
+        save_steps=0,
+    )
+    with pytest.warns(UserWarning, match=r"total_episodes=2 is smaller than one rollout batch \(4 completions\)"):
+        trainer = RLOOTrainer(cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, count_e, prompts())
+    assert (trainer.args.total_episodes, trainer.args.num_total_batches) == (4, 1)
+    trainer.train()
+    assert trainer.state.episode == 4 and trainer.state.optimizer_steps == 1
