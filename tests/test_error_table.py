@@ -54,6 +54,7 @@ FILES: dict[str, str | bytes] = {
     "mixed_pc.jsonl": json.dumps({"prompt": "Hi", "completion": _CHAT_OK[1:]}) + "\n",
     "run_list.yaml": "- learning_rate\n- 3e-6\n",
     "run_unknown.yaml": "learning_rat: 3e-6\n",
+    "run_syntax.yaml": "learning_rate: 3e-6\nper_device: train: 4\n",
 }
 
 SFT = ["sft", "--model_name_or_path", "{policy}", "--output_dir", "{out}", "--max_steps", "1", "--report_to", "none"]
@@ -85,8 +86,19 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("unknown-flag", ["sft", "--learning_rat", "1e-5"], 2, "unknown argument '--learning_rat'. Did you mean"),
     ("bad-number", ["sft", "--learning_rate", "fast"], 2, "invalid float value: 'fast'"),
     ("config-missing", ["sft", "--config", "{tmp}/nope.yaml"], 1, "nope.yaml: no such file."),
-    ("config-not-mapping", ["sft", "--config", "{run_list.yaml}"], 1, "must hold a mapping of field: value."),
+    (
+        "config-not-mapping",
+        ["sft", "--config", "{run_list.yaml}"],
+        1,
+        "must hold a mapping of field: value, not a list",
+    ),
     ("config-unknown-field", ["sft", "--config", "{run_unknown.yaml}"], 1, "unknown field 'learning_rat'."),
+    (
+        "config-syntax",
+        ["sft", "--config", "{run_syntax.yaml}"],
+        1,
+        "run_syntax.yaml, line 2, column 18: YAML syntax error",
+    ),
     # -- shared training fields -------------------------------------------------------------------
     ("negative-lr", [*SFT, "--learning_rate=-1e-3"], 1, "learning_rate=-0.001 must be >= 0."),
     ("batch-size-0", [*SFT, "--per_device_train_batch_size", "0"], 1, "per_device_train_batch_size=0 must be >= 1."),

@@ -14,7 +14,6 @@ import dataclasses
 import difflib
 import importlib
 import importlib.util
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -139,14 +138,12 @@ def parse_config(name: str, argv: list[str]) -> Any:
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
     if known.config:
-        import yaml
+        from posttrain.configs import ConfigError, load_config_file
 
-        if not os.path.isfile(known.config):
-            raise SystemExit(f"posttrain {name}: --config {known.config}: no such file.")
-        with open(known.config) as f:
-            values = yaml.safe_load(f) or {}
-        if not isinstance(values, dict):
-            raise SystemExit(f"posttrain {name}: --config {known.config} must hold a mapping of field: value.")
+        try:
+            values = load_config_file(known.config)
+        except ConfigError as err:
+            raise SystemExit(f"posttrain {name}: {err}") from None
         dests = {action.dest for action in parser._actions}
         # A saved posttrain_config.json (JSON is YAML) also holds the derived sizes; they are
         # recomputed from the other fields, so they are skipped rather than rejected.
