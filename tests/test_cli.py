@@ -236,3 +236,13 @@ def test_a_saved_run_config_can_be_passed_back_with_config(fake_command, tmp_pat
     (config,) = CALLS
     assert config.learning_rate == 1e-4 and config.total_episodes == 64 and config.per_device_train_batch_size == 8
     assert config.batch_size is None  # derived sizes are recomputed by the trainer, not read back
+
+
+def test_negative_numbers_parse_as_separate_words():
+    """`--learning_rate -1e-3` is the value -0.001 (then refused by the config's own check), not an unknown flag."""
+    from posttrain.cli import parse_config
+
+    config = parse_config("rloo", ["--missing_eos_penalty", "-1.0", "--seed", "-3"])
+    assert config.missing_eos_penalty == -1.0 and config.seed == -3
+    with pytest.raises(SystemExit, match="learning_rate=-0.001 must be >= 0"):
+        parse_config("sft", ["--learning_rate", "-1e-3"])

@@ -125,6 +125,27 @@ def build_parser(name: str, config_cls: type):
     return parser
 
 
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
+def _attach_negative_numbers(argv: list[str]) -> list[str]:
+    """`--learning_rate -1e-3` -> `--learning_rate=-1e-3`: argparse takes "-1e-3" for a flag (its
+    negative-number pattern has no exponent), so a negative value given as its own word is attached."""
+    out: list[str] = []
+    for word in argv:
+        previous = out[-1] if out else ""
+        if word.startswith("-") and _is_number(word) and previous.startswith("--") and "=" not in previous:
+            out[-1] = f"{previous}={word}"
+        else:
+            out.append(word)
+    return out
+
+
 def parse_config(name: str, argv: list[str]) -> Any:
     """Parse the flags (and optional --config YAML) of command `name` into its config dataclass."""
     cmd = COMMANDS[name]
@@ -134,6 +155,7 @@ def parse_config(name: str, argv: list[str]) -> Any:
     if cmd.positional and argv and not argv[0].startswith("-"):
         argv = [f"--{cmd.positional}", *argv]
 
+    argv = _attach_negative_numbers(argv)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
