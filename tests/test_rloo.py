@@ -1,7 +1,7 @@
-"""RLOO trainer: the seed's command lines, learning, exact first ratio, token-level KL in the
+"""RLOO trainer: TRL's documented command lines, learning, exact first ratio, token-level KL in the
 trainer, metrics, resume == uninterrupted, 2 processes == 1 process.
 
-The leave-one-out numbers of the seed's `test_rloo_reward` live in test_advantages.py; here they
+The leave-one-out numbers of TRL's `test_rloo_reward` live in test_advantages.py; here they
 are checked where the trainer uses them (the (k, num_prompts) layout of a real rollout).
 """
 
@@ -90,12 +90,12 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-# -- the seed's command lines ---------------------------------------------------------------------
+# -- TRL's documented command lines ---------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def prompts_on_disk(tmp_path_factory) -> Path:
-    """A save_to_disk folder with the seed's split name, a train split (rloo_tldr) and a test split."""
+    """A save_to_disk folder with the documented split name, a train split (rloo_tldr) and a test split."""
     path = tmp_path_factory.mktemp("prompts")
     DatasetDict(
         {"descriptiveness": prompt_dataset(64), "train": prompt_dataset(64), "test": prompt_dataset(8)}
