@@ -246,3 +246,28 @@ def test_negative_numbers_parse_as_separate_words():
     assert config.missing_eos_penalty == -1.0 and config.seed == -3
     with pytest.raises(SystemExit, match="learning_rate=-0.001 must be >= 0"):
         parse_config("sft", ["--learning_rate", "-1e-3"])
+
+
+@pytest.mark.parametrize("with_checkpoint", [False, True])
+def test_ctrl_c_exits_130_with_where_to_resume(tmp_path, monkeypatch, capsys, with_checkpoint):
+    import torch  # noqa: F401  (the message looks for checkpoints only once a run has loaded torch)
+
+    from posttrain import cli
+    from posttrain.trainers import rloo
+
+    out = tmp_path / "out"
+    if with_checkpoint:
+        (out / "checkpoint-4").mkdir(parents=True)
+        (out / "checkpoint-4" / "checkpoint_complete.json").write_text("{}")
+
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rloo, "run", interrupted)
+    code = cli.main(["rloo", "--output_dir", str(out), "--model_name_or_path", "m", "--reward_funcs", "a:b"])
+    err = capsys.readouterr().err
+    assert code == 130 and "Traceback" not in err
+    if with_checkpoint:
+        assert f"Last checkpoint: {out / 'checkpoint-4'} (step 4)" in err and "--resume_from_checkpoint latest" in err
+    else:
+        assert "No checkpoint was saved yet" in err

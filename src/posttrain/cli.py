@@ -215,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         code = int(runner(config) or 0)
         _shutdown_distributed()
         return code
+    except KeyboardInterrupt:
+        print(f"posttrain {name}: {_interrupted_message(config)}", file=sys.stderr)
+        return 130
     except Exception as err:
         if _is_user_error(err):
             print(f"posttrain {name}: {err}", file=sys.stderr)
@@ -226,6 +229,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"posttrain {name}: {first}\n{OOM_HINT}", file=sys.stderr)
             return 1
         raise
+
+
+def _interrupted_message(config: Any) -> str:
+    """What a user needs after Ctrl-C: where the run can pick up again."""
+    output_dir = getattr(config, "output_dir", None)
+    latest = None
+    if output_dir and "torch" in sys.modules:
+        from posttrain.checkpoint import checkpoint_step, latest_checkpoint
+
+        latest = latest_checkpoint(output_dir)
+    if latest is None:
+        return "interrupted. No checkpoint was saved yet (--save_steps N saves every N steps); a new run starts over."
+    return (
+        f"interrupted. Last checkpoint: {latest} (step {checkpoint_step(latest)}); "
+        f"continue with the same command plus --resume_from_checkpoint latest."
+    )
 
 
 def _shutdown_distributed() -> None:
