@@ -17,7 +17,7 @@ import importlib.util
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from posttrain import __version__
 
@@ -125,6 +125,12 @@ def build_parser(name: str, config_cls: type):
     return parser
 
 
+def _refuse(message: str) -> NoReturn:
+    """A setting refused while parsing: one line on stderr, exit status 2 (a usage error, as argparse's)."""
+    print(message, file=sys.stderr)
+    raise SystemExit(2)
+
+
 def _is_number(word: str) -> bool:
     try:
         float(word)
@@ -165,7 +171,7 @@ def parse_config(name: str, argv: list[str]) -> Any:
         try:
             values = load_config_file(known.config)
         except ConfigError as err:
-            raise SystemExit(f"posttrain {name}: {err}") from None
+            _refuse(f"posttrain {name}: {err}")
         dests = {action.dest for action in parser._actions}
         # A saved posttrain_config.json (JSON is YAML) also holds the derived sizes; they are
         # recomputed from the other fields, so they are skipped rather than rejected.
@@ -173,7 +179,7 @@ def parse_config(name: str, argv: list[str]) -> Any:
         values = {k: v for k, v in values.items() if k not in derived}
         for key in values:
             if key not in dests:
-                raise SystemExit(
+                _refuse(
                     f"posttrain {name}: --config {known.config}: unknown field {key!r}."
                     f"{_closest('--' + key, valid_flags)}"
                 )
@@ -190,7 +196,7 @@ def parse_config(name: str, argv: list[str]) -> Any:
     try:
         return config_cls(**values)
     except ConfigError as err:
-        raise SystemExit(f"posttrain {name}: {err}") from None
+        _refuse(f"posttrain {name}: {err}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,6 +269,7 @@ _USER_ERRORS = (
     ("posttrain.models", "ModelNotFoundError"),
     ("posttrain.models", "MissingDependencyError"),
     ("posttrain.checkpoint", "CheckpointError"),
+    ("posttrain.scoring", "RewardFunctionError"),
 )
 
 

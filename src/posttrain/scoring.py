@@ -296,6 +296,14 @@ def reward_model_scores(
     return torch.cat(scores)
 
 
+class RewardFunctionError(ValueError):
+    """A reward function returned something other than one finite number per completion.
+
+    The message names the function, the row (1-based) and the value; the command line prints it
+    as one line, since the fix is in the user's function.
+    """
+
+
 def reward_function_name(func: Callable[..., Any]) -> str:
     """Name used in errors and metrics (`rewards/<name>`): __name__, or the class name for callables."""
     return getattr(func, "__name__", None) or type(func).__name__
@@ -354,15 +362,15 @@ def reward_function_matrix(
         try:
             n = len(result)
         except TypeError:
-            raise ValueError(
+            raise RewardFunctionError(
                 f"reward function {name!r} returned {type(result).__name__}, expected a list of {B} floats"
             ) from None
         if n != B:
-            raise ValueError(f"reward function {name!r} returned {n} values for {B} completions")
+            raise RewardFunctionError(f"reward function {name!r} returned {n} values for {B} completions")
         for i, value in enumerate(result):
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-                raise ValueError(
-                    f"reward function {name!r} returned {value!r} at row {i} "
+                raise RewardFunctionError(
+                    f"reward function {name!r} returned {value!r} at row {i + 1} of {B} "
                     f"(completion {str(completions[i])[:80]!r}); every value must be a finite number"
                 )
             out[i, j] = float(value)
