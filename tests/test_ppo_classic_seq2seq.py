@@ -117,6 +117,9 @@ def test_generate_returns_decoder_sequences_without_the_query(arch):
         assert int(r[0]) == start
         assert (r[1:-1] != eos).all()  # cut right after its first EOS, if any
         assert len(r) == 6 or int(r[-1]) == eos
+    policy, reference = trainer.generate(QUERIES, max_new_tokens=3, generate_ref_response=True)
+    assert len(policy) == len(reference) == 4
+    assert all(int(r[0]) == start and 2 <= len(r) <= 4 for r in policy + reference)
     single = trainer.generate(QUERIES[0], max_new_tokens=3)
     assert single.dim() == 2 and single.size(0) == 1 and int(single[0, 0]) == start
     # greedy decoding is the argmax of an independent forward at each step
@@ -208,6 +211,25 @@ def test_is_encoder_decoder_is_detected_and_checked():
     causal = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2))
     with pytest.raises(ConfigError, match="same architecture|policy's architecture"):
         PPOTrainer(config=PPOConfig(batch_size=4, report_to="none"), model=t5(), ref_model=causal, tokenizer=tok)
+
+
+def test_num_shared_layers_shares_what_comes_before_that_decoder_layer():
+    """BART, num_shared_layers=0: the embeddings and the whole encoder (named before
+    model.decoder.layers.0) are the policy's own frozen tensors in the reference; decoder layer 0
+    and the value head still train."""
+    torch.manual_seed(0)
+    model = AutoModelForSeq2SeqLMWithValueHead(bart())
+    cfg = PPOConfig(batch_size=4, learning_rate=1e-2, report_to="none", ppo_epochs=1)
+    trainer = PPOTrainer(cfg, model, None, word_tokenizer(1, 2), num_shared_layers=0)
+    lm, ref = model.pretrained_model, trainer.ref_model
+    assert lm.model.encoder.layers[0].fc1.weight is ref.model.encoder.layers[0].fc1.weight
+    assert not lm.model.encoder.layers[0].fc1.weight.requires_grad
+    assert lm.model.decoder.layers[0].fc1.weight is not ref.model.decoder.layers[0].fc1.weight
+    encoder = lm.model.encoder.layers[0].fc1.weight.detach().clone()
+    decoder = lm.model.decoder.layers[0].fc1.weight.detach().clone()
+    trainer.step(QUERIES, responses_for("bart"), SCORES)
+    assert torch.equal(encoder, lm.model.encoder.layers[0].fc1.weight)
+    assert not torch.equal(decoder, lm.model.decoder.layers[0].fc1.weight)
 
 
 def test_trained_model_saves_and_reloads_with_its_value_head(tmp_path):

@@ -9,6 +9,14 @@ log-probs are taken at temperature 1. `PPOTrainer(config=...)` (or the classic p
 num_shared_layers, lr_scheduler)`) builds this trainer.
 
 step() returns the classic statistics (see STEP_STATS) computed as train()'s metrics are.
+
+Encoder–decoder policies (T5, BART: value_head.AutoModelForSeq2SeqLMWithValueHead, detected from the
+model or set by `PPOConfig.is_encoder_decoder`) follow TRL ≤ 0.11: queries are the encoder input
+(right-padded), generate() returns decoder sequences [decoder_start, t1, …] without the query, and
+step() runs `model(input_ids=query, attention_mask=query_mask, decoder_input_ids=response,
+decoder_attention_mask=response_mask)` (scoring.seq2seq_completion_forward): log-probs of
+response[1:] from logits[:, :-1], values from the decoder's hidden states at the same positions. The
+start token is input only, never trained on; the rest of step() is the causal path unchanged.
 """
 
 from __future__ import annotations
@@ -125,7 +133,8 @@ class StepRun(OnlineRun):
 class ClassicPPOTrainer(PPOTrainer):
     """`PPOTrainer(config=PPOConfig(...), model=value_head_model, ref_model=None, tokenizer=tok)`;
     `responses = trainer.generate(queries, return_prompt=False, **generation_kwargs)`;
-    `stats = trainer.step(queries, responses, scores)`; `trainer.log_stats(stats, batch, scores)`."""
+    `stats = trainer.step(queries, responses, scores)`; `trainer.log_stats(stats, batch, scores)`.
+    The policy may be a causal LM or an encoder–decoder LM (see the module docstring)."""
 
     def __init__(
         self,
@@ -147,7 +156,10 @@ class ClassicPPOTrainer(PPOTrainer):
         if not isinstance(config, PPOConfig):
             raise ConfigError(f"PPOTrainer needs a PPOConfig as args= (or config=), got {type(config).__name__}.")
         if model is None:
-            raise ConfigError("model is required: the policy (a causal LM, or a models.CausalLMWithValueHead).")
+            raise ConfigError(
+                "model is required: the policy (a causal LM, a models.CausalLMWithValueHead, or an encoder-decoder "
+                "LM / value_head.AutoModelForSeq2SeqLMWithValueHead)."
+            )
         tokenizer = processing_class if processing_class is not None else tokenizer
         if tokenizer is None:
             raise ConfigError("a tokenizer is required: pass processing_class= (or tokenizer= with config=).")
@@ -191,7 +203,7 @@ class ClassicPPOTrainer(PPOTrainer):
             raise ConfigError("ref_model must have the policy's architecture (both causal or both encoder-decoder).")
         if ref_model is None and not hasattr(vh.pretrained_model, "disable_adapter"):
             if detected:  # create_reference_model shares layers by name (e.g. BART's model.decoder.layers.N)
-                ref_model = create_reference_model(vh.pretrained_model, num_shared_layers=num_shared_layers or None)
+                ref_model = create_reference_model(vh.pretrained_model, num_shared_layers=num_shared_layers)
             else:
                 ref_model = copy.deepcopy(vh.pretrained_model)
                 if num_shared_layers:
