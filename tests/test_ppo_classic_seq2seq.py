@@ -174,6 +174,23 @@ def test_step_logprobs_are_the_decoder_log_softmax_at_response_positions(arch):
     assert stats["tokens/responses_len_mean"] == pytest.approx(sum(len(r) for r in responses) / 4)
 
 
+def test_full_kl_is_the_exact_kl_of_the_decoder_distributions():
+    """kl_penalty="full": objective/kl = mean over rows of Σ_t KL(π(·|q, r[:t]) ‖ π_ref(·|q, r[:t]))
+    over the generated tokens, from unpadded forwards of each pair."""
+    trainer, model = trainer_for("t5", ref_seed=3, ppo_epochs=1, kl_penalty="full", disable_dropout=True)
+    responses = responses_for("t5")
+    total = 0.0
+    with torch.no_grad():
+        for q, r in zip(QUERIES, responses):
+            p = model.eval().pretrained_model(input_ids=q[None], decoder_input_ids=r[None]).logits[0, :-1]
+            ref = trainer.ref_model(input_ids=q[None], decoder_input_ids=r[None]).logits[0, :-1]
+            logp, logq = p.log_softmax(-1), ref.log_softmax(-1)
+            total += float((logp.exp() * (logp - logq)).sum())
+    stats = trainer.step(QUERIES, responses, SCORES)
+    assert total > 0
+    assert stats["objective/kl"] == pytest.approx(total / 4, rel=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["t5", "bart"])
 def test_response_masks_leave_tokens_out_of_the_loss_not_out_of_the_context(arch):
     trainer, model = trainer_for(arch, ref_seed=3, ppo_epochs=1, disable_dropout=True)
