@@ -6,7 +6,7 @@ A user passes `callbacks=[MyCallback()]` (or calls `trainer.add_callback`) with 
 transformers' own `CallbackHandler`, and fires the events at the points `transformers.Trainer` does.
 
 Every trainer (SFT, reward, PPO, RLOO, GRPO, Online DPO, XPO) fires the same events with the same
-state; docs/internals.md ("Callbacks") lists where each fires.
+state; docs/internals.md ("callbacks.py") says where each fires.
 
 `LogCompletionsCallback` keeps TRL's constructor and purpose: a table of the policy's (greedy)
 completions on the eval prompts, sent through the run's tracker (console table, samples.jsonl,
