@@ -494,7 +494,8 @@ class OnlineRun:
 
     # -- the outer loop ---------------------------------------------------------------------------
     def updates(self) -> Iterator[int]:
-        """Yield rollout-batch indices from the resumed position to num_total_batches − 1."""
+        """Yield rollout-batch indices from the resumed position to num_total_batches − 1, or until
+        `stop_requested` (a callback's control.should_training_stop, set by end_of_update)."""
         total = self.config.num_total_batches
         self.progress_bar = ProgressBar(self.config.total_episodes, disable=not self.is_main)
         self.progress_bar.update(self.progress.episode)
