@@ -146,8 +146,8 @@ class GRPOTrainer(OnlineTrainer):
     def from_config(cls, config: GRPOConfig) -> GRPOTrainer:
         return cls(args=config)
 
-    def train(self) -> dict[str, float]:
-        """Run to total_episodes (resuming if asked); save the policy; return the last logged metrics."""
+    def train(self) -> Any:
+        """Run to total_episodes (resuming if asked); save the policy; return a transformers TrainOutput."""
         config, run, metrics, G = self.config, self.run, self.run.metrics, self.config.num_generations
         with self.training():
             for update in run.updates():
@@ -218,7 +218,7 @@ class GRPOTrainer(OnlineTrainer):
                     loss_fn=loss_fn,
                 )
                 self.end_of_update(update)
-        return self.last_logs
+        return self.train_output
 
     def table_scores(self, rollout: Rollout, batch: dict) -> torch.Tensor:
         return score(self.run, self.reward, rollout, batch, 1)
