@@ -40,8 +40,6 @@ VARIANTS = {
     "compaction": {"share_prefill": False, "compact": True},
     "default (both)": {},
     "default + sync_every=4": {"sync_every": 4},
-    "preallocate only": {"share_prefill": False, "compact": False, "preallocate": True},
-    "default + preallocate": {"preallocate": True},
 }
 
 

@@ -70,8 +70,6 @@ ENGINES = [
     pytest.param({"share_prefill": False, "compact": True}, id="compact"),
     pytest.param({"sync_every": 3}, id="sync3"),
     pytest.param({"compact": False, "sync_every": 4}, id="sync4-nocompact"),
-    pytest.param({"preallocate": True}, id="preallocate"),
-    pytest.param({"preallocate": True, "compact": False, "share_prefill": False}, id="preallocate-only"),
 ]
 
 

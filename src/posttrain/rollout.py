@@ -33,7 +33,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from posttrain.compat import preallocated_dynamic_cache
 from posttrain.ops import lengths_to_mask
 
 
@@ -356,7 +355,6 @@ def _generate_chunk(
     compact: bool,
     sync_every: int,
     rng: torch.Generator | None,
-    preallocate: bool,
 ) -> Rollout:
     """Decode one chunk. prompt_ids / prompt_mask (U, P) are prefilled once; row_prompt (N,) maps
     each completion row to its prompt (None: one row per prompt, N = U). `rng`: the generator the
@@ -398,8 +396,7 @@ def _generate_chunk(
 
     steps = 0
     if max_new > 0:
-        cache = preallocated_dynamic_cache(P + max_new) if preallocate else None
-        out = forward(prefill_ids, prefill_mask.long(), position_ids_from_mask(prefill_mask), cache)
+        out = forward(prefill_ids, prefill_mask.long(), position_ids_from_mask(prefill_mask), None)
         past, logits = out.past_key_values, out.logits[:, -1, :]
         if row_prompt is not None:
             # k samples of a prompt share its prefill: the cache rows and first-token logits are
@@ -507,7 +504,6 @@ def generate(
     share_prefill: bool = True,
     compact: bool = True,
     sync_every: int = 1,
-    preallocate: bool = False,
 ) -> Rollout:
     """Sample completions for left-padded prompts (B, P) and return a `Rollout` of B·num_samples rows.
 
@@ -528,8 +524,6 @@ def generate(
       GPU a larger value keeps the device busy; the loop then may run up to sync_every − 1 steps
       past the last stop, whose tokens are discarded and whose random draws are undone (the
       generator is rewound), so the output and the generator's final state are the same.
-    - preallocate: the KV cache writes each step's keys/values in place into buffers sized for the
-      whole completion instead of concatenating (transformers models only; ignored otherwise).
     Prefill sharing and compaction need a KV cache whose rows can be indexed (transformers'
     DynamicCache or a tuple of per-layer tensors); with any other cache they are skipped.
     """
@@ -561,10 +555,6 @@ def generate(
     if sync_every > 1 and sampling.stop_token_ids and not sampling.greedy:
         rng = generator if generator is not None else _default_generator(device)
     keep_kwargs = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
-    if preallocate:
-        from transformers import PreTrainedModel
-
-        preallocate = isinstance(_unwrap(model), PreTrainedModel)
     n = prompt_ids.size(0) * k
     step = n if batch_size is None else batch_size
     if step < 1:
@@ -591,7 +581,6 @@ def generate(
                 compact,
                 sync_every,
                 rng,
-                preallocate,
             )
         )
     return chunks[0] if len(chunks) == 1 else Rollout.cat(chunks)
