@@ -96,6 +96,7 @@ def main() -> None:
     parser.add_argument("--baseline-rev", default="89581c8", help="git revision of the engine to compare against")
     parser.add_argument("--settings", default="no-stop,stop")
     parser.add_argument("--no-hf", action="store_true", help="skip model.generate()")
+    parser.add_argument("--compile", action="store_true", help="also time the default engine on torch.compile(model)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, ids, mask = build(args)
@@ -113,11 +114,11 @@ def bench_setting(args, setting, model, ids, mask, baseline) -> None:
     stop_ids = tuple(range(1, 1 + int(args.stop_frac * args.vocab))) if setting == "stop" else ()
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0, stop_token_ids=stop_ids)
 
-    def ours(fn, options):
+    def ours(fn, options, m=model):
         def run():
-            with generation_mode(model):
+            with generation_mode(m):
                 return fn(
-                    model,
+                    m,
                     ids,
                     mask,
                     sampling,
@@ -147,6 +148,9 @@ def bench_setting(args, setting, model, ids, mask, baseline) -> None:
 
     engines = {"baseline": ours(baseline.generate, {})}
     engines.update({name: ours(generate, options) for name, options in VARIANTS.items()})
+    if args.compile:
+        # The compilation happens in its first call (the token check below), timed separately.
+        engines["default, torch.compile(model)"] = ours(generate, {}, torch.compile(model, dynamic=True))
     if not args.no_hf:
         engines["model.generate()"] = hf
     # Same tokens as the baseline for the same seed; tokens decoded = sum of completion lengths.
@@ -155,7 +159,10 @@ def bench_setting(args, setting, model, ids, mask, baseline) -> None:
     for name, fn in engines.items():
         if name in ("baseline", "model.generate()"):
             continue
+        start = time.perf_counter()
         r = fn()
+        if "compile" in name:
+            print(f"{name}: first call (compilation included) {time.perf_counter() - start:.1f} s")
         same = torch.equal(r.completion_ids, reference.completion_ids) and torch.equal(
             r.completion_lengths, reference.completion_lengths
         )
@@ -176,10 +183,10 @@ def bench_setting(args, setting, model, ids, mask, baseline) -> None:
     base, base_cpu = statistics.median(wall["baseline"]), statistics.median(cpu["baseline"])
     mean_len = tokens / (args.batch * args.k)
     print(f"\n[{setting}] mean completion length {mean_len:.1f} tokens (baseline tokens; HF's may differ)")
-    print(f"{'engine':26s} {'wall ms':>8s} {'tok/s':>7s} {'ratio':>6s} {'cpu ms':>8s} {'cpu ratio':>9s}")
+    print(f"{'engine':30s} {'wall ms':>8s} {'tok/s':>7s} {'ratio':>6s} {'cpu ms':>8s} {'cpu ratio':>9s}")
     for name in engines:
         t, c = statistics.median(wall[name]), statistics.median(cpu[name])
-        print(f"{name:26s} {t * 1e3:8.1f} {tokens / t:7.0f} {base / t:5.2f}x {c * 1e3:8.1f} {base_cpu / c:8.2f}x")
+        print(f"{name:30s} {t * 1e3:8.1f} {tokens / t:7.0f} {base / t:5.2f}x {c * 1e3:8.1f} {base_cpu / c:8.2f}x")
 
 
 if __name__ == "__main__":
