@@ -525,7 +525,8 @@ def generate(
       past the last stop, whose tokens are discarded and whose random draws are undone (the
       generator is rewound), so the output and the generator's final state are the same.
     Prefill sharing and compaction need a KV cache whose rows can be indexed (transformers'
-    DynamicCache or a tuple of per-layer tensors); with any other cache they are skipped.
+    DynamicCache or a tuple of per-layer tensors). With any other cache, compaction is skipped and
+    each chunk's shared prefill is followed by the per-row prefill it could not replace.
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
