@@ -1,24 +1,61 @@
-"""Tokens/s of posttrain.rollout.generate vs transformers' model.generate() on the same model and batch.
+"""Decode tokens/s of posttrain.rollout.generate (each engine variant, and the engine before the
+variants existed) vs transformers' model.generate() on the same model and batch.
 
 Default model: a randomly initialised GPTNeoX shaped like pythia-14m (hidden 128, 6 layers, 4 heads),
-vocab 6815, batch 16, ~15-token left-padded prompts, 53 new tokens, no stop token (random weights
-would stop at random places, and both engines must do the same amount of work), fp32, 2 threads.
-Both engines sample with temperature 1 and the KV cache; ours also records per-token logprobs.
+vocab 6815, batch 16 prompts × k=2 samples, ~15-token left-padded prompts, 53 new tokens, fp32.
+Random weights almost never emit a given token, so two settings are timed:
+- `no-stop`: no stop token, every row decodes all 53 tokens (all engines do the same work);
+- `stop`: a frequent stop set (the first `--stop-frac` of the vocabulary, ≈5% chance a step), so
+  rows stop at scattered steps as trained policies do — this exercises compaction.
+All engines sample with temperature 1 and the KV cache; ours also records per-token logprobs.
+The runs are interleaved (every variant once per round, in a fresh random order each round) and the
+medians reported, so a load change on a shared machine hits every variant alike; ratios are against
+the previous engine (`baseline`, loaded from git at `--baseline-rev`). Both wall time and process
+CPU time are reported: with one thread, CPU time is less disturbed by other jobs on the machine.
+Each variant's tokens are checked equal to the baseline's for the same seed.
 Built from a config, so nothing touches the network.
 
-    PYTHONPATH=src python benchmarks/bench_rollout.py [--bf16] [--repeats 5]
+    PYTHONPATH=src python benchmarks/bench_rollout.py [--threads 1] [--repeats 7] [--bf16]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import random
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from posttrain.rollout import SamplingConfig, generate, generation_mode
+
+VARIANTS = {
+    "legacy options": {"share_prefill": False, "compact": False, "sync_every": 1},
+    "shared prefill": {"share_prefill": True, "compact": False},
+    "compaction": {"share_prefill": False, "compact": True},
+    "default (both)": {},
+    "default + sync_every=4": {"sync_every": 4},
+}
+
+
+def load_baseline(rev: str):
+    """rollout.py as of git revision `rev`, imported as its own module."""
+    root = Path(__file__).resolve().parents[1]
+    source = subprocess.run(
+        ["git", "show", f"{rev}:src/posttrain/rollout.py"], cwd=root, check=True, capture_output=True, text=True
+    ).stdout
+    path = Path("/tmp") / f"posttrain_rollout_{rev}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"rollout_{rev}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
@@ -42,42 +79,60 @@ def build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor, torc
     return model, ids, mask
 
 
-def time_it(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--k", type=int, default=2, help="completions per prompt (num_samples)")
     parser.add_argument("--prompt-len", type=int, default=15)
     parser.add_argument("--new-tokens", type=int, default=53)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=6815)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--stop-frac", type=float, default=0.05)
+    parser.add_argument("--baseline-rev", default="89581c8", help="git revision of the engine to compare against")
+    parser.add_argument("--settings", default="no-stop,stop")
+    parser.add_argument("--no-hf", action="store_true", help="skip model.generate()")
+    parser.add_argument("--compile", action="store_true", help="also time the default engine on torch.compile(model)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, ids, mask = build(args)
-    sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0)
-    generator = torch.Generator().manual_seed(0)
+    baseline = load_baseline(args.baseline_rev)
+    print(
+        f"model hidden={args.hidden} layers={args.layers} vocab={args.vocab} {'bf16' if args.bf16 else 'fp32'}, "
+        f"batch={args.batch} prompts x k={args.k}, prompt~{args.prompt_len}, new={args.new_tokens}, "
+        f"threads={args.threads}, repeats={args.repeats} (interleaved, medians)"
+    )
+    for setting in args.settings.split(","):
+        bench_setting(args, setting, model, ids, mask, baseline)
 
-    def ours() -> None:
-        with generation_mode(model):
-            r = generate(model, ids, mask, sampling, pad_token_id=0, generator=generator)
-        assert r.completion_ids.size(1) == args.new_tokens
 
-    def hf() -> None:
+def bench_setting(args, setting, model, ids, mask, baseline) -> None:
+    stop_ids = tuple(range(1, 1 + int(args.stop_frac * args.vocab))) if setting == "stop" else ()
+    sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0, stop_token_ids=stop_ids)
+
+    def ours(fn, options, m=model):
+        def run():
+            with generation_mode(m):
+                return fn(
+                    m,
+                    ids,
+                    mask,
+                    sampling,
+                    pad_token_id=0,
+                    num_samples=args.k,
+                    generator=torch.Generator().manual_seed(0),
+                    **options,
+                )
+
+        return run
+
+    def hf():
         with torch.no_grad():
-            out = model.generate(
+            return model.generate(
                 input_ids=ids,
                 attention_mask=mask.long(),
                 do_sample=True,
@@ -85,23 +140,53 @@ def main() -> None:
                 top_k=0,
                 top_p=1.0,
                 max_new_tokens=args.new_tokens,
-                min_new_tokens=args.new_tokens,
+                min_new_tokens=0 if stop_ids else args.new_tokens,
+                num_return_sequences=args.k,
                 pad_token_id=0,
-                eos_token_id=None,
+                eos_token_id=list(stop_ids) or None,
             )
-        assert out.size(1) == ids.size(1) + args.new_tokens
 
-    tokens = args.batch * args.new_tokens
-    t_ours = time_it(ours, args.repeats)
-    t_hf = time_it(hf, args.repeats)
-    dtype = "bf16" if args.bf16 else "fp32"
-    print(
-        f"model hidden={args.hidden} layers={args.layers} vocab={args.vocab} {dtype}, batch={args.batch}, "
-        f"prompt~{args.prompt_len}, new={args.new_tokens}, threads={args.threads}"
-    )
-    print(f"posttrain.generate : {tokens / t_ours:9.0f} tok/s  ({t_ours * 1e3:.1f} ms)")
-    print(f"model.generate()   : {tokens / t_hf:9.0f} tok/s  ({t_hf * 1e3:.1f} ms)")
-    print(f"speed-up           : {t_hf / t_ours:.2f}x")
+    engines = {"baseline": ours(baseline.generate, {})}
+    engines.update({name: ours(generate, options) for name, options in VARIANTS.items()})
+    if args.compile:
+        # The compilation happens in its first call (the token check below), timed separately.
+        engines["default, torch.compile(model)"] = ours(generate, {}, torch.compile(model, dynamic=True))
+    if not args.no_hf:
+        engines["model.generate()"] = hf
+    # Same tokens as the baseline for the same seed; tokens decoded = sum of completion lengths.
+    reference = engines["baseline"]()
+    tokens = int(reference.completion_lengths.sum())
+    for name, fn in engines.items():
+        if name in ("baseline", "model.generate()"):
+            continue
+        start = time.perf_counter()
+        r = fn()
+        if "compile" in name:
+            print(f"{name}: first call (compilation included) {time.perf_counter() - start:.1f} s")
+        same = torch.equal(r.completion_ids, reference.completion_ids) and torch.equal(
+            r.completion_lengths, reference.completion_lengths
+        )
+        assert same, f"{name}: tokens differ from the baseline engine"
+    wall: dict[str, list[float]] = {name: [] for name in engines}
+    cpu: dict[str, list[float]] = {name: [] for name in engines}
+    for fn in engines.values():
+        fn()  # warm-up
+    order = list(engines)
+    rng = random.Random(0)
+    for _ in range(args.repeats):
+        rng.shuffle(order)  # a fresh order each round: no variant always runs after the same one
+        for name in order:
+            start, start_cpu = time.perf_counter(), time.process_time()
+            engines[name]()
+            cpu[name].append(time.process_time() - start_cpu)
+            wall[name].append(time.perf_counter() - start)
+    base, base_cpu = statistics.median(wall["baseline"]), statistics.median(cpu["baseline"])
+    mean_len = tokens / (args.batch * args.k)
+    print(f"\n[{setting}] mean completion length {mean_len:.1f} tokens (baseline tokens; HF's may differ)")
+    print(f"{'engine':30s} {'wall ms':>8s} {'tok/s':>7s} {'ratio':>6s} {'cpu ms':>8s} {'cpu ratio':>9s}")
+    for name in engines:
+        t, c = statistics.median(wall[name]), statistics.median(cpu[name])
+        print(f"{name:30s} {t * 1e3:8.1f} {tokens / t:7.0f} {base / t:5.2f}x {c * 1e3:8.1f} {base_cpu / c:8.2f}x")
 
 
 if __name__ == "__main__":

@@ -26,13 +26,17 @@ V = 16
 
 class ScriptedLM(nn.Module):
     """Next-token logits depend only on the last input token: token `table[v]` gets +20 (greedy and
-    near-certain sampling follow the table). Records every call's inputs to check the decode loop."""
+    near-certain sampling follow the table). Records every call's inputs to check the decode loop.
+    Its KV cache is a tuple of one (key, value) pair holding each row's ids so far, so the engine can
+    index its rows (prefill sharing, compaction) and a test can check they stay aligned;
+    opaque=True returns an int cache the engine cannot index."""
 
-    def __init__(self, table: list[int] | None = None, uniform: bool = False):
+    def __init__(self, table: list[int] | None = None, uniform: bool = False, opaque: bool = False):
         super().__init__()
         self.anchor = nn.Parameter(torch.zeros(1))
         self.table = torch.tensor(table if table is not None else [(v + 1) % V for v in range(V)])
         self.uniform = uniform
+        self.opaque = opaque
         self.calls: list[dict] = []
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False):
@@ -47,8 +51,26 @@ class ScriptedLM(nn.Module):
         logits = torch.zeros(*input_ids.shape, V)
         if not self.uniform:
             logits.scatter_(-1, self.table[input_ids][..., None], 20.0)
-        seen = (past_key_values or 0) + input_ids.size(1)
-        return SimpleNamespace(logits=logits, past_key_values=seen)
+        if self.opaque:
+            return SimpleNamespace(logits=logits, past_key_values=(past_key_values or 0) + input_ids.size(1))
+        history = input_ids[:, None, :, None].float()
+        if past_key_values is not None:
+            assert past_key_values[0][0].size(0) == input_ids.size(0), "cache rows out of step with the batch"
+            history = torch.cat([past_key_values[0][0], history], dim=2)
+        return SimpleNamespace(logits=logits, past_key_values=((history, history),))
+
+
+# Engine options: today's engine (one prefill per row, full batch to the end) first, then every
+# variant; all must give the same tokens for the same generator state.
+LEGACY = {"share_prefill": False, "compact": False, "sync_every": 1}
+ENGINES = [
+    pytest.param(LEGACY, id="legacy"),
+    pytest.param({}, id="default"),
+    pytest.param({"compact": False}, id="shared-prefill"),
+    pytest.param({"share_prefill": False, "compact": True}, id="compact"),
+    pytest.param({"sync_every": 3}, id="sync3"),
+    pytest.param({"compact": False, "sync_every": 4}, id="sync4-nocompact"),
+]
 
 
 def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,48 +97,79 @@ def tiny_llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-def test_eos_mid_batch_lengths_masks_and_no_extra_decode_step():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_eos_mid_batch_lengths_masks_and_no_extra_decode_step(engine):
     model = ScriptedLM()
     ids, mask = left_pad([[1, 5], [2, 3, 1], [7]], pad=0)
     r = generate(
-        model, ids, mask, SamplingConfig(max_new_tokens=12, do_sample=False, stop_token_ids=(9,)), pad_token_id=0
+        model,
+        ids,
+        mask,
+        SamplingConfig(max_new_tokens=12, do_sample=False, stop_token_ids=(9,)),
+        pad_token_id=0,
+        **engine,
     )
     # Rows continue 6,7,8,9 / 2..9 / 8,9 and stop at 9 (kept).
     assert r.completion_lengths.tolist() == [4, 8, 2]
     assert r.ended.tolist() == [True, True, True]
     assert r.completion_ids.shape == (3, 8)  # loop ended with the longest row, not at max_new_tokens
     assert r.completion_ids[0].tolist() == [6, 7, 8, 9, 0, 0, 0, 0]
+    assert r.completion_ids[1].tolist() == [2, 3, 4, 5, 6, 7, 8, 9]
     assert r.completion_ids[2].tolist() == [8, 9, 0, 0, 0, 0, 0, 0]
     assert r.completion_mask.tolist()[0] == [True] * 4 + [False] * 4
-    assert len(model.calls) == 8  # one prefill + 7 decode steps: none after the last row stopped
+    sync_every = engine.get("sync_every", 1)
+    # One prefill + 7 decode steps: none after the last row stopped (the check every `sync_every`
+    # steps may add up to sync_every - 1 discarded steps: checks after steps 3, 6, 9 -> 9 calls; 4, 8 -> 8).
+    assert len(model.calls) == {1: 8, 3: 9, 4: 8}[sync_every]
+    # Compaction (default on) drops rows 0 and 2 once both stopped: the check after step 4 (every
+    # step) or after step 6 (sync_every=3) sees 2 of 3 rows stopped; the decode calls after it run
+    # on row 1 alone.
+    compact = engine.get("compact", True)
+    first_compacted = {1: 4, 3: 6}[sync_every] if compact else len(model.calls)
     # Attention mask grows by one column a step; positions continue after each real prompt length.
     for t, call in enumerate(model.calls):
-        assert call["mask"].shape[1] == ids.size(1) + t
+        rows = [0, 1, 2] if t < first_compacted else [1]
+        assert call["mask"].shape == (len(rows), ids.size(1) + t)
         if t > 0:
-            assert call["pos"][:, 0].tolist() == [2 + t - 1, 3 + t - 1, 1 + t - 1]
+            assert call["pos"][:, 0].tolist() == [[2, 3, 1][i] + t - 1 for i in rows]
+            # Each row is fed its own last token (a stopped row's later feeds are discarded).
+            fed = [tok for tok, i in zip(call["ids"][:, 0].tolist(), rows) if t <= r.completion_lengths[i]]
+            assert fed == [r.completion_ids[i, t - 1].item() for i in rows if t <= r.completion_lengths[i]]
     assert model.calls[0]["pos"].tolist() == [[0, 0, 1], [0, 1, 2], [0, 0, 0]]
     assert r.logprobs is not None and (r.logprobs[~r.completion_mask] == 0).all()
     assert r.entropy is None
 
 
-def test_rows_that_never_stop_run_to_max_new_tokens():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_rows_that_never_stop_run_to_max_new_tokens(engine):
     model = ScriptedLM(table=list(range(V)))  # repeats its last token forever
     ids, mask = left_pad([[3], [9]], pad=0)
     r = generate(
-        model, ids, mask, SamplingConfig(max_new_tokens=5, do_sample=False, stop_token_ids=(9,)), pad_token_id=0
+        model,
+        ids,
+        mask,
+        SamplingConfig(max_new_tokens=5, do_sample=False, stop_token_ids=(9,)),
+        pad_token_id=0,
+        **engine,
     )
     assert r.completion_lengths.tolist() == [5, 1]
     assert r.ended.tolist() == [False, True]
     assert r.completion_ids.tolist() == [[3, 3, 3, 3, 3], [9, 0, 0, 0, 0]]
 
 
-def test_pad_equal_to_eos_keeps_real_eos_tokens():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_pad_equal_to_eos_keeps_real_eos_tokens(engine):
     model = ScriptedLM()
     eos = 9
     # A real eos inside the prompt must stay in the mask, and the stop token in the completion too.
     ids, mask = left_pad([[eos, 6], [4]], pad=eos)
     r = generate(
-        model, ids, mask, SamplingConfig(max_new_tokens=10, do_sample=False, stop_token_ids=(eos,)), pad_token_id=eos
+        model,
+        ids,
+        mask,
+        SamplingConfig(max_new_tokens=10, do_sample=False, stop_token_ids=(eos,)),
+        pad_token_id=eos,
+        **engine,
     )
     assert r.completion_lengths.tolist() == [3, 5]
     assert r.completion_mask.sum().item() == 8
@@ -125,42 +178,53 @@ def test_pad_equal_to_eos_keeps_real_eos_tokens():
     assert r.position_ids[0, :5].tolist() == [0, 1, 2, 3, 4]
 
 
-def test_stop_token_other_than_eos_and_several_stop_ids():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_stop_token_other_than_eos_and_several_stop_ids(engine):
     model = ScriptedLM()
     ids, mask = left_pad([[1], [4]], pad=0)
     r = generate(
-        model, ids, mask, SamplingConfig(max_new_tokens=10, do_sample=False, stop_token_ids=(3, 6)), pad_token_id=15
+        model,
+        ids,
+        mask,
+        SamplingConfig(max_new_tokens=10, do_sample=False, stop_token_ids=(3, 6)),
+        pad_token_id=15,
+        **engine,
     )
     assert r.completion_ids.tolist() == [[2, 3], [5, 6]]
     assert r.ended.all()
 
 
-def test_num_samples_are_prompt_major():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_num_samples_are_prompt_major(engine):
     model = ScriptedLM(uniform=True)
     ids, mask = left_pad([[1, 2], [3]], pad=0)
     g = torch.Generator().manual_seed(0)
-    r = generate(model, ids, mask, SamplingConfig(max_new_tokens=4), pad_token_id=0, num_samples=3, generator=g)
+    r = generate(
+        model, ids, mask, SamplingConfig(max_new_tokens=4), pad_token_id=0, num_samples=3, generator=g, **engine
+    )
     assert len(r) == 6
     assert r.prompt_ids[:3].tolist() == [[1, 2]] * 3 and r.prompt_ids[3:].tolist() == [[0, 3]] * 3
     assert r.prompt_mask[3:].tolist() == [[False, True]] * 3
     assert len({tuple(row) for row in r.completion_ids.tolist()}) > 1
 
 
-def test_same_seed_same_tokens_different_seed_different():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_same_seed_same_tokens_different_seed_different(engine):
     model = ScriptedLM(uniform=True)
     ids, mask = left_pad([[1, 2], [3]] * 4, pad=0)
     cfg = SamplingConfig(max_new_tokens=8)
 
     def run(seed: int) -> torch.Tensor:
         return generate(
-            model, ids, mask, cfg, pad_token_id=0, generator=torch.Generator().manual_seed(seed)
+            model, ids, mask, cfg, pad_token_id=0, generator=torch.Generator().manual_seed(seed), **engine
         ).completion_ids
 
     assert torch.equal(run(1), run(1))
     assert not torch.equal(run(1), run(2))
 
 
-def test_top_k_and_top_p_restrict_the_candidates():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_top_k_and_top_p_restrict_the_candidates(engine):
     class Fixed(ScriptedLM):
         def forward(self, input_ids, **kw):
             out = super().forward(input_ids, **kw)
@@ -170,10 +234,10 @@ def test_top_k_and_top_p_restrict_the_candidates():
     model = Fixed()
     ids, mask = left_pad([[1]] * 64, pad=0)
     g = torch.Generator().manual_seed(0)
-    r = generate(model, ids, mask, SamplingConfig(max_new_tokens=3, top_k=2), pad_token_id=0, generator=g)
+    r = generate(model, ids, mask, SamplingConfig(max_new_tokens=3, top_k=2), pad_token_id=0, generator=g, **engine)
     assert set(r.completion_ids.unique().tolist()) == {0, 1}
     # softmax(linspace(4, 0, 16)) puts 0.24 on token 0: top_p = 0.2 keeps only it.
-    r = generate(model, ids, mask, SamplingConfig(max_new_tokens=3, top_p=0.2), pad_token_id=0, generator=g)
+    r = generate(model, ids, mask, SamplingConfig(max_new_tokens=3, top_p=0.2), pad_token_id=0, generator=g, **engine)
     assert set(r.completion_ids.unique().tolist()) == {0}
     # Recorded logprobs are under the full (unfiltered) temperature-scaled distribution.
     full = torch.log_softmax(torch.linspace(4.0, 0.0, V), -1)[0]
@@ -187,11 +251,12 @@ def test_sample_from_probs_matches_distribution_and_skips_zero_probability():
     assert abs((tok[1::2] == 2).float().mean().item() - 0.9) < 0.03
 
 
-def test_greedy_top_k1_and_chunking_agree_on_real_model():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_greedy_top_k1_and_chunking_agree_on_real_model(engine):
     model = tiny_llama()
     ids, mask = left_pad([[5, 6, 7, 8, 9], [11, 12], [20, 21, 22], [30]], pad=0)
     greedy = SamplingConfig(max_new_tokens=12, do_sample=False, stop_token_ids=(1, 2, 3, 4))
-    a = generate(model, ids, mask, greedy, pad_token_id=0)
+    a = generate(model, ids, mask, greedy, pad_token_id=0, **engine)
     b = generate(
         model,
         ids,
@@ -199,8 +264,9 @@ def test_greedy_top_k1_and_chunking_agree_on_real_model():
         SamplingConfig(max_new_tokens=12, top_k=1, stop_token_ids=(1, 2, 3, 4)),
         pad_token_id=0,
         generator=torch.Generator().manual_seed(3),
+        **engine,
     )
-    c = generate(model, ids, mask, greedy, pad_token_id=0, batch_size=3)
+    c = generate(model, ids, mask, greedy, pad_token_id=0, batch_size=3, **engine)
     assert torch.equal(a.completion_ids, b.completion_ids)
     assert torch.equal(a.completion_ids, c.completion_ids)
     assert torch.equal(a.completion_lengths, c.completion_lengths)
@@ -208,7 +274,7 @@ def test_greedy_top_k1_and_chunking_agree_on_real_model():
     # Unpadded single-row generation gives the same tokens as the left-padded batch.
     for i in range(len(ids)):
         real = ids[i : i + 1][:, mask[i]]
-        solo = generate(model, real, torch.ones_like(real, dtype=torch.bool), greedy, pad_token_id=0)
+        solo = generate(model, real, torch.ones_like(real, dtype=torch.bool), greedy, pad_token_id=0, **engine)
         n = int(a.completion_lengths[i])
         assert solo.completion_ids[0, :n].tolist() == a.completion_ids[i, :n].tolist()
 
@@ -291,3 +357,119 @@ def test_input_validation():
         generate(model, ids, torch.tensor([[True, False]]), SamplingConfig(max_new_tokens=2), pad_token_id=0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingConfig(max_new_tokens=2, top_p=0.0)
+
+
+def tiny_neox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(1)
+    config = GPTNeoXConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=64,
+        max_position_embeddings=128,
+    )
+    return GPTNeoXForCausalLM(config).eval()
+
+
+def record_batch_sizes(model: nn.Module) -> list[int]:
+    sizes: list[int] = []
+    model.register_forward_pre_hook(
+        lambda mod, args, kwargs: sizes.append(kwargs["input_ids"].size(0)), with_kwargs=True
+    )
+    return sizes
+
+
+@pytest.mark.parametrize("engine", ENGINES[1:])
+@pytest.mark.parametrize("num_samples", [2, 4])
+@pytest.mark.parametrize("batch_size", [None, 5])
+@pytest.mark.parametrize("builder", [tiny_llama, tiny_neox])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SamplingConfig(max_new_tokens=20, stop_token_ids=(2, 3, 5, 7)),
+        SamplingConfig(max_new_tokens=20, temperature=0.8, top_k=10, top_p=0.9, stop_token_ids=(2, 3, 5, 7)),
+    ],
+    ids=["plain", "top-k-p"],
+)
+def test_every_engine_variant_samples_the_legacy_tokens(engine, num_samples, batch_size, builder, cfg):
+    # pad == eos (2) and four stop ids: on a random 64-token model rows stop at scattered steps, so
+    # prefill sharing, compaction and the sync interval all meet rows stopping mid-batch.
+    model = builder()
+    ids, mask = left_pad([[5, 6, 7, 8, 9], [11, 12], [20, 21, 22], [30], [40, 41, 42, 43]], pad=2)
+
+    def run(**options):
+        g = torch.Generator().manual_seed(11)
+        r = generate(
+            model,
+            ids,
+            mask,
+            cfg,
+            pad_token_id=2,
+            num_samples=num_samples,
+            batch_size=batch_size,
+            generator=g,
+            return_entropy=True,
+            **options,
+        )
+        return r, torch.rand(1, generator=g)  # the generator must also end in the same state
+
+    (old, old_next), (new, new_next) = run(**LEGACY), run(**engine)
+    assert 0 < old.ended.sum() < len(old)  # some rows stopped mid-batch, some ran to the end
+    assert len(set(old.completion_lengths.tolist())) > 3
+    assert torch.equal(new.completion_ids, old.completion_ids)
+    assert torch.equal(new.completion_lengths, old.completion_lengths)
+    assert torch.equal(new.completion_mask, old.completion_mask)
+    assert torch.equal(new.ended, old.ended)
+    assert torch.equal(new.prompt_ids, old.prompt_ids) and torch.equal(new.prompt_mask, old.prompt_mask)
+    assert torch.allclose(new.logprobs, old.logprobs, atol=1e-5)
+    assert torch.allclose(new.entropy, old.entropy, atol=1e-5)
+    assert torch.equal(new_next, old_next)
+
+
+def test_shared_prefill_runs_each_prompt_once_and_compaction_shrinks_the_batch():
+    model = tiny_llama()
+    sizes = record_batch_sizes(model)
+    ids, mask = left_pad([[5, 6, 7, 8, 9], [11, 12], [20, 21, 22]], pad=0)
+    cfg = SamplingConfig(max_new_tokens=20, stop_token_ids=(2, 3, 5, 7))
+
+    def run(**options):
+        sizes.clear()
+        g = torch.Generator().manual_seed(11)
+        r = generate(model, ids, mask, cfg, pad_token_id=0, num_samples=4, generator=g, **options)
+        return r, list(sizes)
+
+    legacy, legacy_sizes = run(**LEGACY)
+    assert legacy_sizes == [12] * len(legacy_sizes)  # 3 prompts x 4 samples, prefilled 12 times
+    shared, shared_sizes = run(compact=False)
+    assert shared_sizes == [3] + [12] * (len(shared_sizes) - 1)  # 3 prefills, then 12 rows decode
+    _, compact_sizes = run()
+    assert compact_sizes[0] == 3 and compact_sizes[1:] == sorted(compact_sizes[1:], reverse=True)
+    # Each decode batch holds the rows not yet stopped at its step, once half the batch had stopped.
+    lengths = legacy.completion_lengths
+    assert min(compact_sizes) < 12 and min(compact_sizes) >= 1
+    for step, rows in enumerate(compact_sizes[1:], start=1):
+        assert rows >= int((lengths > step).sum())  # never drops a live row
+    assert len(compact_sizes) == len(legacy_sizes) == shared.completion_ids.size(1)
+
+
+def test_unindexable_cache_falls_back_to_one_prefill_per_row():
+    ids, mask = left_pad([[1, 2], [3]], pad=0)
+    cfg = SamplingConfig(max_new_tokens=6, stop_token_ids=(4,))
+    runs = []
+    for options in (LEGACY, {}):
+        model = ScriptedLM(uniform=True, opaque=True)
+        g = torch.Generator().manual_seed(0)
+        runs.append(generate(model, ids, mask, cfg, pad_token_id=0, num_samples=3, generator=g, **options))
+        batch = [call["ids"].size(0) for call in model.calls]
+        # The shared prefill (2 prompts) is attempted, then every row is prefilled; no compaction.
+        assert batch == ([6] * 6 if options == LEGACY else [2] + [6] * 6)[: len(batch)]
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+
+
+def test_sync_every_must_be_positive():
+    ids, mask = left_pad([[1]], pad=0)
+    with pytest.raises(ValueError, match="sync_every"):
+        generate(ScriptedLM(), ids, mask, SamplingConfig(max_new_tokens=2), pad_token_id=0, sync_every=0)

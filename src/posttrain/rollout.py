@@ -216,27 +216,34 @@ def generation_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
             m.gradient_checkpointing = True
 
 
-def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_from_probs(
+    probs: torch.Tensor, generator: torch.Generator | None = None, *, uniform: torch.Tensor | None = None
+) -> torch.Tensor:
     """One draw per row of (B, V) probabilities (rows need not sum exactly to 1) by inverse CDF.
 
     Needs B uniform numbers instead of B·V: torch.multinomial (and the exponential-race trick) draw
     one random number per vocabulary entry, which measured 2.2 ms for a (16, 6815) batch on CPU
     against 0.06 ms here — most of a tiny model's decode step. Zero-probability tokens are never
-    picked (`right=True` needs cdf[i] > u ≥ cdf[i−1]).
+    picked (`right=True` needs cdf[i] > u ≥ cdf[i−1]). `uniform` (B, 1) in [0, 1) replaces the draw
+    (the decode loop draws for every original row and passes the live rows' numbers).
     """
     cdf = probs.cumsum(-1)
-    u = torch.rand(probs.size(0), 1, generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+    if uniform is None:
+        uniform = torch.rand(probs.size(0), 1, generator=generator, device=probs.device, dtype=cdf.dtype)
+    u = uniform * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.size(-1) - 1)
 
 
 def _make_sampler(
     sampling: SamplingConfig, generator: torch.Generator | None, return_logprobs: bool, return_entropy: bool
 ):
-    """Returns fn(logits (B, V)) -> (tokens (B,), logprobs (B,) | None, entropy (B,) | None).
+    """Returns fn(logits (L, V), num_rows, rows) -> (tokens (L,), logprobs (L,) | None, entropy (L,) | None).
 
-    Chosen once so the decode loop does no per-step branching. One float32 (B, V) log-softmax per
-    step is the only full-vocab copy on the plain sampling path; probabilities for the sampler are
-    its exp(), shared with the entropy.
+    `rows` (L,) are the batch's row indices among `num_rows` (None: all of them, L = num_rows). Each
+    sampling step draws `num_rows` uniforms from `generator` whatever L is, so dropping stopped rows
+    out of the batch leaves every live row's draws unchanged. Chosen once so the decode loop does no
+    per-step branching. One float32 (L, V) log-softmax per step is the only full-vocab copy on the
+    plain sampling path; probabilities for the sampler are its exp(), shared with the entropy.
     """
     temp = sampling.logprob_temperature
     top_k, top_p = sampling.top_k, sampling.top_p
@@ -255,9 +262,13 @@ def _make_sampler(
             ent = -(probs * logp).sum(-1)
         return lp, ent
 
+    def uniforms(num_rows: int, rows: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        u = torch.rand(num_rows, 1, generator=generator, device=device, dtype=torch.float32)
+        return u if rows is None else u[rows]
+
     if sampling.greedy:
 
-        def greedy(logits: torch.Tensor):
+        def greedy(logits: torch.Tensor, num_rows: int, rows: torch.Tensor | None):
             tok = logits.argmax(-1)
             if not (return_logprobs or return_entropy):
                 return tok, None, None
@@ -268,15 +279,15 @@ def _make_sampler(
 
     if top_k == 0 and top_p >= 1.0:
 
-        def plain(logits: torch.Tensor):
+        def plain(logits: torch.Tensor, num_rows: int, rows: torch.Tensor | None):
             logp = scaled_logp(logits)
             probs = logp.exp()
-            tok = sample_from_probs(probs, generator)
+            tok = sample_from_probs(probs, uniform=uniforms(num_rows, rows, logits.device))
             return (tok, *stats(logp, tok, probs))
 
         return plain
 
-    def filtered(logits: torch.Tensor):
+    def filtered(logits: torch.Tensor, num_rows: int, rows: torch.Tensor | None):
         logp = scaled_logp(logits)
         # Filtering works on log-probs: they order the vocabulary like the scaled logits and the
         # softmax over any subset of them is the renormalised filtered distribution (HF applies
@@ -291,11 +302,42 @@ def _make_sampler(
             # it already does (the most likely token is always kept).
             drop = (p.cumsum(-1) - p) >= top_p
             cand = cand.masked_fill(drop, float("-inf"))
-        pick = sample_from_probs(torch.softmax(cand, dim=-1), generator)
+        pick = sample_from_probs(torch.softmax(cand, dim=-1), uniform=uniforms(num_rows, rows, logits.device))
         tok = cand_idx.gather(-1, pick[:, None]).squeeze(-1)
         return (tok, *stats(logp, tok))
 
     return filtered
+
+
+def _select_cache_rows(past: Any, index: torch.Tensor) -> Any:
+    """The KV cache restricted (or expanded) to batch rows `index`, or None when its layout is unknown.
+
+    transformers' DynamicCache (4.53 and 5.x alike) selects in place with `batch_select_indices`
+    (rows may repeat, so this also expands one prefill to k samples); a legacy tuple of per-layer
+    (key, value) tensors is indexed on dim 0. Any other cache (a model's own, a static or
+    hybrid cache) returns None and the caller keeps every row.
+    """
+    from transformers import DynamicCache
+
+    if isinstance(past, DynamicCache):
+        past.batch_select_indices(index)
+        return past
+    if (
+        isinstance(past, tuple)
+        and past
+        and all(isinstance(layer, tuple) and all(isinstance(t, torch.Tensor) for t in layer) for layer in past)
+    ):
+        return tuple(tuple(t.index_select(0, index) for t in layer) for layer in past)
+    return None
+
+
+def _default_generator(device: torch.device) -> torch.Generator | None:
+    """The generator torch.rand uses on `device` when given none (CPU and CUDA; None elsewhere)."""
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return None
 
 
 @torch.no_grad()
@@ -303,73 +345,141 @@ def _generate_chunk(
     model: torch.nn.Module,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
+    row_prompt: torch.Tensor | None,
     sampling: SamplingConfig,
     pad_token_id: int,
     sampler: Any,
     keep_kwargs: dict[str, int],
     return_logprobs: bool,
     return_entropy: bool,
+    compact: bool,
+    sync_every: int,
+    rng: torch.Generator | None,
 ) -> Rollout:
-    B, P = prompt_ids.shape
+    """Decode one chunk. prompt_ids / prompt_mask (U, P) are prefilled once; row_prompt (N,) maps
+    each completion row to its prompt (None: one row per prompt, N = U). `rng`: the generator the
+    sampler draws from, rewound after steps run past the last stop (sync_every > 1)."""
     device = prompt_ids.device
     max_new = sampling.max_new_tokens
-    prompt_lengths = prompt_mask.sum(-1)
+    # Masked prompt slots get id 0: an out-of-vocabulary pad (TRL examples add [PAD] without
+    # resizing embeddings) must never reach the embedding; masked ids do not affect real tokens.
+    prefill_ids = prompt_ids.masked_fill(~prompt_mask, 0)
+    prefill_mask = prompt_mask
+    if row_prompt is not None:
+        prompt_ids, prompt_mask = prompt_ids[row_prompt], prompt_mask[row_prompt]
+    N, P = prompt_ids.shape
 
     # One preallocated attention mask whose growing prefix is passed each step (a view, no cat).
     # Columns after the prompt stay 1 even after a row stops: a stopped row's later tokens are
     # discarded, so what it attends to does not matter, and live rows never see other rows.
-    attention = torch.ones(B, P + max_new, dtype=torch.long, device=device)
+    attention = torch.ones(N, P + max_new, dtype=torch.long, device=device)
     attention[:, :P] = prompt_mask
-    positions = prompt_lengths[:, None] + torch.arange(max_new, device=device)  # (B, max_new)
-    # Masked prompt slots get id 0: an out-of-vocabulary pad (TRL examples add [PAD] without
-    # resizing embeddings) must never reach the embedding; masked ids do not affect real tokens.
-    input_ids = prompt_ids.masked_fill(~prompt_mask, 0)
-    position_ids = position_ids_from_mask(prompt_mask)
+    positions = prompt_mask.sum(-1)[:, None] + torch.arange(max_new, device=device)  # (N, max_new)
 
-    completion = torch.full((B, max_new), pad_token_id, dtype=torch.long, device=device)
-    logprobs = torch.zeros(B, max_new, dtype=torch.float32, device=device) if return_logprobs else None
-    entropy = torch.zeros(B, max_new, dtype=torch.float32, device=device) if return_entropy else None
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
-    lengths = torch.zeros(B, dtype=torch.long, device=device)
+    completion = torch.full((N, max_new), pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(N, max_new, dtype=torch.float32, device=device) if return_logprobs else None
+    entropy = torch.zeros(N, max_new, dtype=torch.float32, device=device) if return_entropy else None
+    finished = torch.zeros(N, dtype=torch.bool, device=device)
+    lengths = torch.zeros(N, dtype=torch.long, device=device)
     stop_ids = sampling.stop_token_ids
     stop_tensor = torch.tensor(stop_ids, dtype=torch.long, device=device) if len(stop_ids) > 1 else None
 
-    past = None
-    steps = 0
-    for t in range(max_new):
-        out = model(
+    def forward(input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, past: Any) -> Any:
+        return model(
             input_ids=input_ids,
-            attention_mask=attention[:, : P + t],
+            attention_mask=mask,
             position_ids=position_ids,
             past_key_values=past,
             use_cache=True,
             **keep_kwargs,
         )
-        past = out.past_key_values
-        tok, lp, ent = sampler(out.logits[:, -1, :])
+
+    steps = 0
+    if max_new > 0:
+        out = forward(prefill_ids, prefill_mask.long(), position_ids_from_mask(prefill_mask), None)
+        past, logits = out.past_key_values, out.logits[:, -1, :]
+        if row_prompt is not None:
+            # k samples of a prompt share its prefill: the cache rows and first-token logits are
+            # repeated, so the sampler sees exactly the (N, V) logits a prefill per row gives.
+            expanded = _select_cache_rows(past, row_prompt)
+            if expanded is None:  # a cache layout we cannot index: prefill every row
+                row_ids = prompt_ids.masked_fill(~prompt_mask, 0)
+                out = forward(row_ids, attention[:, :P], position_ids_from_mask(prompt_mask), None)
+                past, logits = out.past_key_values, out.logits[:, -1, :]
+            else:
+                past, logits = expanded, logits[row_prompt]
+
+    # The loop writes into per-batch views of the results. Once rows are compacted out of the
+    # batch, `live` holds the batch's row indices and the buffers are copies, scattered back into
+    # the results at the next compaction and at the end.
+    buffers = [completion, logprobs, entropy, finished, lengths]
+    live: torch.Tensor | None = None
+
+    def scatter_back() -> None:
+        if live is not None:
+            for full, part in zip((completion, logprobs, entropy, finished, lengths), buffers):
+                if full is not None:
+                    full[live] = part
+
+    rng_states: list[torch.Tensor] = []  # before each draw since the last check (sync_every > 1)
+    rng_base = 0
+    for t in range(max_new):
+        comp_b, lp_b, ent_b, done, lens = buffers
+        rows = done.size(0)
+        if rng is not None:
+            rng_states.append(rng.get_state())
+        # Every step draws N uniforms whatever the batch holds now (see _make_sampler).
+        tok, lp, ent = sampler(logits, N, live)
         steps = t + 1
-        completion[:, t] = tok.masked_fill(finished, pad_token_id)
-        if logprobs is not None:
-            logprobs[:, t] = lp.masked_fill(finished, 0.0)
-        if entropy is not None:
-            entropy[:, t] = ent.masked_fill(finished, 0.0)
-        lengths += ~finished
+        comp_b[:, t] = tok.masked_fill(done, pad_token_id)
+        if lp_b is not None:
+            lp_b[:, t] = lp.masked_fill(done, 0.0)
+        if ent_b is not None:
+            ent_b[:, t] = ent.masked_fill(done, 0.0)
+        lens += ~done
         if stop_ids:
             hit = tok == stop_ids[0] if stop_tensor is None else torch.isin(tok, stop_tensor)
-            finished |= hit
-            # The only host sync per step; without stop tokens there is nothing to wait for.
-            if bool(finished.all()):
-                break
+            done |= hit
+            # The only host sync, every `sync_every` steps; without stop tokens there is none.
+            if steps % sync_every == 0 and steps < max_new:
+                if not compact:
+                    if bool(done.all()):
+                        break
+                else:
+                    n_done = int(done.sum())
+                    if n_done == rows:
+                        break
+                    if 2 * n_done >= rows:
+                        keep = (~done).nonzero().squeeze(-1)
+                        selected = _select_cache_rows(past, keep)
+                        if selected is not None:
+                            scatter_back()
+                            buffers = [b[keep] if b is not None else None for b in buffers]
+                            live = keep if live is None else live[keep]
+                            past, tok = selected, tok[keep]
+                            attention, positions = attention[keep], positions[keep]
+                # A row is still live, so every step so far counts: no rewind before this point.
+                rng_states, rng_base = [], steps
+        if steps == max_new:
+            break
         # The sampled token (not pad) is fed even for stopped rows: it is always a valid id.
-        input_ids = tok[:, None]
-        position_ids = positions[:, t : t + 1]
+        out = forward(tok[:, None], attention[:, : P + steps], positions[:, t : t + 1], past)
+        past, logits = out.past_key_values, out.logits[:, -1, :]
+    scatter_back()
 
-    completion_ids = completion[:, :steps]
+    if sync_every > 1 and N > 0 and steps > 0:
+        # Steps run after every row stopped wrote nothing; the longest row sets T as before, and the
+        # generator goes back to its state before the first such step, so later draws (the next
+        # chunk, the next call) are the ones an engine checking every step would make.
+        used = int(lengths.max())
+        if rng is not None and used < steps:
+            rng.set_state(rng_states[used - rng_base])
+        steps = used
     # A row ended on a stop token iff it finished; length counts the stop token.
     return Rollout(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
-        completion_ids=completion_ids,
+        completion_ids=completion[:, :steps],
         completion_mask=lengths_to_mask(lengths, steps),
         completion_lengths=lengths,
         ended=finished,
@@ -391,6 +501,9 @@ def generate(
     generator: torch.Generator | None = None,
     return_logprobs: bool = True,
     return_entropy: bool = False,
+    share_prefill: bool = True,
+    compact: bool = True,
+    sync_every: int = 1,
 ) -> Rollout:
     """Sample completions for left-padded prompts (B, P) and return a `Rollout` of B·num_samples rows.
 
@@ -399,9 +512,26 @@ def generate(
     ending as soon as all its rows stopped. `generator` makes sampling reproducible (it must live on
     the model's device); the same generator state gives the same tokens for the same chunking.
     Call inside `generation_mode(model)` to get eval mode without gradient checkpointing.
+
+    Engine options (none changes which tokens a generator state samples; benchmarks/README.md
+    "decode engine" has the measurements):
+    - share_prefill: the num_samples completions of a prompt share one prompt prefill (its KV cache
+      rows are repeated) instead of prefilling the prompt num_samples times.
+    - compact: once at least half the rows of the batch have stopped, they are dropped from the
+      batch (KV cache, mask, positions) and decoding continues on the live rows. Each step still
+      draws one uniform per original row, so the live rows' random numbers are unchanged.
+    - sync_every: check "have all rows stopped?" (a device-to-host sync) every this many steps. On a
+      GPU a larger value keeps the device busy; the loop then may run up to sync_every − 1 steps
+      past the last stop, whose tokens are discarded and whose random draws are undone (the
+      generator is rewound), so the output and the generator's final state are the same.
+    Prefill sharing and compaction need a KV cache whose rows can be indexed (transformers'
+    DynamicCache or a tuple of per-layer tensors). With any other cache, compaction is skipped and
+    each chunk's shared prefill is followed by the per-row prefill it could not replace.
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if sync_every < 1:
+        raise ValueError(f"sync_every must be >= 1, got {sync_every}")
     if prompt_ids.dim() != 2 or prompt_ids.shape != prompt_mask.shape:
         raise ValueError(
             "prompt_ids and prompt_mask must both be (B, P), "
@@ -415,30 +545,45 @@ def generate(
             "prompts must be left-padded with at least one real token each (prompt_mask[:, -1] all True); "
             "use a left-padding collator (data.PromptCollator) and give empty prompts a BOS token"
         )
-    if num_samples > 1:
-        prompt_ids = prompt_ids.repeat_interleave(num_samples, dim=0)
-        prompt_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
+    k = num_samples
+    if k > 1 and not share_prefill:
+        prompt_ids = prompt_ids.repeat_interleave(k, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(k, dim=0)
+        k = 1
 
     sampler = _make_sampler(sampling, generator, return_logprobs, return_entropy)
+    rng = None
+    if sync_every > 1 and sampling.stop_token_ids and not sampling.greedy:
+        rng = generator if generator is not None else _default_generator(device)
     keep_kwargs = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
-    n = prompt_ids.size(0)
+    n = prompt_ids.size(0) * k
     step = n if batch_size is None else batch_size
     if step < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    chunks = [
-        _generate_chunk(
-            model,
-            prompt_ids[s : s + step],
-            prompt_mask[s : s + step],
-            sampling,
-            pad_token_id,
-            sampler,
-            keep_kwargs,
-            return_logprobs,
-            return_entropy,
+    chunks = []
+    for s in range(0, n, step):
+        e = min(s + step, n)
+        first, last = s // k, (e - 1) // k + 1  # the prompts of rows s .. e-1
+        row_prompt = None
+        if last - first != e - s:
+            row_prompt = torch.arange(s, e, device=device) // k - first
+        chunks.append(
+            _generate_chunk(
+                model,
+                prompt_ids[first:last],
+                prompt_mask[first:last],
+                row_prompt,
+                sampling,
+                pad_token_id,
+                sampler,
+                keep_kwargs,
+                return_logprobs,
+                return_entropy,
+                compact,
+                sync_every,
+                rng,
+            )
         )
-        for s in range(0, n, step)
-    ]
     return chunks[0] if len(chunks) == 1 else Rollout.cat(chunks)
 
 
