@@ -3,7 +3,7 @@
 What they pin down, each with numbers worked out by hand or by an independent loop next to it:
 - the (k, num_prompts) block layout: every completion's advantage is computed against the other
   completions of ITS prompt and handed to the loss on ITS row, through chunked generation,
-  shuffled minibatches, several epochs (RLOO leave-one-out, GRPO group normalisation);
+  shuffled minibatches, several epochs (RLOO leave-one-out, GRPO group normalization);
 - normalize_reward / reward_clip_range / normalize_advantage and GRPO's scale_rewards on a
   4-completion batch with hand-computed advantages;
 - the metric identities of the seed (objective/kl, objective/entropy, non_score_reward,
@@ -179,7 +179,7 @@ def test_rloo_advantage_is_leave_one_out_within_each_prompt(tmp_path, tiny_token
     assert torch.equal(covered, torch.full((12,), 2))  # every row once per epoch
 
 
-def test_grpo_advantage_is_normalised_within_each_prompt(tmp_path, tiny_tokenizer, monkeypatch):
+def test_grpo_advantage_is_normalized_within_each_prompt(tmp_path, tiny_tokenizer, monkeypatch):
     """G = 3 completions of P = 4 prompts, same shapes as the RLOO test. For every row r:
     A_r = (s_r − mean_g) / (std_g + 1e-4), g = the rows with r's prompt, std unbiased (n − 1)."""
     records = capture(monkeypatch, grpo)
@@ -241,7 +241,7 @@ def test_rloo_hand_computed_advantages(tmp_path, tiny_tokenizer, monkeypatch, op
     covered = check_micro_batches(records[0], torch.tensor(expected, dtype=torch.float64))
     assert torch.equal(covered, torch.ones(4, dtype=torch.long))
     assert last["objective/scores"] == pytest.approx(1.0)  # before normalize_reward: mean(0, 0, 0, 4)
-    # kl_coef = 0: rlhf_reward = (normalised) score; mean(−0.5, −0.5, −0.5, 1.0) = −0.125
+    # kl_coef = 0: rlhf_reward = (normalized) score; mean(−0.5, −0.5, −0.5, 1.0) = −0.125
     assert last["objective/rlhf_reward"] == pytest.approx(-0.125 if options.get("normalize_reward") else 1.0)
 
 

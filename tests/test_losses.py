@@ -166,7 +166,7 @@ def test_value_loss_by_hand():
     _close(stats["vf_clipfrac"], 0.5)
     _close(stats["value_error"], 0.505)
     _close(stats["vpred"], 0.5)
-    # no clipping: ½·(1 + 0.01)/2 = 0.2525; global normaliser 4 instead of 2 halves it
+    # no clipping: ½·(1 + 0.01)/2 = 0.2525; global normalizer 4 instead of 2 halves it
     _close(ppo_value_loss(values, old, returns, mask, cliprange_value=None)[0], 0.2525)
     _close(ppo_value_loss(values, old, returns, mask, cliprange_value=None, normalizer=4)[0], 0.12625)
 
@@ -202,7 +202,7 @@ def test_dpo_sigmoid_by_hand():
     _close(stats["rewards/margins"], -0.05)
     _close(stats["rewards/accuracies"], 0.5)
     _close(stats["logps/chosen"], -2.0)
-    # normaliser 4 (pairs in the whole minibatch) halves the mean of these two pairs
+    # normalizer 4 (pairs in the whole minibatch) halves the mean of these two pairs
     _close(dpo_loss(**PAIRS, beta=0.1, normalizer=4)[0], (0.644396641 + 0.798138869) / 4)
 
 

@@ -280,7 +280,7 @@ def test_padding_free_loss_equals_padded_loss(tmp_path, tiny_tokenizer):
 
 
 def test_padding_free_training_matches_padded_training(tmp_path, tiny_tokenizer):
-    # Exact normalisation by the global trained-token count makes the updates equal.
+    # Exact normalization by the global trained-token count makes the updates equal.
     # adam_epsilon=1 keeps Adam from amplifying float noise on near-zero gradients.
     train = Dataset.from_list([{"text": s} for s in SENTENCES])
     held_out = Dataset.from_list([{"text": s} for s in SENTENCES[:3]])

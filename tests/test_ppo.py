@@ -313,7 +313,7 @@ def test_adaptive_kl_controller_moves_the_right_way(tiny_tokenizer):
 
 def test_micro_batching_does_not_change_the_update(tiny_tokenizer):
     """4 rows as 1 micro-batch (the single-forward path) == 4 micro-batches of 1 accumulated (the
-    separate old-logprob forward): losses are normalised by the minibatch's token count."""
+    separate old-logprob forward): losses are normalized by the minibatch's token count."""
     steps = []
     for micro, accum in ((4, 1), (1, 4)):
         torch.manual_seed(0)  # the value head's initialisation
@@ -526,7 +526,7 @@ def test_cli_trl_example_flags(tmp_path, tiny_policy_dir, tiny_reward_model_dir)
 # train() on 2 ranks == 1 rank with the same global batch. Each rank samples with its own stream, so
 # (as in test_rloo) generation is made per-row deterministic: a row's tokens depend only on its
 # prompt. Then everything else — the rollout split across ranks, global whitening, the global token
-# normaliser, DDP's gradient average over policy and critic, clipping, the optimizer — is compared.
+# normalizer, DDP's gradient average over policy and critic, clipping, the optimizer — is compared.
 TRAIN_DP_SCRIPT = textwrap.dedent("""
     import sys, torch
     torch.set_num_threads(1)

@@ -410,7 +410,7 @@ def test_config_checks():
 # -- 2 processes == 1 process ----------------------------------------------------------------------
 # Completions are made independent of how prompts are spread over ranks: each row is sampled on its
 # own, from a generator seeded by its prompt tokens and its sample index. Everything downstream
-# (scores, reference logprobs, leave-one-out advantages, the global loss normaliser, DDP's gradient
+# (scores, reference logprobs, leave-one-out advantages, the global loss normalizer, DDP's gradient
 # average, clipping, the optimizer step) is what the test compares. One process runs GA 2 with
 # micro-batch 4; two processes run GA 1 with micro-batch 4 each: the same global batch of 8.
 DP_SCRIPT = textwrap.dedent("""

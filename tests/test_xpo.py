@@ -266,7 +266,7 @@ def test_cli_xpo_with_reward_model_path(tmp_path, tiny_policy_dir, tiny_reward_m
 
 @pytest.mark.multiproc
 def test_two_processes_cli(tmp_path, tiny_policy_dir, tiny_reward_model_dir):
-    """DDP on CPU (gloo): no_sync micro-batches, global pair normaliser, metrics reduced across ranks."""
+    """DDP on CPU (gloo): no_sync micro-batches, global pair normalizer, metrics reduced across ranks."""
     import os
     import subprocess
 

@@ -1,5 +1,5 @@
 """Review checks of Online DPO / XPO: the update's gradient equals the hand-written objective over the
-valid pairs (global pair normaliser), micro-batching does not change it, and the per-pair selection,
+valid pairs (global pair normalizer), micro-batching does not change it, and the per-pair selection,
 reference log-probs and metrics agree with independent recomputations."""
 
 from __future__ import annotations

@@ -334,7 +334,7 @@ def scale_scores(
     use_score_norm (requires use_score_scaling): (s − running.mean) / (running.std + eps_dtype);
     score_clip: clamp to [−score_clip, score_clip] afterwards (applies with or without scaling).
     This is the reward-scaling cure for DeepSpeed-Chat-style drifting reward scales (trlx's
-    running scaling, OpenRLHF's running reward normalisation, TRL ≤ 0.11 `PPOTrainer.step()`).
+    running scaling, OpenRLHF's running reward normalization, TRL ≤ 0.11 `PPOTrainer.step()`).
     TRL silently ignores use_score_norm without use_score_scaling; here it is an error.
     """
     if use_score_norm and not use_score_scaling:

@@ -48,7 +48,7 @@ COMMANDS: dict[str, Command] = {
         "posttrain.trainers.rloo_config:RLOOConfig", "posttrain.trainers.rloo:run", "REINFORCE leave-one-out (RLOO)."
     ),
     "grpo": Command(
-        "posttrain.trainers.grpo_config:GRPOConfig", "posttrain.trainers.grpo:run", "GRPO: group-normalised advantages."
+        "posttrain.trainers.grpo_config:GRPOConfig", "posttrain.trainers.grpo:run", "GRPO: group-normalized advantages."
     ),
     "online-dpo": Command(
         "posttrain.trainers.online_dpo_config:OnlineDPOConfig",

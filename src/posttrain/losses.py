@@ -2,7 +2,7 @@
 
 Every function is pure torch and returns `(loss, stats)`:
 - `loss` is a 0-d tensor = Σ(per-token or per-sequence loss · mask) / normalizer. Pass the GLOBAL
-  normaliser (tokens or sequences in the whole minibatch, across micro-batches and ranks) and
+  normalizer (tokens or sequences in the whole minibatch, across micro-batches and ranks) and
   the losses of the micro-batches add up to the minibatch loss, so gradient accumulation and
   data parallelism do not change the update (the "token-mean with global count" aggregation of
   verl / OpenRLHF; TRL averages per micro-batch means instead, see docs/internals.md).
@@ -228,7 +228,7 @@ def dpo_loss(
     """DPO (Rafailov et al. 2023) / IPO (Azar et al. 2023) on summed completion logprobs, all (B,).
 
     logits = (π_c − π_r) − (ref_c − ref_r);
-    "sigmoid": −log σ(β·logits);  "ipo": (logits − 1/(2β))² (not length-normalised, as TRL Online
+    "sigmoid": −log σ(β·logits);  "ipo": (logits − 1/(2β))² (not length-normalized, as TRL Online
     DPO; TRL's offline DPOTrainer divides IPO logprobs by token counts).
     loss = Σ_pairs / normalizer (default B). Source: TRL's `OnlineDPOTrainer`; Guo et al. 2024, arXiv:2402.04792.
     stats (means over pairs): rewards/chosen = β(π_c − ref_c), rewards/rejected = β(π_r − ref_r),

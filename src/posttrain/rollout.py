@@ -290,7 +290,7 @@ def _make_sampler(
     def filtered(logits: torch.Tensor, num_rows: int, rows: torch.Tensor | None):
         logp = scaled_logp(logits)
         # Filtering works on log-probs: they order the vocabulary like the scaled logits and the
-        # softmax over any subset of them is the renormalised filtered distribution (HF applies
+        # softmax over any subset of them is the renormalized filtered distribution (HF applies
         # temperature, then top-k, then top-p — same order here).
         if top_k > 0:
             cand, cand_idx = torch.topk(logp, min(top_k, logp.size(-1)), dim=-1)  # sorted, descending

@@ -9,7 +9,7 @@ and calls into this module for the plumbing around it:
   stream, sampling settings and stop tokens, metric accumulation, logging, checkpoints;
 - sampling and scoring a rollout batch (`sample`, `score`, `sample_and_score`) and the
   reference policy (`reference_policy`);
-- batch statistics over all ranks (`OnlineRun.batch_moments`) for whitening and normalisation;
+- batch statistics over all ranks (`OnlineRun.batch_moments`) for whitening and normalization;
 - the update loop: epochs × minibatches × micro-batches whose losses are divided by the GLOBAL
   count of the minibatch (`policy_update`, `minibatch_step`), and the one non-finite policy:
   every rank learns whether any rank's loss is NaN/inf and all skip that optimizer step together;
@@ -428,7 +428,7 @@ class OnlineRun:
     """The environment of one online training run.
 
     Owns: the accelerator (one per run; gradient accumulation is done here with exact global
-    normalisation, so accelerate's own loss scaling stays off), derived sizes (validated before any
+    normalization, so accelerate's own loss scaling stays off), derived sizes (validated before any
     forward pass), the prompt stream, the tracker and progress bar, metric accumulation, the health
     monitor, checkpointing and resume.
     """
@@ -540,7 +540,7 @@ class OnlineRun:
     # -- statistics over the whole rollout batch --------------------------------------------------
     def batch_moments(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> tuple | None:
         """(mean, unbiased variance) of `values` over the True positions of `mask` on ALL ranks, for the
-        whitening / normalisation functions of advantages.py, so N processes transform exactly like
+        whitening / normalization functions of advantages.py, so N processes transform exactly like
         one process with the global batch (TRL whitens per rank). None on one process: the pure
         functions then compute the statistics themselves."""
         if self.world_size == 1:
@@ -769,7 +769,7 @@ def sample_and_score(
 
 
 # ---------------------------------------------------------------------------------------------
-# the update: micro-batches, the global normaliser, the one non-finite policy
+# the update: micro-batches, the global normalizer, the one non-finite policy
 # ---------------------------------------------------------------------------------------------
 def micro_batches(indices: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
     for start in range(0, indices.numel(), size):
@@ -777,7 +777,7 @@ def micro_batches(indices: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
 
 
 def global_normalizer(local_count: torch.Tensor | float, accelerator: Any) -> float:
-    """The per-rank normaliser that makes a DDP-averaged gradient equal Σ_all / N_global.
+    """The per-rank normalizer that makes a DDP-averaged gradient equal Σ_all / N_global.
 
     DDP averages gradients over ranks, so each rank divides its loss sum by N_global / world_size.
     Passing this to the losses makes micro-batching and data parallelism leave the loss unchanged
@@ -791,7 +791,7 @@ def global_normalizer(local_count: torch.Tensor | float, accelerator: Any) -> fl
 def backward_micro_batches(
     accelerator: Any, model: nn.Module, micros: Sequence[torch.Tensor], micro_loss: Callable[[torch.Tensor], Any]
 ) -> torch.Tensor:
-    """Backward `micro_loss(rows)` (already divided by the minibatch's global normaliser) of each
+    """Backward `micro_loss(rows)` (already divided by the minibatch's global normalizer) of each
     micro-batch, synchronising DDP gradients on the last one only; the summed detached loss."""
     total = torch.zeros((), device=dist.device(accelerator))
     for i, rows in enumerate(micros):

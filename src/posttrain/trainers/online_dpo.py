@@ -14,7 +14,7 @@ Per rollout batch of P prompts:
         L_DPO = −log σ(h)   (loss_type="sigmoid", Rafailov et al. 2023)   or
         L_IPO = (h/β − 1/(2β))²   (loss_type="ipo", Azar et al. 2023)     (losses.dpo_loss),
      summed completion log-probs at temperature 1 (TRL does not divide by the sampling temperature
-     here), normalised by the GLOBAL number of valid pairs of the minibatch, so batch 1 × GA 4 ==
+     here), normalized by the GLOBAL number of valid pairs of the minibatch, so batch 1 × GA 4 ==
      4 × 1; the learning-rate schedule steps with each optimizer step;
   5. log masked metrics.
 

@@ -3,7 +3,7 @@
 A rollout batch holds B pairs as rows (2i, 2i+1). This module ranks them (a reward model, reward
 functions or a pairwise judge: `Feedback`), takes the reference log-probs of both completions,
 runs the pair update (`train_on_pairs`: minibatches of whole pairs, micro-batches of whole pairs,
-normalised by the global number of valid pairs, on the online skeleton's `minibatch_step` and its
+normalized by the global number of valid pairs, on the online skeleton's `minibatch_step` and its
 non-finite policy) and records the per-sequence metrics both trainers log.
 """
 

@@ -191,10 +191,10 @@ class RewardTrainer(SupervisedTrainerAPI):
             run.model.train()
             for batches in run.steps(self.data_collator):
                 (n_pairs,) = run.global_counts(sum(b["lengths"].numel() // 2 for b in batches))
-                normaliser = run.normaliser(n_pairs)
+                normalizer = run.normalizer(n_pairs)
                 for _, batch in run.micro_steps(batches):
                     loss_sum, stats = self.compute_loss(run.model, batch)
-                    run.backward(loss_sum / normaliser)
+                    run.backward(loss_sum / normalizer)
                     self._add_metrics(run.metrics, stats, "")
                     run.metrics.add_sum("num_tokens", batch["lengths"].sum())
                 run.end_step(evaluate=self.evaluate if self.eval_dataset is not None else None)

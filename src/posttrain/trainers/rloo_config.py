@@ -47,7 +47,7 @@ class RLOOConfig(OnPolicyConfig):
     normalize_reward: bool = _help(
         "Normalise scores to mean 0 / std 1 over the rollout batch, then clip to ±reward_clip_range.", default=False
     )
-    reward_clip_range: float = _help("Clip range of the normalised scores (with normalize_reward).", default=10.0)
+    reward_clip_range: float = _help("Clip range of the normalized scores (with normalize_reward).", default=10.0)
     normalize_advantage: bool = _help("Normalise advantages to mean 0 / std 1 over the rollout batch.", default=False)
     token_level_kl: bool = _help(
         "Put the KL penalty per token (score on the last token) instead of per sequence; with a "

@@ -216,10 +216,10 @@ class SFTTrainer(SupervisedTrainerAPI):
             run.model.train()
             for batches in run.steps(self.data_collator):
                 (n_trained,) = run.global_counts(sum(num_trained_tokens(b) for b in batches))
-                normaliser = run.normaliser(n_trained)
+                normalizer = run.normalizer(n_trained)
                 for _, batch in run.micro_steps(batches):
                     loss_sum, stats, aux_loss = self.compute_loss(run.model, batch)
-                    loss = loss_sum / normaliser
+                    loss = loss_sum / normalizer
                     if aux_loss is not None and self.args.router_aux_loss_coef:
                         # The aux loss is a per-micro-batch mean: averaging it over micro-batches
                         # (and over ranks by DDP) weights every micro-batch equally.

@@ -57,7 +57,7 @@ class BatchPlan:
     micro-batch m holds permutation[m·B·W : (m+1)·B·W] and rank r takes every W-th of them; an
     optimizer step takes `gradient_accumulation_steps` consecutive micro-batches (the last step of
     an epoch may take fewer, and the epoch's last micro-batch may be smaller: exact loss
-    normalisation makes both harmless). Batch 1 × accumulation 4 and batch 4 × accumulation 1
+    normalization makes both harmless). Batch 1 × accumulation 4 and batch 4 × accumulation 1
     therefore train step s on exactly the same examples.
     """
 
@@ -167,7 +167,7 @@ class SupervisedRun:
 
     Gradient accumulation is done here rather than by accelerate: the trainer counts the trained
     units (tokens, pairs) of the whole accumulated batch first, then each micro-batch backwards
-    `loss_sum / normaliser`, where normaliser = global count / world size (DDP averages gradients
+    `loss_sum / normalizer`, where normalizer = global count / world size (DDP averages gradients
     over ranks). The update then equals one big batch's mean-loss gradient exactly, which per
     micro-batch means (HF Trainer's default) do not give when micro-batches hold different counts.
     """
@@ -299,7 +299,7 @@ class SupervisedRun:
         )
         return dist.reduce_sum(t, self.accelerator).tolist()
 
-    def normaliser(self, global_count: float) -> float:
+    def normalizer(self, global_count: float) -> float:
         """Divide a micro-batch's loss sum by this: DDP's average over ranks then gives Σ / N_global."""
         return max(global_count, 1.0) / self.world_size
 

@@ -13,7 +13,7 @@ Per rollout batch of P prompts:
      reference's completion, h = β·[(log π(y_w) − log π_ref(y_w)) − (log π(y_l) − log π_ref(y_l))];
   4. optimizer steps on, per pair,
         L = −log σ(h)  (or IPO's (h/β − 1/(2β))²)  +  α · Σ_t log π_θ(y_ref,t)      (losses.xpo_loss),
-     normalised by the global number of valid pairs; minimising the second term pushes probability
+     normalized by the global number of valid pairs; minimising the second term pushes probability
      away from what the reference says (exploration);
   5. log masked metrics.
 The pair mechanics (ranking, the pair update, the per-sequence metrics) are in trainers/pairs.py,
