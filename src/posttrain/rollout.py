@@ -234,7 +234,7 @@ def sample_from_probs(
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.size(-1) - 1)
 
 
-def _make_sampler(
+def make_sampler(
     sampling: SamplingConfig, generator: torch.Generator | None, return_logprobs: bool, return_entropy: bool
 ):
     """Returns fn(logits (L, V), num_rows, rows) -> (tokens (L,), logprobs (L,) | None, entropy (L,) | None).
@@ -428,7 +428,7 @@ def _generate_chunk(
         rows = done.size(0)
         if rng is not None:
             rng_states.append(rng.get_state())
-        # Every step draws N uniforms whatever the batch holds now (see _make_sampler).
+        # Every step draws N uniforms whatever the batch holds now (see make_sampler).
         tok, lp, ent = sampler(logits, N, live)
         steps = t + 1
         comp_b[:, t] = tok.masked_fill(done, pad_token_id)
@@ -551,7 +551,7 @@ def generate(
         prompt_mask = prompt_mask.repeat_interleave(k, dim=0)
         k = 1
 
-    sampler = _make_sampler(sampling, generator, return_logprobs, return_entropy)
+    sampler = make_sampler(sampling, generator, return_logprobs, return_entropy)
     rng = None
     if sync_every > 1 and sampling.stop_token_ids and not sampling.greedy:
         rng = generator if generator is not None else _default_generator(device)

@@ -148,7 +148,7 @@ class GRPOTrainer(OnlineTrainer):
 
     def train(self) -> Any:
         """Run to total_episodes (resuming if asked); save the policy; return a transformers TrainOutput."""
-        config, run, metrics, G = self.config, self.run, self.run.metrics, self.config.num_generations
+        config, run, metrics, G = self.args, self.run, self.run.metrics, self.args.num_generations
         with self.training():
             for update in run.updates():
                 # 1. rollout G completions per prompt (G blocks of P prompts) and score them

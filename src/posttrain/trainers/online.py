@@ -973,7 +973,7 @@ class OnlineTrainer:
         accelerator and create the callback events; returns the prepared (possibly DDP-wrapped) model."""
         from posttrain.models import ensure_pad_token
 
-        self.args = self.config = config
+        self.args = config
         self.processing_class = ensure_pad_token(tokenizer)
         self.run = OnlineRun(
             config, tokenizer, train_dataset, eval_dataset, accelerator=accelerator, data_collator=data_collator
@@ -1102,7 +1102,7 @@ class OnlineTrainer:
         run = self.run
         if run.eval_dataset is None:
             raise ConfigError("evaluate() needs an eval_dataset (--dataset_test_split).")
-        n, size = len(run.eval_dataset), self.config.per_device_eval_batch_size
+        n, size = len(run.eval_dataset), self.args.per_device_eval_batch_size
         scores, lengths, ended = [], [], 0
         for start in range(0, n, size):
             batch = run.to_device(run.collate([run.eval_dataset[i] for i in range(start, min(start + size, n))]))
@@ -1127,7 +1127,7 @@ class OnlineTrainer:
         advice, resume (weights, counters, state.log_history), on_train_begin; on success the final
         save, the summary entry and on_train_end, leaving the TrainOutput in `self.train_output`."""
         run, events = self.run, self.events
-        with ckpt.OutputDirGuard(self.config.output_dir, is_main=run.is_main), oom_advice():
+        with ckpt.OutputDirGuard(self.args.output_dir, is_main=run.is_main), oom_advice():
             extra = run.maybe_resume(self.checkpoint_models(), self.optimizer, self.lr_scheduler)
             events.state.global_step = run.progress.update
             events.state.epoch = run.epoch(run.progress.episode)
@@ -1156,7 +1156,7 @@ class OnlineTrainer:
         if self.schedule_per_update:
             self.lr_scheduler.step()
         step = update + 1
-        events.step_end(step, run.epoch(run.progress.episode + self.config.batch_size))
+        events.step_end(step, run.epoch(run.progress.episode + self.args.batch_size))
         control, logs = events.control, None
         # A callback's requests, read now: on_log / on_evaluate / on_save reset them.
         log_now, eval_now, save_now = control.should_log, control.should_evaluate, control.should_save
@@ -1165,7 +1165,7 @@ class OnlineTrainer:
             events.log(logs)
         if run.should_sample(update):
             self.sample_table(update)
-        eval_steps = self.config.eval_steps
+        eval_steps = self.args.eval_steps
         if run.eval_dataset is not None and ((eval_steps and step % eval_steps == 0) or eval_now):
             self.evaluate()
         if (run.should_save(update) or save_now) and not events.control.should_training_stop:
@@ -1180,7 +1180,7 @@ class OnlineTrainer:
         columns query, model response, score (TRL's on-policy trainers' names), from the rows of
         `sample_completions` for the first per_device_eval_batch_size eval prompts; printed and
         written to samples.jsonl by the tracker."""
-        rows = self.sample_completions(self.config.per_device_eval_batch_size)
+        rows = self.sample_completions(self.args.per_device_eval_batch_size)
         table = [{"query": r["prompt"], "model response": r["completion"], "score": r["score"]} for r in rows]
         self.run.tracker.log_table("completions", table, step=update + 1)
 

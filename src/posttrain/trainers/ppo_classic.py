@@ -38,7 +38,7 @@ from posttrain.critic import PolicyAndValue
 from posttrain.health import HealthMonitor
 from posttrain.models import CausalLMWithValueHead, disable_dropout
 from posttrain.optim import build_optimizer
-from posttrain.rollout import Rollout, SamplingConfig, _make_sampler, generate, generation_mode
+from posttrain.rollout import Rollout, SamplingConfig, make_sampler, generate, generation_mode
 from posttrain.scoring import is_encoder_decoder
 from posttrain.tracking import MetricAccumulator, Tracker
 from posttrain.trainers.online import OnlineRun, RunProgress
@@ -165,7 +165,7 @@ class ClassicPPOTrainer(PPOTrainer):
             raise ConfigError("a tokenizer is required: pass processing_class= (or tokenizer= with config=).")
         from posttrain.models import ensure_pad_token
 
-        self.args = self.config = config
+        self.args = config
         self.processing_class = self.tokenizer = ensure_pad_token(tokenizer)
         self.callbacks, self.log_history = [], []
         self.running = adv.RunningMoments()
@@ -286,7 +286,7 @@ class ClassicPPOTrainer(PPOTrainer):
         B, device = ids.size(0), ids.device
         attention = mask.long()
         encoder_outputs = model.get_encoder()(input_ids=ids.masked_fill(~mask, 0), attention_mask=attention)
-        sampler = _make_sampler(sampling, self.run.generator, False, False)
+        sampler = make_sampler(sampling, self.run.generator, False, False)
         stops = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=device)
         tokens = torch.full((B, 1), int(start), dtype=torch.long, device=device)
         finished = torch.zeros(B, dtype=torch.bool, device=device)
@@ -301,7 +301,8 @@ class ClassicPPOTrainer(PPOTrainer):
                 use_cache=True,
             )
             past = out.past_key_values
-            tok = sampler(out.logits[:, -1, :])[0]
+            logits = out.logits[:, -1, :]
+            tok = sampler(logits, logits.size(0), None)[0]
             lengths += ~finished
             finished |= torch.isin(tok, stops)
             step_input = tok[:, None]  # a finished row's later tokens are cut off below

@@ -160,7 +160,7 @@ class RLOOTrainer(OnlineTrainer):
 
     def train(self) -> Any:
         """Run to total_episodes (resuming if asked); save the policy; return a transformers TrainOutput."""
-        config, run, metrics, k = self.config, self.run, self.run.metrics, self.config.rloo_k
+        config, run, metrics, k = self.args, self.run, self.run.metrics, self.args.rloo_k
         with self.training():
             for update in run.updates():
                 # 1-2. rollout k completions per prompt (k blocks of P prompts) and score them
@@ -240,8 +240,8 @@ class RLOOTrainer(OnlineTrainer):
             [full_text_reward(r) for r in rewards],
             policy_tokenizer=self.processing_class,
             reward_tokenizer=reward_tokenizer,
-            batch_size=self.config.local_rollout_forward_batch_size,
-            missing_eos_penalty=self.config.missing_eos_penalty,
+            batch_size=self.args.local_rollout_forward_batch_size,
+            missing_eos_penalty=self.args.missing_eos_penalty,
         )
 
     def table_scores(self, rollout: Rollout, batch: dict) -> torch.Tensor:
