@@ -38,7 +38,7 @@ from posttrain.critic import PolicyAndValue
 from posttrain.health import HealthMonitor
 from posttrain.models import CausalLMWithValueHead, disable_dropout
 from posttrain.optim import build_optimizer
-from posttrain.rollout import Rollout, SamplingConfig, make_sampler, generate, generation_mode
+from posttrain.rollout import Rollout, SamplingConfig, generate, generation_mode, make_sampler
 from posttrain.scoring import is_encoder_decoder
 from posttrain.tracking import MetricAccumulator, Tracker
 from posttrain.trainers.online import OnlineRun, RunProgress
