@@ -279,12 +279,7 @@ class OnPolicyConfig(TrainingConfig):
         self.local_batch_size = self.local_mini_batch_size * self.num_mini_batches
         self.batch_size = self.local_batch_size * world_size
         self.mini_batch_size = self.local_mini_batch_size * world_size
-        if self.local_batch_size % k != 0:
-            raise ConfigError(
-                "per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches = "
-                f"{self.local_batch_size} completions per device must be divisible by the samples per prompt ({k}); "
-                "change the batch size or k."
-            )
+        self.check_samples_per_prompt()
         if self.total_episodes is None:
             if dataset_size is None:
                 raise ConfigError("total_episodes is not set and the dataset size is unknown; pass --total_episodes.")
@@ -299,6 +294,17 @@ class OnPolicyConfig(TrainingConfig):
             )
         self.num_total_batches = math.ceil(self.total_episodes / self.batch_size)
         return self
+
+    def check_samples_per_prompt(self) -> None:
+        """Each device's rollout batch holds whole groups of samples_per_prompt completions (RLOO);
+        GRPO overrides this with TRL's global check (a group may span processes)."""
+        k = self.samples_per_prompt
+        if self.local_batch_size % k != 0:
+            raise ConfigError(
+                "per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches = "
+                f"{self.local_batch_size} completions per device must be divisible by the samples per prompt ({k}); "
+                "change the batch size or k."
+            )
 
     @property
     def prompts_per_rollout(self) -> int:
