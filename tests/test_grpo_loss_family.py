@@ -323,6 +323,8 @@ def test_reward_weights_with_sum_then_normalize(tmp_path, tiny_tokenizer, monkey
     advantages, last = advantages_of(tmp_path, tiny_tokenizer, monkeypatch, [by_row, second], reward_weights=[1.0, 0.5])
     assert advantages == pytest.approx([-0.7070068, -0.7070886, 0.7070068, 0.7070886], abs=1e-6)
     assert last["objective/scores"] == pytest.approx((0.5 + 1 + 1.5 + 6.5) / 4)
+    # each reward's own mean, unweighted: mean(0, 0, 0, 4) = 1, mean(1, 2, 3, 5) = 2.75
+    assert (last["rewards/by_row/mean"], last["rewards/second/mean"]) == pytest.approx((1.0, 2.75))
 
 
 def test_normalize_then_sum(tmp_path, tiny_tokenizer, monkeypatch):
