@@ -1,5 +1,6 @@
 """The `posttrain` command line: help, version, unknown flags, YAML configs, light imports."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -133,16 +134,20 @@ def test_yaml_round_trip_of_a_saved_config(fake_command, tmp_path: Path):
         assert getattr(config, name) == value, name
 
 
-def test_yaml_unknown_key_is_an_error(fake_command, tmp_path: Path):
+def test_yaml_unknown_key_is_an_error(fake_command, tmp_path: Path, capsys):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("learning_rat: 1.0\n")
-    with pytest.raises(SystemExit, match="unknown field 'learning_rat'.*--learning_rate"):
+    with pytest.raises(SystemExit) as refused:
         cli.main([fake_command, "--config", str(cfg)])
+    assert refused.value.code == 2 and re.search(
+        "unknown field 'learning_rat'.*--learning_rate", capsys.readouterr().err
+    )
 
 
-def test_invalid_value_is_reported_before_anything_runs(fake_command):
-    with pytest.raises(SystemExit, match="stop_token"):
+def test_invalid_value_is_reported_before_anything_runs(fake_command, capsys):
+    with pytest.raises(SystemExit) as refused:
         cli.main([fake_command, "--stop_token", "eot"])
+    assert refused.value.code == 2 and re.search("stop_token", capsys.readouterr().err)
     assert CALLS == []
 
 
@@ -236,3 +241,57 @@ def test_a_saved_run_config_can_be_passed_back_with_config(fake_command, tmp_pat
     (config,) = CALLS
     assert config.learning_rate == 1e-4 and config.total_episodes == 64 and config.per_device_train_batch_size == 8
     assert config.batch_size is None  # derived sizes are recomputed by the trainer, not read back
+
+
+def test_negative_numbers_parse_as_separate_words(capsys):
+    """`--learning_rate -1e-3` is the value -0.001 (then refused by the config's own check), not an unknown flag."""
+    from posttrain.cli import parse_config
+
+    config = parse_config("rloo", ["--missing_eos_penalty", "-1.0", "--seed", "-3"])
+    assert config.missing_eos_penalty == -1.0 and config.seed == -3
+    with pytest.raises(SystemExit) as refused:
+        parse_config("sft", ["--learning_rate", "-1e-3"])
+    assert refused.value.code == 2 and re.search("learning_rate=-0.001 must be >= 0", capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("with_checkpoint", [False, True])
+def test_ctrl_c_exits_130_with_where_to_resume(tmp_path, monkeypatch, capsys, with_checkpoint):
+    import torch  # noqa: F401  (the message looks for checkpoints only once a run has loaded torch)
+
+    from posttrain import cli
+    from posttrain.trainers import rloo
+
+    out = tmp_path / "out"
+    if with_checkpoint:
+        (out / "checkpoint-4").mkdir(parents=True)
+        (out / "checkpoint-4" / "checkpoint_complete.json").write_text("{}")
+
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rloo, "run", interrupted)
+    code = cli.main(["rloo", "--output_dir", str(out), "--model_name_or_path", "m", "--reward_funcs", "a:b"])
+    err = capsys.readouterr().err
+    assert code == 130 and "Traceback" not in err
+    if with_checkpoint:
+        assert f"Last checkpoint: {out / 'checkpoint-4'} (step 4)" in err and "--resume_from_checkpoint latest" in err
+    else:
+        assert "No checkpoint was saved yet" in err
+
+
+def nan_reward(prompts, completions, **columns):
+    return [float("nan")] * len(completions)
+
+
+def test_a_reward_function_returning_nan_is_one_line_naming_it(tmp_path, tiny_policy_dir, capsys):
+    from posttrain import cli
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(f'{{"prompt": "Prompt {i}"}}\n' for i in range(4)))
+    argv = ["rloo", "--dataset_name", str(data), "--model_name_or_path", str(tiny_policy_dir)]
+    argv += ["--reward_funcs", f"{__name__}:nan_reward", "--output_dir", str(tmp_path / "out")]
+    argv += ["--per_device_train_batch_size", "4", "--total_episodes", "4", "--response_length", "3"]
+    code = cli.main([*argv, "--report_to", "none"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "reward function 'nan_reward' returned nan at row 1 of 4" in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -140,12 +141,13 @@ def test_reference_model_and_greedy_generation(tmp_path, prompt_file, tiny_polic
     assert all(r["completion"] == r["reference"] for r in rows) and len(rows) == 7
 
 
-def test_judge_config_errors(prompt_file):
-    with pytest.raises(SystemExit, match="judge is not set"):
+def test_judge_config_errors(prompt_file, capsys):
+    with pytest.raises(SystemExit) as refused:
         parse_config(
             "judge", ["--model_name_or_path", "m", "--dataset_name", prompt_file, "--reference_column", "completion"]
         )
-    with pytest.raises(SystemExit, match="exactly one reference"):
+    assert refused.value.code == 2 and re.search("judge is not set", capsys.readouterr().err)
+    with pytest.raises(SystemExit) as refused:
         parse_config(
             "judge",
             [
@@ -161,6 +163,7 @@ def test_judge_config_errors(prompt_file):
                 "m",
             ],
         )
+    assert refused.value.code == 2 and re.search("exactly one reference", capsys.readouterr().err)
 
 
 def test_chat_command_with_piped_input(tiny_policy_dir, monkeypatch, capsys):

@@ -119,3 +119,18 @@ def test_total_episodes_smaller_than_one_batch_runs_one_batch(tmp_path, tiny_tok
     assert (trainer.args.total_episodes, trainer.args.num_total_batches) == (4, 1)
     trainer.train()
     assert trainer.state.episode == 4 and trainer.state.optimizer_steps == 1
+
+
+def test_a_stop_token_outside_the_vocabulary_is_refused_before_models_load(tmp_path, tiny_policy_dir, monkeypatch):
+    import posttrain.models as models
+    from posttrain import RLOOConfig
+    from posttrain.configs import ConfigError
+    from posttrain.trainers.online import load_parts
+
+    def no_model_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the stop token was checked")
+
+    monkeypatch.setattr(models, "load_policy", no_model_loading)
+    config = RLOOConfig(output_dir=str(tmp_path / "out"), model_name_or_path=str(tiny_policy_dir), stop_token_id=10**6)
+    with pytest.raises(ConfigError, match=r"stop_token_id=1000000 is outside the tokenizer's vocabulary"):
+        load_parts(config, rewards=[lambda prompts, completions, **kw: [0.0] * len(completions)])

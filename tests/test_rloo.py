@@ -1,7 +1,7 @@
-"""RLOO trainer: the seed's command lines, learning, exact first ratio, token-level KL in the
+"""RLOO trainer: TRL's documented command lines, learning, exact first ratio, token-level KL in the
 trainer, metrics, resume == uninterrupted, 2 processes == 1 process.
 
-The leave-one-out numbers of the seed's `test_rloo_reward` live in test_advantages.py; here they
+The leave-one-out numbers of TRL's `test_rloo_reward` live in test_advantages.py; here they
 are checked where the trainer uses them (the (k, num_prompts) layout of a real rollout).
 """
 
@@ -90,12 +90,12 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-# -- the seed's command lines ---------------------------------------------------------------------
+# -- TRL's documented command lines ---------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def prompts_on_disk(tmp_path_factory) -> Path:
-    """A save_to_disk folder with the seed's split name, a train split (rloo_tldr) and a test split."""
+    """A save_to_disk folder with the documented split name, a train split (rloo_tldr) and a test split."""
     path = tmp_path_factory.mktemp("prompts")
     DatasetDict(
         {"descriptiveness": prompt_dataset(64), "train": prompt_dataset(64), "test": prompt_dataset(8)}
@@ -117,7 +117,7 @@ def check_run_dir(out: Path, updates: int) -> list[dict]:
 
 
 def test_seed_minimal_command_runs(tmp_path, prompts_on_disk, tiny_policy_dir, tiny_reward_model_dir):
-    """Seed 001 "getting started" command, as written, with local paths and fewer episodes."""
+    """The "getting started" command of TRL's RLOO docs, as written, with local paths and fewer episodes."""
     out = tmp_path / "models" / "minimal" / "rloo"
     argv = [
         "rloo",
@@ -555,3 +555,50 @@ def test_nonfinite_losses_skip_steps_then_stop_cleanly(tmp_path, tiny_tokenizer,
     trainer, _ = build(updates=6)
     with pytest.raises(TrainingDiverged, match="5 non-finite losses in a row"):
         trainer.train()
+
+
+@pytest.mark.parametrize(("epochs", "max_steps", "updates"), [(1, 2, 2), (2, 3, 2)])
+def test_max_steps_overrides_the_episode_budget(tmp_path, prompts_on_disk, tiny_policy_dir, epochs, max_steps, updates):
+    """`--max_steps N` stops after N optimizer steps (ceil(N / steps per rollout batch) rollout batches),
+    whatever the dataset size would give: 64 prompts × 2 samples would be 32 updates of 4."""
+    out = tmp_path / "out"
+    argv = [
+        "rloo",
+        "--dataset_name",
+        str(prompts_on_disk),
+        "--model_name_or_path",
+        str(tiny_policy_dir),
+        "--reward_funcs",
+        f"{__name__}:letter_fraction",
+        "--output_dir",
+        str(out),
+        "--per_device_train_batch_size",
+        "4",
+        "--rloo_k",
+        "2",
+        "--num_ppo_epochs",
+        str(epochs),
+        "--max_steps",
+        str(max_steps),
+        "--response_length",
+        "4",
+        "--logging_steps",
+        "1",
+        "--report_to",
+        "none",
+    ]
+    assert cli.main(argv) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == updates
+    assert records[-1]["episode"] == updates * 4
+
+
+def test_max_steps_sets_the_rollout_count_of_every_online_config():
+    from posttrain import GRPOConfig, OnlineDPOConfig, PPOConfig
+
+    grpo = GRPOConfig(per_device_train_batch_size=16, num_generations=2, max_steps=32).derive_sizes(1, 10_000)
+    assert grpo.total_episodes == 512 and grpo.num_total_batches == 32  # TRL's own benchmark settings
+    ppo = PPOConfig(per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=4, max_steps=16)
+    assert ppo.derive_sizes(2, 1000).num_total_batches == 2  # 8 optimizer steps per rollout batch
+    dpo = OnlineDPOConfig(per_device_train_batch_size=4, max_steps=3).derive_sizes(1, 1000)
+    assert dpo.num_total_batches == 3

@@ -161,10 +161,10 @@ def test_reward_function_scores_weights_and_columns():
     "bad, message",
     [
         ([1.0], "returned 1 values for 2"),
-        ([1.0, None], "None at row 1"),
-        ([math.nan, 1.0], "nan at row 0"),
-        ([1.0, math.inf], "inf at row 1"),
-        ([1.0, "x"], "'x' at row 1"),
+        ([1.0, None], "None at row 2 of 2"),
+        ([math.nan, 1.0], "nan at row 1 of 2"),
+        ([1.0, math.inf], "inf at row 2 of 2"),
+        ([1.0, "x"], "'x' at row 2 of 2"),
     ],
 )
 def test_reward_function_validation_names_function_and_row(bad, message):

@@ -1,4 +1,4 @@
-"""XPO: config, metrics of the seed (policy-only logps), both dataset kinds, the PEFT reference
+"""XPO: config, TRL's documented metrics (policy-only logps), both dataset kinds, the PEFT reference
 (adapter truly disabled for reference completions and log-probs), resume, and the quickstart script."""
 
 from __future__ import annotations

@@ -14,11 +14,10 @@ import dataclasses
 import difflib
 import importlib
 import importlib.util
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from posttrain import __version__
 
@@ -126,6 +125,33 @@ def build_parser(name: str, config_cls: type):
     return parser
 
 
+def _refuse(message: str) -> NoReturn:
+    """A setting refused while parsing: one line on stderr, exit status 2 (a usage error, as argparse's)."""
+    print(message, file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
+def _attach_negative_numbers(argv: list[str]) -> list[str]:
+    """`--learning_rate -1e-3` -> `--learning_rate=-1e-3`: argparse takes "-1e-3" for a flag (its
+    negative-number pattern has no exponent), so a negative value given as its own word is attached."""
+    out: list[str] = []
+    for word in argv:
+        previous = out[-1] if out else ""
+        if word.startswith("-") and _is_number(word) and previous.startswith("--") and "=" not in previous:
+            out[-1] = f"{previous}={word}"
+        else:
+            out.append(word)
+    return out
+
+
 def parse_config(name: str, argv: list[str]) -> Any:
     """Parse the flags (and optional --config YAML) of command `name` into its config dataclass."""
     cmd = COMMANDS[name]
@@ -135,18 +161,17 @@ def parse_config(name: str, argv: list[str]) -> Any:
     if cmd.positional and argv and not argv[0].startswith("-"):
         argv = [f"--{cmd.positional}", *argv]
 
+    argv = _attach_negative_numbers(argv)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
     if known.config:
-        import yaml
+        from posttrain.configs import ConfigError, load_config_file
 
-        if not os.path.isfile(known.config):
-            raise SystemExit(f"posttrain {name}: --config {known.config}: no such file.")
-        with open(known.config) as f:
-            values = yaml.safe_load(f) or {}
-        if not isinstance(values, dict):
-            raise SystemExit(f"posttrain {name}: --config {known.config} must hold a mapping of field: value.")
+        try:
+            values = load_config_file(known.config)
+        except ConfigError as err:
+            _refuse(f"posttrain {name}: {err}")
         dests = {action.dest for action in parser._actions}
         # A saved posttrain_config.json (JSON is YAML) also holds the derived sizes; they are
         # recomputed from the other fields, so they are skipped rather than rejected.
@@ -154,7 +179,7 @@ def parse_config(name: str, argv: list[str]) -> Any:
         values = {k: v for k, v in values.items() if k not in derived}
         for key in values:
             if key not in dests:
-                raise SystemExit(
+                _refuse(
                     f"posttrain {name}: --config {known.config}: unknown field {key!r}."
                     f"{_closest('--' + key, valid_flags)}"
                 )
@@ -171,7 +196,7 @@ def parse_config(name: str, argv: list[str]) -> Any:
     try:
         return config_cls(**values)
     except ConfigError as err:
-        raise SystemExit(f"posttrain {name}: {err}") from None
+        _refuse(f"posttrain {name}: {err}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         code = int(runner(config) or 0)
         _shutdown_distributed()
         return code
+    except KeyboardInterrupt:
+        print(f"posttrain {name}: {_interrupted_message(config)}", file=sys.stderr)
+        return 130
     except Exception as err:
         if _is_user_error(err):
             print(f"posttrain {name}: {err}", file=sys.stderr)
@@ -207,6 +235,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"posttrain {name}: {first}\n{OOM_HINT}", file=sys.stderr)
             return 1
         raise
+
+
+def _interrupted_message(config: Any) -> str:
+    """What a user needs after Ctrl-C: where the run can pick up again."""
+    output_dir = getattr(config, "output_dir", None)
+    latest = None
+    if output_dir and "torch" in sys.modules:
+        from posttrain.checkpoint import checkpoint_step, latest_checkpoint
+
+        latest = latest_checkpoint(output_dir)
+    if latest is None:
+        return "interrupted. No checkpoint was saved yet (--save_steps N saves every N steps); a new run starts over."
+    return (
+        f"interrupted. Last checkpoint: {latest} (step {checkpoint_step(latest)}); "
+        f"continue with the same command plus --resume_from_checkpoint latest."
+    )
 
 
 def _shutdown_distributed() -> None:
@@ -225,6 +269,7 @@ _USER_ERRORS = (
     ("posttrain.models", "ModelNotFoundError"),
     ("posttrain.models", "MissingDependencyError"),
     ("posttrain.checkpoint", "CheckpointError"),
+    ("posttrain.scoring", "RewardFunctionError"),
 )
 
 

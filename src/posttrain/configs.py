@@ -52,7 +52,11 @@ class TrainingConfig:
     num_train_epochs: float = _help(
         "Passes over the training data (when max_steps / total_episodes are not set).", default=3.0
     )
-    max_steps: int = _help("If > 0: total optimizer steps, overriding num_train_epochs.", default=-1)
+    max_steps: int = _help(
+        "If > 0: total optimizer steps, overriding num_train_epochs (online trainers: and total_episodes; "
+        "they run ceil(max_steps / optimizer steps per rollout batch) rollout batches).",
+        default=-1,
+    )
     lr_scheduler_type: str = _help(
         "Learning-rate schedule: linear, cosine, cosine_with_restarts, polynomial, constant, constant_with_warmup.",
         default="linear",
@@ -266,6 +270,12 @@ class OnPolicyConfig(TrainingConfig):
         """Completions generated per prompt (1 for PPO; rloo_k / num_generations in subclasses)."""
         return 1
 
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        """Optimizer steps each rollout batch makes: minibatches × passes over the batch."""
+        passes = getattr(self, "num_ppo_epochs", None) or getattr(self, "num_iterations", None) or 1
+        return self.num_mini_batches * passes
+
     def derive_sizes(self, world_size: int = 1, dataset_size: int | None = None) -> OnPolicyConfig:
         """Compute the derived batch sizes and check that every division is exact.
 
@@ -280,6 +290,10 @@ class OnPolicyConfig(TrainingConfig):
         self.batch_size = self.local_batch_size * world_size
         self.mini_batch_size = self.local_mini_batch_size * world_size
         self.check_samples_per_prompt()
+        if self.max_steps > 0:
+            # TRL semantics: max_steps (optimizer steps) overrides the episode / epoch budget.
+            rollouts = math.ceil(self.max_steps / self.optimizer_steps_per_rollout)
+            self.total_episodes = rollouts * self.batch_size
         if self.total_episodes is None:
             if dataset_size is None:
                 raise ConfigError("total_episodes is not set and the dataset size is unknown; pass --total_episodes.")

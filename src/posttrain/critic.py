@@ -104,7 +104,10 @@ def attach_critic(
         "head" if isinstance(policy, CausalLMWithValueHead) else "reward" if reward_models else "policy"
     )
     if value_model is None and config.value_model_path:
-        value_model = load_value_model(config.value_model_path, dtype=config.torch_dtype, tokenizer=tokenizer)
+        # The critic is trained, so a causal LM (TRL's examples pass the SFT model) gets a fresh value head.
+        value_model = load_value_model(
+            config.value_model_path, dtype=config.torch_dtype, tokenizer=tokenizer, allow_new_head=True
+        )
     critic = build_critic(init, policy, value_model, reward_models, reward_tokenizer, tokenizer)
     if init == "head" and not isinstance(policy, CausalLMWithValueHead):
         policy = CausalLMWithValueHead(policy)

@@ -454,7 +454,7 @@ def apply_peft(model: nn.Module, peft_config: Any) -> nn.Module:
     """`peft.get_peft_model(model, peft_config)`: only the adapter (and modules_to_save) train.
 
     With a PEFT model the reference policy needs no copy: it is the same model with the adapter
-    disabled (`trainers.common.reference_policy`). A model that already carries an adapter is
+    disabled (`trainers.online.reference_policy`). A model that already carries an adapter is
     refused, since a second one would silently stack on the first.
     """
     if peft_config is None:

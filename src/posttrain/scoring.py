@@ -89,6 +89,8 @@ def completion_forward(
     positions that predict completion tokens (an index tensor `logits_to_keep` when the model takes
     it: the LM head never runs on prompt positions and backward never zero-fills a (B, T+1, V)
     gradient); with output_hidden_states the last hidden states at those positions too."""
+    if is_encoder_decoder(model):
+        return seq2seq_completion_forward(model, rollout, output_hidden_states=output_hidden_states)
     rollout = rollout.to(_device(model))
     T = rollout.completion_ids.size(1)
     ids, mask, positions, P, Tc = _trimmed_inputs(rollout)
@@ -103,6 +105,54 @@ def completion_forward(
         logits = out.logits[:, P - 1 : P - 1 + Tc]
     hidden = out.hidden_states[-1][:, P - 1 : P - 1 + Tc] if output_hidden_states else None
     return CompletionForward(logits, hidden, rollout.completion_ids[:, :Tc], rollout.completion_mask[:, :Tc], T)
+
+
+def is_encoder_decoder(model: torch.nn.Module) -> bool:
+    """Whether `model` (or the transformers model it wraps) is an encoder–decoder LM (T5, BART)."""
+    flag = getattr(model, "is_encoder_decoder", None)
+    if isinstance(flag, bool):
+        return flag
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
+def seq2seq_completion_forward(
+    model: torch.nn.Module, rollout: Rollout, *, output_hidden_states: bool = False
+) -> CompletionForward:
+    """`completion_forward` of an encoder–decoder LM (T5, BART): the prompt is the ENCODER input
+    (prompt_ids / prompt_mask, right-padded: BART numbers encoder positions from column 0 whatever
+    the mask, so left padding would move them) and completion_ids are the decoder's input
+    sequence, decoder start token first (the classic PPO API's responses):
+
+        model(input_ids=prompt, attention_mask=prompt_mask,
+              decoder_input_ids=completion, decoder_attention_mask=completion_mask)
+
+    Decoder logits at position t−1 predict completion token t, so column t ≥ 1 gets logits[:, t−1]
+    (and the decoder's last hidden state there, where a value head reads V); column 0, the decoder
+    start token, is never predicted: its logits and hidden state are zeros and it is off the mask.
+    Columns that are padding in every row are cut, as for causal LMs."""
+    rollout = rollout.to(_device(model))
+    T = rollout.completion_ids.size(1)
+    Tc = max(int(rollout.completion_lengths.max()) if len(rollout) else 1, 1)
+    real = rollout.prompt_mask.any(0).nonzero()
+    first, last = (int(real[0]), int(real[-1]) + 1) if len(real) else (0, rollout.prompt_ids.size(1))
+    prompt_mask = rollout.prompt_mask[:, first:last]
+    decoder_mask = rollout.completion_mask[:, :Tc]
+    kwargs: dict[str, Any] = dict(
+        input_ids=rollout.prompt_ids[:, first:last].masked_fill(~prompt_mask, 0),
+        attention_mask=prompt_mask.long(),
+        decoder_input_ids=rollout.completion_ids[:, :Tc].masked_fill(~decoder_mask, 0),
+        decoder_attention_mask=decoder_mask.long(),
+        use_cache=False,
+    )
+    if output_hidden_states:
+        kwargs["output_hidden_states"] = True
+    out = model(**kwargs)
+    # (B, Tc, ·) → shifted right by one column: column t holds what predicts completion token t.
+    logits = F.pad(out.logits[:, :-1], (0, 0, 1, 0))
+    hidden = F.pad(out.decoder_hidden_states[-1][:, :-1], (0, 0, 1, 0)) if output_hidden_states else None
+    mask = decoder_mask.clone()
+    mask[:, 0] = False
+    return CompletionForward(logits, hidden, rollout.completion_ids[:, :Tc], mask, T)
 
 
 def _pad_to(x: torch.Tensor, T: int) -> torch.Tensor:
@@ -296,6 +346,14 @@ def reward_model_scores(
     return torch.cat(scores)
 
 
+class RewardFunctionError(ValueError):
+    """A reward function returned something other than one finite number per completion.
+
+    The message names the function, the row (1-based) and the value; the command line prints it
+    as one line, since the fix is in the user's function.
+    """
+
+
 def reward_function_name(func: Callable[..., Any]) -> str:
     """Name used in errors and metrics (`rewards/<name>`): __name__, or the class name for callables."""
     return getattr(func, "__name__", None) or type(func).__name__
@@ -354,15 +412,15 @@ def reward_function_matrix(
         try:
             n = len(result)
         except TypeError:
-            raise ValueError(
+            raise RewardFunctionError(
                 f"reward function {name!r} returned {type(result).__name__}, expected a list of {B} floats"
             ) from None
         if n != B:
-            raise ValueError(f"reward function {name!r} returned {n} values for {B} completions")
+            raise RewardFunctionError(f"reward function {name!r} returned {n} values for {B} completions")
         for i, value in enumerate(result):
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-                raise ValueError(
-                    f"reward function {name!r} returned {value!r} at row {i} "
+                raise RewardFunctionError(
+                    f"reward function {name!r} returned {value!r} at row {i + 1} of {B} "
                     f"(completion {str(completions[i])[:80]!r}); every value must be a finite number"
                 )
             out[i, j] = float(value)

@@ -461,6 +461,11 @@ class AutoModelForSeq2SeqLMWithValueHead(PreTrainedModelWrapper):
         super().__init__(pretrained_model, **kwargs)
         self.is_encoder_decoder = True
 
+    @property
+    def score(self) -> nn.Module:
+        """The `v_head`, under the name posttrain's PPO reads a value head by (critic.PolicyAndValue)."""
+        return self.v_head
+
     def forward(
         self,
         input_ids: torch.Tensor | None = None,

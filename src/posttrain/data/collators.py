@@ -12,13 +12,32 @@ may be the EOS that ends every sequence (DESIGN.md, principle 4). torch is impor
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from posttrain.data.prepare import IGNORE_INDEX
 from posttrain.ops import lengths_to_mask
-from posttrain.trainers.supervised import pad_right
+
+
+def pad_right(
+    sequences: Sequence[Sequence[int]], pad_value: int, pad_to_multiple_of: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad int sequences into a (B, T) tensor; returns (padded, lengths (B,)).
+
+    Masks are built from the lengths (ops.lengths_to_mask), never from `ids == pad`, because the
+    pad token may be the EOS token that ends every sequence (see the module docstring).
+    """
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+    width = max(int(lengths.max()), 1) if len(sequences) else 1
+    if pad_to_multiple_of:
+        width = math.ceil(width / pad_to_multiple_of) * pad_to_multiple_of
+    out = torch.full((len(sequences), width), pad_value, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        out[row, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
+    return out, lengths
 
 
 class PromptCollator:

@@ -83,8 +83,15 @@ def stop_token_ids(config: OnPolicyConfig, tokenizer: Any) -> tuple[int, ...]:
     ids: list[int] = []
     if tokenizer.eos_token_id is not None:
         ids.append(int(tokenizer.eos_token_id))
-    if config.stop_token_id is not None and config.stop_token_id not in ids:
-        ids.append(int(config.stop_token_id))
+    if config.stop_token_id is not None:
+        if not 0 <= config.stop_token_id < len(tokenizer):
+            raise ConfigError(
+                f"stop_token_id={config.stop_token_id} is outside the tokenizer's vocabulary (ids 0 to "
+                f"{len(tokenizer) - 1}): it could never be sampled. Use an id the tokenizer has, e.g. "
+                "tokenizer.convert_tokens_to_ids('<|im_end|>'), or --stop_token eos."
+            )
+        if config.stop_token_id not in ids:
+            ids.append(int(config.stop_token_id))
     return tuple(ids)
 
 
@@ -318,6 +325,7 @@ def load_parts(
             )
         processing_class = load_tokenizer(path, trust_remote_code=config.trust_remote_code)
     tokenizer = ensure_pad_token(processing_class)
+    stop_token_ids(config, tokenizer)  # an impossible stop token is refused before any model loads
 
     def policy_from(m: Any) -> nn.Module:
         if not isinstance(m, (str, os.PathLike)):

@@ -9,6 +9,14 @@ log-probs are taken at temperature 1. `PPOTrainer(config=...)` (or the classic p
 num_shared_layers, lr_scheduler)`) builds this trainer.
 
 step() returns the classic statistics (see STEP_STATS) computed as train()'s metrics are.
+
+Encoder–decoder policies (T5, BART: value_head.AutoModelForSeq2SeqLMWithValueHead, detected from the
+model or set by `PPOConfig.is_encoder_decoder`) follow TRL ≤ 0.11: queries are the encoder input
+(right-padded), generate() returns decoder sequences [decoder_start, t1, …] without the query, and
+step() runs `model(input_ids=query, attention_mask=query_mask, decoder_input_ids=response,
+decoder_attention_mask=response_mask)` (scoring.seq2seq_completion_forward): log-probs of
+response[1:] from logits[:, :-1], values from the decoder's hidden states at the same positions. The
+start token is input only, never trained on; the rest of step() is the causal path unchanged.
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ from posttrain.critic import PolicyAndValue
 from posttrain.health import HealthMonitor
 from posttrain.models import CausalLMWithValueHead, disable_dropout
 from posttrain.optim import build_optimizer
-from posttrain.rollout import Rollout, SamplingConfig, generate, generation_mode
+from posttrain.rollout import Rollout, SamplingConfig, _make_sampler, generate, generation_mode
+from posttrain.scoring import is_encoder_decoder
 from posttrain.tracking import MetricAccumulator, Tracker
 from posttrain.trainers.online import OnlineRun, RunState
 from posttrain.trainers.ppo import PPOTrainer
@@ -124,7 +133,8 @@ class StepRun(OnlineRun):
 class ClassicPPOTrainer(PPOTrainer):
     """`PPOTrainer(config=PPOConfig(...), model=value_head_model, ref_model=None, tokenizer=tok)`;
     `responses = trainer.generate(queries, return_prompt=False, **generation_kwargs)`;
-    `stats = trainer.step(queries, responses, scores)`; `trainer.log_stats(stats, batch, scores)`."""
+    `stats = trainer.step(queries, responses, scores)`; `trainer.log_stats(stats, batch, scores)`.
+    The policy may be a causal LM or an encoder–decoder LM (see the module docstring)."""
 
     def __init__(
         self,
@@ -146,7 +156,10 @@ class ClassicPPOTrainer(PPOTrainer):
         if not isinstance(config, PPOConfig):
             raise ConfigError(f"PPOTrainer needs a PPOConfig as args= (or config=), got {type(config).__name__}.")
         if model is None:
-            raise ConfigError("model is required: the policy (a causal LM, or a models.CausalLMWithValueHead).")
+            raise ConfigError(
+                "model is required: the policy (a causal LM, a models.CausalLMWithValueHead, or an encoder-decoder "
+                "LM / value_head.AutoModelForSeq2SeqLMWithValueHead)."
+            )
         tokenizer = processing_class if processing_class is not None else tokenizer
         if tokenizer is None:
             raise ConfigError("a tokenizer is required: pass processing_class= (or tokenizer= with config=).")
@@ -162,15 +175,39 @@ class ClassicPPOTrainer(PPOTrainer):
         self.temperature = 1.0  # the classic step() scores logprobs at temperature 1
         self.tracker: Tracker | None = None
         self.current_step = 0
-        vh = model if isinstance(model, CausalLMWithValueHead) else CausalLMWithValueHead(model)
+        self.is_encoder_decoder = detected = is_encoder_decoder(model)
+        if config.is_encoder_decoder is not None and config.is_encoder_decoder != detected:
+            raise ConfigError(
+                f"config.is_encoder_decoder={config.is_encoder_decoder} but the model is "
+                f"{'an encoder-decoder' if detected else 'a causal'} LM; leave it None to detect it."
+            )
+        if detected:
+            from posttrain.value_head import AutoModelForSeq2SeqLMWithValueHead, create_reference_model
+
+            # Queries feed the encoder, responses are decoder sequences (TRL <= 0.11's encoder-decoder
+            # path); the value head reads the decoder's last hidden state.
+            vh = (
+                model
+                if isinstance(model, AutoModelForSeq2SeqLMWithValueHead)
+                else AutoModelForSeq2SeqLMWithValueHead(model)
+            )
+            if isinstance(ref_model, AutoModelForSeq2SeqLMWithValueHead):
+                ref_model = ref_model.pretrained_model
+        else:
+            vh = model if isinstance(model, CausalLMWithValueHead) else CausalLMWithValueHead(model)
+            if isinstance(ref_model, CausalLMWithValueHead):
+                ref_model = ref_model.pretrained_model
         if config.disable_dropout:
             disable_dropout(vh)
-        if isinstance(ref_model, CausalLMWithValueHead):
-            ref_model = ref_model.pretrained_model
+        if ref_model is not None and is_encoder_decoder(ref_model) != detected:
+            raise ConfigError("ref_model must have the policy's architecture (both causal or both encoder-decoder).")
         if ref_model is None and not hasattr(vh.pretrained_model, "disable_adapter"):
-            ref_model = copy.deepcopy(vh.pretrained_model)
-            if num_shared_layers:
-                share_layers(vh.pretrained_model, ref_model, num_shared_layers)
+            if detected:  # create_reference_model shares layers by name (e.g. BART's model.decoder.layers.N)
+                ref_model = create_reference_model(vh.pretrained_model, num_shared_layers=num_shared_layers)
+            else:
+                ref_model = copy.deepcopy(vh.pretrained_model)
+                if num_shared_layers:
+                    share_layers(vh.pretrained_model, ref_model, num_shared_layers)
         elif num_shared_layers is not None:
             raise ConfigError(
                 "num_shared_layers applies only when the trainer creates the reference model (ref_model=None)."
@@ -223,6 +260,56 @@ class ClassicPPOTrainer(PPOTrainer):
             ids[i, width - len(q) :], mask[i, width - len(q) :] = q.long().cpu(), True
         return ids.to(self.run.device), mask.to(self.run.device)
 
+    def _pad_queries(self, queries: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries as model input: left-padded for a causal LM; right-padded encoder input for an
+        encoder-decoder (models with absolute positions, e.g. BART, number encoder tokens from 0)."""
+        ids, mask = self._left_pad(queries)
+        if not self.is_encoder_decoder:
+            return ids, mask
+        for i, q in enumerate(queries):
+            ids[i], mask[i] = ids[i].roll(len(q) - ids.size(1)), mask[i].roll(len(q) - ids.size(1))
+        return ids, mask
+
+    @torch.no_grad()
+    def _seq2seq_generate(
+        self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingConfig
+    ) -> list[torch.Tensor]:
+        """Sample decoder sequences for right-padded encoder inputs: each starts with the model's
+        decoder start token and ends after its first stop token (kept), or after max_new_tokens new
+        tokens. The encoder runs once; the decoder step by step with its key/value cache."""
+        config = model.config
+        start = getattr(config, "decoder_start_token_id", None)
+        if start is None:
+            start = getattr(getattr(model, "generation_config", None), "decoder_start_token_id", None)
+        if start is None:
+            raise ConfigError("the encoder-decoder model's config has no decoder_start_token_id.")
+        B, device = ids.size(0), ids.device
+        attention = mask.long()
+        encoder_outputs = model.get_encoder()(input_ids=ids.masked_fill(~mask, 0), attention_mask=attention)
+        sampler = _make_sampler(sampling, self.run.generator, False, False)
+        stops = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=device)
+        tokens = torch.full((B, 1), int(start), dtype=torch.long, device=device)
+        finished = torch.zeros(B, dtype=torch.bool, device=device)
+        lengths = torch.ones(B, dtype=torch.long, device=device)
+        step_input, past = tokens, None
+        for _ in range(sampling.max_new_tokens):
+            out = model(
+                encoder_outputs=encoder_outputs,
+                attention_mask=attention,
+                decoder_input_ids=step_input,
+                past_key_values=past,
+                use_cache=True,
+            )
+            past = out.past_key_values
+            tok = sampler(out.logits[:, -1, :])[0]
+            lengths += ~finished
+            finished |= torch.isin(tok, stops)
+            step_input = tok[:, None]  # a finished row's later tokens are cut off below
+            tokens = torch.cat([tokens, step_input], dim=1)
+            if bool(finished.all()):
+                break
+        return [tokens[i, :n] for i, n in enumerate(lengths.tolist())]
+
     @torch.no_grad()
     def generate(
         self,
@@ -249,10 +336,14 @@ class ClassicPPOTrainer(PPOTrainer):
         results: list[list[torch.Tensor]] = [[] for _ in models]
         for s in range(0, len(queries), batch_size):
             part = queries[s : s + batch_size]
-            ids, mask = self._left_pad(part)
+            ids, mask = self._pad_queries(part)
             sampling = self._sampling(generation_kwargs, length_sampler() if length_sampler is not None else None)
             for k, model in enumerate(models):
                 ctx = model.disable_adapter() if k == 1 and self.ref_model is None else contextlib.nullcontext()
+                if self.is_encoder_decoder:  # decoder sequences: never the query (return_prompt is moot)
+                    with generation_mode(model), ctx, self.run.autocast():
+                        results[k].extend(self._seq2seq_generate(model, ids, mask, sampling))
+                    continue
                 with generation_mode(model), ctx, self.run.autocast():
                     r = generate(
                         model,
@@ -274,7 +365,7 @@ class ClassicPPOTrainer(PPOTrainer):
         also the attention mask, and a token left out of the loss (response_masks 0, e.g. a tool's
         output) is still context for the tokens after it (classic TRL multiplies response_masks into
         the loss mask only). loss_mask = completion_mask ∧ response_masks, None without masks."""
-        prompt_ids, prompt_mask = self._left_pad(queries)
+        prompt_ids, prompt_mask = self._pad_queries(queries)
         lengths = torch.tensor([len(r) for r in responses], dtype=torch.long, device=self.run.device)
         T = int(lengths.max())
         ids = torch.full((len(responses), T), self.tokenizer.pad_token_id, dtype=torch.long, device=self.run.device)
@@ -285,6 +376,12 @@ class ClassicPPOTrainer(PPOTrainer):
             mask[i, : len(r)] = True
             if loss_mask is not None:
                 loss_mask[i, : len(r)] = torch.as_tensor(response_masks[i]).bool().to(self.run.device)
+        if self.is_encoder_decoder:
+            # Responses are decoder sequences whose token 0 (the decoder start token) is input only:
+            # it is never predicted, so it is never trained on, KL-penalised or counted.
+            first = torch.zeros_like(mask)
+            first[:, 0] = True
+            loss_mask = (mask if loss_mask is None else loss_mask) & ~first
         eos = self.tokenizer.eos_token_id
         ended = torch.tensor([eos is not None and int(r[-1]) == eos for r in responses], device=self.run.device)
         return Rollout(
@@ -328,11 +425,17 @@ class ClassicPPOTrainer(PPOTrainer):
                 and len(r)
             ):
                 raise ValueError(f"step(): queries[{i}] and responses[{i}] must be non-empty 1-D token tensors.")
+            skip = 1 if self.is_encoder_decoder else 0  # the decoder start token is never trained on
+            if self.is_encoder_decoder and len(r) < 2:
+                raise ValueError(
+                    f"step(): responses[{i}] must hold the decoder start token and at least one generated token."
+                )
             if response_masks is not None and (
-                len(response_masks[i]) != len(r) or not bool(torch.as_tensor(response_masks[i]).any())
+                len(response_masks[i]) != len(r) or not bool(torch.as_tensor(response_masks[i])[skip:].any())
             ):
                 raise ValueError(
-                    f"step(): response_masks[{i}] must have len(responses[{i}]) = {len(r)} entries, at least one 1."
+                    f"step(): response_masks[{i}] must have len(responses[{i}]) = {len(r)} entries, at least one 1"
+                    + (" after the decoder start token." if skip else ".")
                 )
         for i, s in enumerate(scores):
             # One number per pair (classic TRL: 0-d or 1-element); taking element 0 of a longer

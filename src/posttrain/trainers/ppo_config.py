@@ -87,6 +87,11 @@ class PPOConfig(OnPolicyConfig):
         'policy\'s own trunk). Default: "reward" with a reward model, else "policy".',
         default=None,
     )
+    is_encoder_decoder: bool | None = _help(
+        "step() / generate(): the policy is an encoder–decoder LM (T5, BART; queries feed the encoder, responses "
+        "are decoder sequences). None: detected from the model.",
+        default=None,
+    )
     # -- reward scaling (classic PPOConfig; DeepSpeed-Chat's cure for a diverging critic) ------
     use_score_scaling: bool = _help("Divide scores by the running std of all scores seen so far.", default=False)
     use_score_norm: bool = _help("With use_score_scaling: also subtract the running mean.", default=False)

@@ -42,24 +42,6 @@ IGNORE_INDEX = -100
 # ---------------------------------------------------------------------------------------------
 # collation
 # ---------------------------------------------------------------------------------------------
-def pad_right(
-    sequences: Sequence[Sequence[int]], pad_value: int, pad_to_multiple_of: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad int sequences into a (B, T) tensor; returns (padded, lengths (B,)).
-
-    Masks are built from the lengths (ops.lengths_to_mask), never from `ids == pad`, because the
-    pad token may be the EOS token that ends every sequence (DESIGN.md, principle 4).
-    """
-    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
-    width = max(int(lengths.max()), 1) if len(sequences) else 1
-    if pad_to_multiple_of:
-        width = math.ceil(width / pad_to_multiple_of) * pad_to_multiple_of
-    out = torch.full((len(sequences), width), pad_value, dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        out[row, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
-    return out, lengths
-
-
 def rows(dataset: Any, indices: Sequence[int]) -> list[dict]:
     return [dataset[int(i)] for i in indices]
 
