@@ -47,18 +47,14 @@ def main(name: str) -> dict:
         train_dataset=art["train"],
     )
 
-    def train() -> dict:
-        trainer.train()
-        return trainer.log_history[-1] if trainer.log_history else {}
-
     return harness.timed(
         name,
         out,
-        train,
+        lambda: harness.train_online(trainer),
         k=2,
-        optimizer_steps=lambda: trainer.state.optimizer_steps,
+        optimizer_steps=lambda: trainer.run.progress.optimizer_steps,
         mean_completion_len=lambda last: None,
-        first_log=lambda: trainer.log_history[0] if trainer.log_history else {},
+        first_log=lambda: trainer.state.log_history[0],
     )
 
 

@@ -36,11 +36,11 @@ def main() -> dict:
     return harness.timed(
         "ppo",
         out,
-        trainer.train,
+        lambda: harness.train_online(trainer),
         k=1,
-        optimizer_steps=lambda: trainer.run.state.optimizer_steps,
+        optimizer_steps=lambda: trainer.run.progress.optimizer_steps,
         mean_completion_len=lambda last: last.get("tokens/responses_len_mean"),
-        first_log=lambda: trainer.log_history[0] if getattr(trainer, "log_history", None) else {},
+        first_log=lambda: trainer.state.log_history[0],
     )
 
 

@@ -69,11 +69,11 @@ def main() -> dict:
     return harness.timed(
         trainer_name,
         out,
-        trainer.train,
+        lambda: harness.train_online(trainer),
         k=K,
-        optimizer_steps=lambda: trainer.run.state.optimizer_steps,
+        optimizer_steps=lambda: trainer.run.progress.optimizer_steps,
         mean_completion_len=lambda last: last.get("completions/mean_length"),
-        first_log=lambda: trainer.log_history[0] if trainer.log_history else {},
+        first_log=lambda: trainer.state.log_history[0],
     )
 
 

@@ -90,6 +90,14 @@ def load_artifacts() -> dict[str, Any]:
     )
 
 
+def train_online(trainer: Any) -> dict:
+    """trainer.train(); the metrics of its last logging step (the entry of trainer.state.log_history
+    before the end-of-training summary)."""
+    trainer.train()
+    history = trainer.state.log_history
+    return history[-2] if len(history) > 1 else {}
+
+
 def timed(
     name: str,
     out: str,

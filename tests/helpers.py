@@ -28,3 +28,12 @@ def per_row_generate(model, prompt_ids, prompt_mask, sampling, *, pad_token_id, 
             )
         )
     return Rollout.cat(rows)
+
+
+def train_and_last_log(trainer) -> dict:
+    """Train an online trainer; the entry of its last logging step in trainer.state.log_history (the
+    entry before the end-of-training summary)."""
+    trainer.train()
+    history = trainer.state.log_history
+    assert "train_runtime" in history[-1] and "train_runtime" not in history[-2]
+    return history[-2]

@@ -1,12 +1,14 @@
-"""transformers.TrainerCallback objects in posttrain's trainers: the events SFT and reward training
-fire and their order, trainer.state (global_step, epoch, log_history and the end-of-training summary),
-TrainOutput, callbacks stopping training or asking for a checkpoint, the callback list, and
-LogCompletionsCallback."""
+"""transformers.TrainerCallback objects in posttrain's trainers: the events all seven trainers (SFT,
+reward, RLOO, GRPO, PPO, Online DPO, XPO) fire and their order, trainer.state (global_step, epoch,
+log_history and the end-of-training summary), TrainOutput, callbacks stopping training or asking for a
+checkpoint, log_history across a resume, the callback list, evaluate(), and LogCompletionsCallback."""
 
 from __future__ import annotations
 
 import copy
 import json
+import math
+import shutil
 import types
 
 import pytest
@@ -340,19 +342,6 @@ def test_log_completions_callback_is_a_transformers_callback():
     assert calls == [3, 3] and [step for *_, step in trainer.run.tracker.tables] == [3, 6]
 
 
-def test_log_completions_callback_under_the_online_trainers_call_shapes():
-    # Online DPO / XPO call on_train_begin(trainer), on_step_end(trainer, step, logs), on_train_end(trainer);
-    # RLOO / PPO call on_train_end(config, state, control).
-    trainer, calls = completions_trainer()
-    callback = LogCompletionsCallback(trainer, num_prompts=1)
-    callback.on_train_begin(trainer)
-    for step in (1, 2, 3, 4):
-        callback.on_step_end(trainer, step, {"loss": 0.0} if step % 2 == 0 else None)
-    callback.on_train_end(trainer)
-    callback.on_train_end(trainer.args, TrainerState(), None)
-    assert calls == [1, 1] and [step for *_, step in trainer.run.tracker.tables] == [2, 4]
-
-
 def test_log_completions_callback_errors():
     trainer, _ = completions_trainer()
     with pytest.raises(ConfigError, match="eval_dataset"):
@@ -400,6 +389,243 @@ def test_log_completions_callback_in_online_dpo_training(tmp_path, tiny_tokenize
         (2, "The quick brown fox"),
     ]
     assert all(isinstance(row["score"], float) for row in rows)
+
+
+# --------------------------------------------------------------------------------------------
+# the online trainers
+# --------------------------------------------------------------------------------------------
+ONLINE = ["rloo", "grpo", "ppo", "online_dpo", "xpo"]
+
+
+def constant_reward(prompts, completions, **kwargs):
+    return [2.0] * len(completions)
+
+
+def length_reward(prompts, completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def online_trainer(algo, out, tokenizer, callbacks=None, prompts=4, reward=length_reward, **overrides):
+    """A tiny online trainer whose rollout batch is 4 completions (2 prompts × 2 samples; PPO: 4
+    prompts × 1), over `prompts` prompts per pass, with 2 rollout batches (8 episodes) by default."""
+    from posttrain.trainers.grpo import GRPOTrainer
+    from posttrain.trainers.grpo_config import GRPOConfig
+    from posttrain.trainers.online_dpo import OnlineDPOTrainer
+    from posttrain.trainers.online_dpo_config import OnlineDPOConfig
+    from posttrain.trainers.ppo import PPOTrainer
+    from posttrain.trainers.ppo_config import PPOConfig
+    from posttrain.trainers.rloo import RLOOTrainer
+    from posttrain.trainers.rloo_config import RLOOConfig
+    from posttrain.trainers.xpo import XPOTrainer
+    from posttrain.trainers.xpo_config import XPOConfig
+
+    values = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        total_episodes=8,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_steps=1,
+        report_to="none",
+        num_sample_generations=0,
+        seed=0,
+    )
+    eval_dataset = overrides.pop("eval_dataset", None)
+    values.update(overrides)
+    words = ["Hello world", "The quick brown fox", "Once upon a time", "Thank you", "Good morning", "Blue sea"]
+    dataset = Dataset.from_dict({"prompt": [words[i % len(words)] + f" {i}" for i in range(prompts)]})
+    policy = build_tiny_causal_lm(tokenizer)
+    common = dict(train_dataset=dataset, eval_dataset=eval_dataset, callbacks=callbacks)
+    if algo == "rloo":
+        args = RLOOConfig(rloo_k=2, response_length=4, **values)
+        return RLOOTrainer(args, tokenizer, policy, None, reward, **common)
+    if algo == "grpo":
+        # beta > 0: a KL term and a reference (TRL 1.16's default beta is 0.0, no reference)
+        args = GRPOConfig(num_generations=2, response_length=4, beta=0.05, **values)
+        return GRPOTrainer(policy, reward, args, processing_class=tokenizer, **common)
+    if algo == "ppo":
+        args = PPOConfig(response_length=4, value_model_init="policy", **values)
+        return PPOTrainer(args=args, processing_class=tokenizer, model=policy, reward_model=reward, **common)
+    config_cls, trainer_cls = (OnlineDPOConfig, OnlineDPOTrainer) if algo == "online_dpo" else (XPOConfig, XPOTrainer)
+    args = config_cls(max_new_tokens=4, **values)
+    return trainer_cls(policy, reward_model=[reward], args=args, processing_class=tokenizer, **common)
+
+
+def prompts_per_pass(algo):
+    """Prompts that make one pass (epoch) two rollout batches: 4 completions per batch over
+    samples_per_prompt completions per prompt."""
+    return 8 if algo == "ppo" else 4
+
+
+@pytest.mark.parametrize("algo", ONLINE)
+def test_online_trainers_fire_every_event_with_the_transformers_state(tmp_path, tiny_tokenizer, algo):
+    recorder = Recorder()
+    trainer = online_trainer(
+        algo, tmp_path / algo, tiny_tokenizer, callbacks=[recorder], prompts=prompts_per_pass(algo)
+    )
+    state = trainer.state
+    assert isinstance(state, TrainerState) and isinstance(trainer.control, TrainerControl)
+    # One rollout batch is one step: 8 episodes of 4 completions; 2 batches make one pass over the prompts.
+    assert (state.max_steps, state.num_train_epochs, state.logging_steps, state.save_steps) == (2, 1.0, 1, 1)
+    assert state.train_batch_size == 4 and state.is_world_process_zero
+    # What TRL code reads on the trainer object.
+    assert trainer.args.output_dir == str(tmp_path / algo) and trainer.processing_class is not None
+    assert trainer.accelerator is trainer.run.accelerator and len(trainer.train_dataset) == prompts_per_pass(algo)
+    assert trainer.eval_dataset is None and callable(trainer.data_collator)
+    assert trainer.ref_model is not None  # every algorithm here has a reference by default
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    output = trainer.train()
+
+    # on_step_end before the step's log and checkpoint; the last rollout batch writes no checkpoint
+    # (the final save follows); the summary is logged last.
+    assert names(recorder) == [
+        ("train_begin", 0),
+        ("step_end", 1),
+        ("log", 1),
+        ("save", 1),
+        ("step_end", 2),
+        ("log", 2),
+        ("log", 2),
+        ("train_end", 2),
+    ]
+    assert [epoch for name, _, epoch in recorder.events if name == "step_end"] == [0.5, 1.0]
+    out = tmp_path / algo
+    assert (out / "checkpoint-1").is_dir() and not (out / "checkpoint-2").exists()
+    assert (out / "model.safetensors").is_file()
+    assert recorder.kwargs["model"] is trainer.model
+    assert recorder.kwargs["processing_class"] is trainer.processing_class
+
+    history = trainer.state.log_history
+    assert [(e["step"], e["epoch"]) for e in history] == [(1, 0.5), (2, 1.0), (2, 1.0)]
+    assert [e["episode"] for e in history[:2]] == [4, 8] and all("lr" in e for e in history[:2])
+    logged = [payload for name, _, payload in recorder.events if name == "log"]
+    assert logged == [{k: v for k, v in e.items() if k != "step"} for e in history]
+    # The logged numbers are the ones in metrics.jsonl.
+    jsonl = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert history[:2] == jsonl
+
+    summary = history[-1]
+    assert set(summary) == SUMMARY_KEYS and summary["total_flos"] == 0.0
+    assert isinstance(output, TrainOutput) and output.global_step == 2 == trainer.state.global_step
+    assert output.training_loss == summary["train_loss"] and math.isfinite(output.training_loss)
+    assert output.metrics == {k: v for k, v in summary.items() if k != "step"}
+    # 8 episodes in 2 rollout batches in train_runtime seconds.
+    runtime = summary["train_runtime"]
+    assert summary["train_samples_per_second"] == pytest.approx(8 / runtime, rel=1e-3, abs=1e-3)
+    assert summary["train_steps_per_second"] == pytest.approx(2 / runtime, rel=1e-3, abs=1e-3)
+    if algo == "rloo":
+        # One optimizer step per rollout batch whose loss is the mean clipped sequence loss:
+        # train_loss is the mean of the two logged loss/policy_avg.
+        expected = (history[0]["loss/policy_avg"] + history[1]["loss/policy_avg"]) / 2
+        assert output.training_loss == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+@pytest.mark.parametrize("algo", ["rloo", "online_dpo"])
+def test_a_callback_stops_online_training_after_that_rollout_batch(tmp_path, tiny_tokenizer, algo):
+    class StopAtOne(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                control.should_training_stop = True
+
+    recorder = Recorder()
+    # 3 rollout batches, logging every 2: the stopping batch is logged anyway, with no checkpoint.
+    trainer = online_trainer(
+        algo, tmp_path / algo, tiny_tokenizer, callbacks=[StopAtOne(), recorder], total_episodes=12, logging_steps=2
+    )
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    output = trainer.train()
+    assert output.global_step == 1 == trainer.state.global_step and trainer.run.progress.update == 1
+    assert names(recorder) == [("train_begin", 0), ("step_end", 1), ("log", 1), ("log", 1), ("train_end", 1)]
+    assert not (tmp_path / algo / "checkpoint-1").exists()
+    assert (tmp_path / algo / "model.safetensors").is_file()
+    assert [e["step"] for e in trainer.state.log_history] == [1, 1]
+    assert trainer.state.log_history[-1]["train_samples_per_second"] == pytest.approx(
+        4 / trainer.state.log_history[-1]["train_runtime"], rel=1e-3, abs=1e-3
+    )
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+def test_online_resume_keeps_log_history(tmp_path, tiny_tokenizer):
+    full = online_trainer("rloo", tmp_path / "full", tiny_tokenizer)
+    full.train()
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copytree(tmp_path / "full" / "checkpoint-1", resumed_dir / "checkpoint-1")
+    recorder = Recorder()
+    resumed = online_trainer("rloo", resumed_dir, tiny_tokenizer, callbacks=[recorder], resume_from_checkpoint="latest")
+    output = resumed.train()
+    # Callbacks see the resumed step at train begin; the checkpoint's entry comes first in log_history.
+    assert names(recorder) == [("train_begin", 1), ("step_end", 2), ("log", 2), ("log", 2), ("train_end", 2)]
+    history = resumed.state.log_history
+    assert [e["step"] for e in history] == [1, 2, 2] and history[0] == full.state.log_history[0]
+    assert {k: v for k, v in history[1].items() if k != "eps"} == {
+        k: v for k, v in full.state.log_history[1].items() if k != "eps"
+    }
+    # The summary counts this call's work: 1 rollout batch of 4 episodes.
+    assert output.global_step == 2
+    assert history[-1]["train_steps_per_second"] == pytest.approx(1 / history[-1]["train_runtime"], rel=1e-3, abs=1e-3)
+    assert history[-1]["train_samples_per_second"] == pytest.approx(
+        4 / history[-1]["train_runtime"], rel=1e-3, abs=1e-3
+    )
+
+
+def test_online_trainer_log_evaluate_and_the_callback_list(tmp_path, tiny_tokenizer):
+    eval_prompts = Dataset.from_dict({"prompt": ["Hello", "Thank you", "The sea", "Once"]})
+    recorder = Recorder()
+    trainer = online_trainer(
+        "rloo",
+        tmp_path / "rloo",
+        tiny_tokenizer,
+        eval_dataset=eval_prompts,
+        reward=constant_reward,
+        missing_eos_penalty=1.0,
+        per_device_eval_batch_size=3,  # two eval batches: 3 prompts, then 1
+        eval_steps=2,
+    )
+    trainer.add_callback(Recorder)  # a class is instantiated
+    (added,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, Recorder)]
+    assert trainer.pop_callback(Recorder) is added
+    removed = Recorder()
+    trainer.add_callback(recorder)
+    trainer.add_callback(removed)
+    trainer.remove_callback(removed)
+
+    trainer.log({"custom": 1.5})
+    metrics = trainer.evaluate()
+    assert set(metrics) == {"eval_objective/scores", "eval_completions/mean_length", "eval_val/num_eos_tokens"}
+    # Each score is 2.0, less missing_eos_penalty for the completions of the 4 prompts that did not end.
+    eos = metrics["eval_val/num_eos_tokens"]
+    assert 0 <= eos <= 4 and metrics["eval_objective/scores"] == pytest.approx(2.0 - (4 - eos) / 4)
+    assert 1 <= metrics["eval_completions/mean_length"] <= 4  # response_length 4
+    assert trainer.state.log_history == [
+        {"custom": 1.5, "epoch": 0.0, "step": 0},
+        {**metrics, "epoch": 0.0, "step": 0},
+    ]
+    assert names(recorder) == [("log", 0), ("log", 0), ("evaluate", 0)]
+
+    # eval_steps=2: evaluated after the second rollout batch, before the summary.
+    trainer.train()
+    assert [e["step"] for e in trainer.state.log_history] == [0, 0, 1, 2, 2, 2]
+    assert set(trainer.state.log_history[4]) == {*metrics, "epoch", "step"}
+    assert ("evaluate", 2) in names(recorder) and removed.events == []
+
+
+def test_log_completions_callback_in_rloo_training(tmp_path, tiny_tokenizer):
+    prompts = Dataset.from_dict({"prompt": ["Hello world", "Thank you", "Good morning"]})
+    trainer = online_trainer(
+        "rloo", tmp_path / "rloo", tiny_tokenizer, eval_dataset=prompts, reward=constant_reward, save_steps=0
+    )
+    trainer.add_callback(LogCompletionsCallback(trainer, num_prompts=2))
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "rloo" / "samples.jsonl").read_text().splitlines()]
+    assert [(row["step"], row["prompt"]) for row in rows] == [
+        (1, "Hello world"),
+        (1, "Thank you"),
+        (2, "Hello world"),
+        (2, "Thank you"),
+    ]
+    assert all(row["score"] == 2.0 for row in rows)
 
 
 TWO_PROCESS_SCRIPT = """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from transformers import TrainerCallback
 
 from posttrain.configs import ConfigError
 from posttrain.demo import report, task
@@ -105,9 +106,14 @@ def test_gold_monitor_leaves_the_reward_unchanged_and_logs_means_per_logging_ste
     assert monitor(["p", "p"], ["was great .", "was bad and the soup was bland ."]) == [0.0, 0.0]
     monitor.on_log(None, None, None, logs={"episode": 2})
     monitor(["p"], ["was not bad ."])
-    monitor.on_step_end(None, 2, None)  # not a logging step: keep accumulating
+    callback = monitor.as_callback()  # what the trainers get: a transformers.TrainerCallback
+    assert isinstance(callback, TrainerCallback)
+    callback.on_step_end(None, None, None)  # not a logging step: keep accumulating
+    callback.on_log(None, None, None, logs={"eval_completions/mean_length": 3.0})  # an evaluation: no row
     monitor(["p"], ["was great and the staff were friendly ."])
-    monitor.on_step_end(None, 3, {"episode": 4})
+    callback.on_log(None, None, None, logs={"episode": 4})
+    monitor(["p"], ["was bad ."])  # e.g. the last sample table's completions
+    callback.on_log(None, None, None, logs={"train_runtime": 1.0})  # the end-of-training summary: no row
     assert monitor.rows == [
         {"step": 1, "gold/score": (1.0 - 2.0) / 2, "episode": 2},
         {"step": 2, "gold/score": (1.0 + 2.0) / 2, "episode": 4},

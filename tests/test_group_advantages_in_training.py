@@ -23,6 +23,7 @@ from datasets import Dataset
 
 import posttrain.trainers.grpo as grpo
 import posttrain.trainers.rloo as rloo
+from helpers import train_and_last_log
 from posttrain.rollout import decode_completions, decode_prompts
 from posttrain.scoring import batched_completion_logprobs
 from posttrain.testing import build_tiny_causal_lm
@@ -271,7 +272,7 @@ def test_rloo_hand_computed_advantages(tmp_path, tiny_tokenizer, monkeypatch, op
         by_row,
         prompt_dataset(),
     )
-    last = trainer.train()
+    last = train_and_last_log(trainer)
     covered = check_micro_batches(records[0], torch.tensor(expected, dtype=torch.float64))
     assert torch.equal(covered, torch.ones(4, dtype=torch.long))
     assert last["objective/scores"] == pytest.approx(1.0)  # before normalize_reward: mean(0, 0, 0, 4)
@@ -297,7 +298,7 @@ def test_grpo_hand_computed_advantages(tmp_path, tiny_tokenizer, monkeypatch, sc
         prompt_dataset(),
         processing_class=tiny_tokenizer,
     )
-    last = trainer.train()
+    last = train_and_last_log(trainer)
     check_micro_batches(records[0], torch.tensor(expected, dtype=torch.float64))
     assert last["frac_reward_zero_std"] == 0.5  # prompt 0's group is flat
 
@@ -321,9 +322,9 @@ def test_rloo_kl_entropy_metrics_and_temperature(tmp_path, tiny_tokenizer, monke
         total_episodes=8,
         response_length=8,
     )
-    last = RLOOTrainer(
-        cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), ref, prompt_and_length, prompt_dataset()
-    ).train()
+    last = train_and_last_log(
+        RLOOTrainer(cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), ref, prompt_and_length, prompt_dataset())
+    )
     rollout = records[0]["rollout"]
     mask = rollout.completion_mask
     ref_logprobs, _ = batched_completion_logprobs(ref, rollout, batch_size=64, temperature=0.7)
@@ -354,7 +355,9 @@ def test_missing_eos_penalty_looks_at_the_completion_only(tmp_path, tiny_tokeniz
     cfg = rloo_config(
         tmp_path, missing_eos_penalty=1.0, per_device_train_batch_size=8, total_episodes=8, response_length=4
     )
-    last = RLOOTrainer(cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, zero, prompts).train()
+    last = train_and_last_log(
+        RLOOTrainer(cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, zero, prompts)
+    )
     assert last["val/num_eos_tokens"] < 8  # some completions were truncated: the penalty is exercised
     assert last["objective/scores"] == pytest.approx(-(8 - last["val/num_eos_tokens"]) / 8)
 
@@ -373,13 +376,15 @@ def test_grpo_reward_weights_pair_with_their_reward(tmp_path, tiny_tokenizer, ti
         return [3.0] * len(completions)
 
     cfg = grpo_config(tmp_path, reward_weights=[0.5, 0.0, 2.0])
-    last = GRPOTrainer(
-        build_tiny_causal_lm(tiny_tokenizer),
-        [one, tiny_reward_model, three],
-        cfg,
-        prompt_dataset(),
-        processing_class=tiny_tokenizer,
-    ).train()
+    last = train_and_last_log(
+        GRPOTrainer(
+            build_tiny_causal_lm(tiny_tokenizer),
+            [one, tiny_reward_model, three],
+            cfg,
+            prompt_dataset(),
+            processing_class=tiny_tokenizer,
+        )
+    )
     assert last["objective/scores"] == pytest.approx(6.5)
     assert last["frac_reward_zero_std"] == 1.0
 
@@ -392,7 +397,7 @@ def test_grpo_k3_term_against_the_initial_policy(tmp_path, tiny_tokenizer):
         build_tiny_causal_lm(tiny_tokenizer), prompt_and_length, cfg, prompt_dataset(), processing_class=tiny_tokenizer
     )
     assert trainer.ref_model is not None
-    last = trainer.train()
+    last = train_and_last_log(trainer)
     assert last["loss/kl_avg"] == pytest.approx(0.0, abs=1e-6)
     assert last["objective/kl"] == pytest.approx(0.0, abs=1e-4)
 
@@ -452,6 +457,8 @@ def test_grpo_resume_equals_uninterrupted(tmp_path, tiny_tokenizer):
     resumed.train()
     flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()])  # noqa: E731
     assert torch.equal(flat(full.model), flat(resumed.model))
-    assert len(full.log_history) == 4 and len(resumed.log_history) == 2
-    for a, b in zip(full.log_history[2:], resumed.log_history):
+    # 4 rollout batches + the summary; the resumed run keeps the checkpoint's 2 entries and logs 2 more.
+    assert len(full.state.log_history) == 5 and len(resumed.state.log_history) == 5
+    assert resumed.state.log_history[:2] == full.state.log_history[:2]
+    for a, b in zip(full.state.log_history[2:4], resumed.state.log_history[2:4]):
         assert {k: v for k, v in a.items() if k != "eps"} == {k: v for k, v in b.items() if k != "eps"}

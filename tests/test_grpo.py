@@ -13,6 +13,7 @@ import torch
 from datasets import Dataset, DatasetDict
 
 import posttrain.trainers.grpo as grpo
+from helpers import train_and_last_log
 from posttrain import cli
 from posttrain.testing import build_tiny_causal_lm
 from posttrain.trainers.grpo import GRPOTrainer
@@ -142,8 +143,8 @@ def test_learnable_reward_raises_scores(tmp_path, tiny_tokenizer):
     )
     assert trainer.ref_model is None  # beta = 0: no reference model
     trainer.train()
-    scores = [h["objective/scores"] for h in trainer.log_history]
-    assert len(scores) == 30 and "loss/kl_avg" not in trainer.log_history[-1]
+    scores = [h["objective/scores"] for h in trainer.state.log_history[:-1]]
+    assert len(scores) == 30 and "loss/kl_avg" not in trainer.state.log_history[-2]
     assert sum(scores[-5:]) / 5 > sum(scores[:5]) / 5 + 0.08, scores
 
 
@@ -159,7 +160,7 @@ def test_groups_are_the_completions_of_one_prompt(tmp_path, tiny_tokenizer):
     trainer = GRPOTrainer(
         policy, prompt_number, config(tmp_path, beta=0.0), prompt_dataset(), processing_class=tiny_tokenizer
     )
-    last = trainer.train()
+    last = train_and_last_log(trainer)
     assert last["frac_reward_zero_std"] == 1.0
     assert torch.equal(before, flat(trainer.model))
 
@@ -209,7 +210,7 @@ def test_mask_truncated_completions(tmp_path, tiny_tokenizer, monkeypatch):
     trainer = GRPOTrainer(
         build_tiny_causal_lm(tiny_tokenizer), letter_fraction, cfg, prompt_dataset(), processing_class=tiny_tokenizer
     )
-    last = trainer.train()
+    last = train_and_last_log(trainer)
     (mask,) = masks
     # Random weights rarely emit EOS within 3 tokens: every completion is truncated, so no token is
     # in the loss; the number of unmasked rows equals the number of completions that ended.

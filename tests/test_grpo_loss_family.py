@@ -17,6 +17,7 @@ import pytest
 import torch
 from datasets import Dataset
 
+from helpers import train_and_last_log
 from posttrain import cli
 from posttrain.configs import ConfigError
 from posttrain.testing import build_tiny_causal_lm
@@ -232,7 +233,7 @@ def test_each_loss_type_trains(tmp_path, tiny_tokenizer, loss_type, level):
         processing_class=tiny_tokenizer,
         ref_model=build_tiny_causal_lm(tiny_tokenizer, seed=3),
     )
-    last = trainer.train()
+    last = train_and_last_log(trainer)
     assert not torch.equal(before, flat(trainer.model))
     assert all(math.isfinite(v) for v in last.values()), last
     names = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
@@ -260,7 +261,9 @@ def test_top_entropy_quantile_keeps_the_high_entropy_tokens(tmp_path, tiny_token
     cfg = config(tmp_path, top_entropy_quantile=0.2, response_length=12)
     policy = build_tiny_causal_lm(tiny_tokenizer)
     before = flat(policy).clone()
-    last = GRPOTrainer(policy, letter_fraction, cfg, prompt_dataset(), processing_class=tiny_tokenizer).train()
+    last = train_and_last_log(
+        GRPOTrainer(policy, letter_fraction, cfg, prompt_dataset(), processing_class=tiny_tokenizer)
+    )
     assert all(math.isfinite(v) for v in last.values()), last
     assert not torch.equal(before, flat(policy))
     assert len(kept) == 2  # one micro-batch per rollout batch
@@ -291,9 +294,11 @@ def advantages_of(tmp_path, tiny_tokenizer, monkeypatch, rewards, **overrides) -
         GRPOTrainer, "update", lambda self, r, a, m, ref: seen.append(a.tolist()) or update(self, r, a, m, ref)
     )
     cfg = config(tmp_path, num_generations=2, total_episodes=4, **overrides)
-    last = GRPOTrainer(
-        build_tiny_causal_lm(tiny_tokenizer), rewards, cfg, prompt_dataset(), processing_class=tiny_tokenizer
-    ).train()
+    last = train_and_last_log(
+        GRPOTrainer(
+            build_tiny_causal_lm(tiny_tokenizer), rewards, cfg, prompt_dataset(), processing_class=tiny_tokenizer
+        )
+    )
     (advantages,) = seen
     return advantages, last
 
@@ -438,7 +443,7 @@ def span_run(out_path: str, top_entropy_quantile: float) -> None:
         optimizers=(torch.optim.SGD(policy.parameters(), lr=0.5), None),
     )
     assert trainer.run.world_size == world, "the launcher did not start a real process group"
-    last = trainer.train()
+    last = train_and_last_log(trainer)
     torch.save(
         {"params": flat(trainer.model), "advantages": seen[0], "scores": last["objective/scores"], "pools": pools},
         f"{out_path}.{rank}",

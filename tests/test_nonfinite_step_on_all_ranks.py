@@ -100,7 +100,7 @@ def run_all(out_dir: str) -> None:
         initial = flat(policy)
 
         def nan_in_first_update(module, inputs, output, trainer=trainer):
-            if rank == 1 and torch.is_grad_enabled() and trainer.run.state.update == 0:
+            if rank == 1 and torch.is_grad_enabled() and trainer.run.progress.update == 0:
                 return output * float("nan")
             return None
 
@@ -110,7 +110,7 @@ def run_all(out_dir: str) -> None:
             "initial": initial,
             "params": flat(policy),
             "nonfinite": trainer.run.health.nonfinite_total,
-            "steps": trainer.run.state.optimizer_steps,
+            "steps": trainer.run.progress.optimizer_steps,
         }
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 

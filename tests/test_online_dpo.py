@@ -220,7 +220,7 @@ def test_first_update_policy_equals_reference(tmp_path, tiny_tokenizer, loss_typ
         train_dataset=standard_prompts(),
     )
     trainer.train()
-    log = trainer.log_history[0]
+    log = trainer.state.log_history[0]
     assert log["loss/dpo"] == pytest.approx(math.log(2) if loss_type == "sigmoid" else 25.0, rel=1e-4)
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "objective/kl"):
         assert abs(log[name]) < 1e-4, name
@@ -278,11 +278,12 @@ def test_conversational_prompts_and_judge_failures(tmp_path, tiny_tokenizer):
         train_dataset=conversational_prompts(),
     )
     trainer.train()
-    first, second = trainer.log_history
+    first, second, summary = trainer.state.log_history
+    assert [first["step"], second["step"], summary["step"]] == [1, 2, 2] and "train_runtime" in summary
     assert calls[0][0].startswith("user: ") and calls[0][0].endswith("assistant:")  # chat template applied
     assert first["judge/failures"] == 2 and "rewards/chosen" in first
     assert second["judge/failures"] == 4 and "rewards/chosen" not in second and "loss/dpo" not in second
-    assert trainer.state.optimizer_steps == 1
+    assert trainer.run.progress.optimizer_steps == 1
     # KL covers every completion, judged or not; it is near 0 after one small step (not −Σ log π_ref)
     assert abs(second["objective/kl"]) < 1.0 and second["objective/entropy"] > 10
 
@@ -300,7 +301,7 @@ def test_reward_model_with_its_own_tokenizer_and_eos_penalty(tmp_path, tiny_toke
         train_dataset=standard_prompts(),
     )
     trainer.train()
-    for log in trainer.log_history:
+    for log in trainer.state.log_history[:-1]:
         assert all(math.isfinite(v) for v in log.values())
         assert log["objective/scores_margin"] >= 0  # chosen = higher score
     # with a constant reward, scores = −penalty · (1 − contain_eos) exactly
@@ -313,7 +314,7 @@ def test_reward_model_with_its_own_tokenizer_and_eos_penalty(tmp_path, tiny_toke
         train_dataset=standard_prompts(),
     )
     trainer.train()
-    log = trainer.log_history[0]
+    log = trainer.state.log_history[0]
     assert log["objective/scores"] == pytest.approx(-(1 - log["val/contain_eos_token"]))
 
 
@@ -338,12 +339,15 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_tokenizer):
         return trainer
 
     full = train(tmp_path / "a")
-    assert [log["beta"] for log in full.log_history] == [0.1, 0.1, 0.3, 0.3]  # 2 rollout batches per epoch
+    assert [log["beta"] for log in full.state.log_history[:-1]] == [0.1, 0.1, 0.3, 0.3]  # 2 rollout batches per epoch
     resumed = train(tmp_path / "b", resume=str(tmp_path / "a" / "checkpoint-2"))
-    assert resumed.state.update == 4 and len(resumed.log_history) == 2
+    # The resumed run keeps the checkpoint's 2 entries of log_history and logs the last 2 rollout batches.
+    assert resumed.run.progress.update == 4 and resumed.state.global_step == 4
+    assert len(resumed.state.log_history) == 5 and resumed.state.log_history[:2] == full.state.log_history[:2]
     for (k, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), k
-    assert resumed.log_history[-1] == {**full.log_history[-1], "eps": resumed.log_history[-1]["eps"]}
+    last, full_last = resumed.state.log_history[-2], full.state.log_history[-2]
+    assert last == {**full_last, "eps": last["eps"]}
 
 
 def test_cli_online_dpo(tmp_path, tiny_policy_dir):
@@ -399,6 +403,6 @@ def test_non_finite_loss_skips_the_step(tmp_path, tiny_tokenizer):
         trainer.model.lm_head.weight[:, 0] = float("nan")  # every log-softmax, hence every loss, is NaN
     before = params(trainer.model)
     trainer.train()
-    assert trainer.state.optimizer_steps == 0 and trainer.run.health.nonfinite_total == 2
+    assert trainer.run.progress.optimizer_steps == 0 and trainer.run.health.nonfinite_total == 2
     for k, v in trainer.model.state_dict().items():
         assert torch.equal(v.isnan(), before[k].isnan()) and torch.equal(v.nan_to_num(), before[k].nan_to_num()), k

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from datasets import Dataset
 
+from helpers import train_and_last_log
 from posttrain.testing import build_tiny_causal_lm, build_tiny_reward_model
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
@@ -99,7 +100,7 @@ def test_a_reward_model_saved_without_its_tokenizer_shares_the_policys(tmp_path,
         source = trainer.feedback.reward if algo in ("online_dpo", "xpo") else trainer.reward
         assert len(source.models) == 1 and source.reward_tokenizer is None, algo
         assert source.models[0].config.pad_token_id == tiny_tokenizer.pad_token_id, algo
-    last = trainers["grpo"].train()
+    last = train_and_last_log(trainers["grpo"])
     assert last["objective/scores"] == last["objective/scores"]  # a number: the reward model scored
 
 
@@ -118,7 +119,7 @@ def test_total_episodes_smaller_than_one_batch_runs_one_batch(tmp_path, tiny_tok
         trainer = RLOOTrainer(cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, count_e, prompts())
     assert (trainer.args.total_episodes, trainer.args.num_total_batches) == (4, 1)
     trainer.train()
-    assert trainer.state.episode == 4 and trainer.state.optimizer_steps == 1
+    assert trainer.run.progress.episode == 4 and trainer.run.progress.optimizer_steps == 1
 
 
 def test_a_stop_token_outside_the_vocabulary_is_refused_before_models_load(tmp_path, tiny_policy_dir, monkeypatch):

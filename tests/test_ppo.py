@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import train_and_last_log
 from posttrain.configs import ConfigError
 from posttrain.models import CausalLMWithValueHead
 from posttrain.testing import build_tiny_causal_lm
@@ -151,7 +152,7 @@ def test_train_changes_policy_and_critic_and_saves(tmp_path, tiny_tokenizer, tin
     assert torch.equal(
         critic_before[-tiny_reward_model.score.weight.numel() :], tiny_reward_model.score.weight.reshape(-1)
     )
-    logs = trainer.train()
+    logs = train_and_last_log(trainer)
     assert not torch.equal(before, flat(trainer.model)) and not torch.equal(critic_before, flat(trainer.value_model))
     for name in (
         "eps",
@@ -546,7 +547,7 @@ def train_dp_run(out_path: str) -> None:
     import tempfile
 
     import posttrain.trainers.online as online
-    from helpers import per_row_generate
+    from helpers import per_row_generate, train_and_last_log
     from posttrain.testing import build_tiny_tokenizer
 
     online.generate = per_row_generate
@@ -576,7 +577,7 @@ def train_dp_run(out_path: str) -> None:
         train_dataset=prompt_dataset(8),
     )
     assert trainer.accelerator.num_processes == world, "the launcher did not start a real process group"
-    last = trainer.train()
+    last = train_and_last_log(trainer)
     if trainer.accelerator.is_main_process:
         torch.save(
             {

@@ -19,10 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset, DatasetDict
+from transformers import TrainerCallback
 
 import posttrain.advantages as adv
 import posttrain.trainers.online as online
 import posttrain.trainers.rloo as rloo
+from helpers import train_and_last_log
 from posttrain import cli
 from posttrain.testing import build_tiny_causal_lm
 from posttrain.trainers.rloo import RLOOTrainer
@@ -225,7 +227,7 @@ def test_learnable_reward_raises_scores(tmp_path, tiny_tokenizer):
         cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, letter_fraction, prompt_dataset()
     )
     trainer.train()
-    scores = [h["objective/scores"] for h in trainer.log_history]
+    scores = [h["objective/scores"] for h in trainer.state.log_history[:-1]]
     assert len(scores) == 30
     assert sum(scores[-5:]) / 5 > sum(scores[:5]) / 5 + 0.08, scores
 
@@ -268,14 +270,14 @@ def test_reinforce_case_skips_the_old_logprob_pass(tmp_path, tiny_tokenizer, tin
     def fail(*args, **kwargs):
         raise AssertionError("one epoch and one minibatch must reuse the update forward")
 
-    class Recorder:
+    class Recorder(TrainerCallback):
         def __init__(self):
             self.logs, self.ended = [], False
 
-        def on_log(self, args, state, control, logs=None):
+        def on_log(self, args, state, control, logs=None, **kwargs):
             self.logs.append(logs)
 
-        def on_train_end(self, args, state, control):
+        def on_train_end(self, args, state, control, **kwargs):
             self.ended = True
 
     monkeypatch.setattr(online, "old_policy_logprobs", fail)
@@ -291,10 +293,13 @@ def test_reinforce_case_skips_the_old_logprob_pass(tmp_path, tiny_tokenizer, tin
         callbacks=[recorder],
     )
     before = flat(trainer.policy).clone()
-    last = trainer.train()
+    last = train_and_last_log(trainer)
     assert last["val/ratio"] == 1.0 and last["policy/clipfrac_avg"] == 0.0
     assert not torch.equal(before, flat(trainer.policy))
-    assert recorder.logs == trainer.log_history and recorder.ended
+    # on_log gets each logged entry (and the summary) with its epoch; log_history adds the step.
+    history = trainer.state.log_history
+    assert [e["step"] for e in history] == [1, 2, 2] and recorder.ended
+    assert recorder.logs == [{k: v for k, v in e.items() if k != "step"} for e in history]
 
 
 def test_token_level_kl_in_the_trainer(tmp_path, tiny_tokenizer, monkeypatch):
@@ -327,7 +332,7 @@ def test_token_level_kl_in_the_trainer(tmp_path, tiny_tokenizer, monkeypatch):
             prompt_dataset(),
         )
         trainer.train()
-        policies[token_level] = (flat(trainer.policy), trainer.log_history)
+        policies[token_level] = (flat(trainer.policy), trainer.state.log_history[:-1])
     assert len(seen) == 4  # one call per rollout batch (16 episodes / 4), only in the token-level run
     for scores, kl, mask in seen:
         assert torch.all(kl[~mask] == 0) and kl[mask].abs().sum() > 0
@@ -372,8 +377,11 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_tokenizer):
     resumed = trainer_for(resumed_dir, resume_from_checkpoint="latest")
     resumed.train()
     assert torch.equal(flat(full.policy), flat(resumed.policy))
-    assert len(full.log_history) == 8 and len(resumed.log_history) == 6  # 32 episodes, 4 per rollout batch
-    for a, b in zip(full.log_history[2:], resumed.log_history):
+    # 32 episodes, 4 per rollout batch: 8 entries and the summary; the resumed run keeps the
+    # checkpoint's 2 entries of log_history and logs 6 more.
+    assert len(full.state.log_history) == 9 and len(resumed.state.log_history) == 9
+    assert resumed.state.log_history[:2] == full.state.log_history[:2]
+    for a, b in zip(full.state.log_history[2:8], resumed.state.log_history[2:8]):
         assert {k: v for k, v in a.items() if k != "eps"} == {k: v for k, v in b.items() if k != "eps"}
 
 
@@ -420,7 +428,7 @@ def dp_run(algo: str, out_path: str) -> None:
     import tempfile
 
     import posttrain.trainers.online as shared
-    from helpers import per_row_generate
+    from helpers import per_row_generate, train_and_last_log
     from posttrain.testing import build_tiny_tokenizer
 
     shared.generate = per_row_generate
@@ -468,7 +476,7 @@ def dp_run(algo: str, out_path: str) -> None:
         )
         params = trainer.model
     assert trainer.run.world_size == world, "the launcher did not start a real process group"
-    last = trainer.train()
+    last = train_and_last_log(trainer)
     if trainer.run.is_main:
         torch.save({"params": flat(params), "scores": last["objective/scores"]}, out_path)
 
@@ -550,7 +558,7 @@ def test_nonfinite_losses_skip_steps_then_stop_cleanly(tmp_path, tiny_tokenizer,
     finite = torch.isfinite(before)
     assert torch.equal(before[finite], after[finite])  # no optimizer step was taken
     assert trainer.run.health.nonfinite_total == 3
-    assert trainer.run.state.optimizer_steps == 0
+    assert trainer.run.progress.optimizer_steps == 0
 
     trainer, _ = build(updates=6)
     with pytest.raises(TrainingDiverged, match="5 non-finite losses in a row"):

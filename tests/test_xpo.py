@@ -100,7 +100,7 @@ def test_reward_model_run_logs_every_seed_metric(tmp_path, tiny_tokenizer, conve
         train_dataset=prompts(conversational),
     )
     trainer.train()
-    log = trainer.log_history[0]
+    log = trainer.state.log_history[0]
     assert SEED_METRICS <= set(log) and all(math.isfinite(v) for v in log.values())
     # First update: π = π_ref, so the DPO term is log 2 and the implicit rewards and KL are 0.
     assert log["loss/dpo"] == pytest.approx(math.log(2), rel=1e-4)
@@ -188,11 +188,13 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_tokenizer):
         return trainer
 
     full = train(tmp_path / "a")
-    assert [log["alpha"] for log in full.log_history] == [1e-3, 1e-3, 1e-2, 1e-2]
+    assert [log["alpha"] for log in full.state.log_history[:-1]] == [1e-3, 1e-3, 1e-2, 1e-2]
     resumed = train(tmp_path / "b", resume=str(tmp_path / "a" / "checkpoint-2"))
     for (k, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), k
-    assert resumed.log_history[-1] == {**full.log_history[-1], "eps": resumed.log_history[-1]["eps"]}
+    assert resumed.state.log_history[:2] == full.state.log_history[:2]  # restored from the checkpoint
+    last, full_last = resumed.state.log_history[-2], full.state.log_history[-2]
+    assert last == {**full_last, "eps": last["eps"]}
 
 
 @pytest.mark.parametrize("feedback", ["judge", "reward_model"])

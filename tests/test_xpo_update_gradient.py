@@ -123,7 +123,7 @@ def test_update_is_minus_gradient_of_mean_over_valid_pairs(tmp_path, tiny_tokeni
     for name, p in check.named_parameters():
         assert torch.allclose(after[name].detach() - captured["before"][name], -p.grad, atol=1e-6, rtol=1e-4), name
 
-    log = trainer.log_history[0]
+    log = trainer.state.log_history[0]
     assert log["judge/failures"] == 1
     with torch.no_grad():
         assert log["logps/chosen"] == pytest.approx(pol_c[keep].mean().item(), rel=1e-5)

@@ -5,8 +5,12 @@ A user passes `callbacks=[MyCallback()]` (or calls `trainer.add_callback`) with 
 `transformers.TrainerState` exposed as `trainer.state`, the `transformers.TrainerControl` and
 transformers' own `CallbackHandler`, and fires the events at the points `transformers.Trainer` does.
 
-`LogCompletionsCallback` keeps TRL's constructor and purpose: a table of sampled completions on the
-eval prompts, sent through the run's tracker (console table, samples.jsonl, W&B when enabled).
+Every trainer (SFT, reward, PPO, RLOO, GRPO, Online DPO, XPO) fires the same events with the same
+state; docs/internals.md ("callbacks.py") says where each fires.
+
+`LogCompletionsCallback` keeps TRL's constructor and purpose: a table of the policy's (greedy)
+completions on the eval prompts, sent through the run's tracker (console table, samples.jsonl,
+W&B when enabled).
 """
 
 from __future__ import annotations
@@ -181,13 +185,17 @@ class TrainerEvents:
 
 
 class LogCompletionsCallback(TrainerCallback):
-    """Every `freq` steps (default: the trainer's logging_steps), sample completions for the first
-    `num_prompts` prompts of the trainer's eval dataset (None: all of them) and log them as the table
-    "completions" (columns step, prompt, completion, and score when the trainer scores with rewards).
+    """Every `freq` steps (default: the trainer's logging_steps), log a table "completions" of the
+    completions for the first `num_prompts` prompts of the trainer's eval dataset (None: all of them):
+    columns step, prompt, completion, score (None where the trainer has no scores, e.g. with a judge).
 
-    Sampling uses the trainer's sampling settings with a generator seeded from config.seed, so the
-    tables of different steps are comparable and the training sampler is never advanced. The
-    trainer provides `sample_completions(num_prompts)` and its tracker (`trainer.run.tracker`).
+    A plain `transformers.TrainerCallback` driven by on_step_end(args, state, control): the step is
+    `state.global_step` (in an online trainer, the rollout batches done). The rows come from the
+    trainer's `sample_completions(num_prompts)`: greedy completions (the sample table's), so the
+    tables of different steps are comparable and the training sampler is never advanced; they are
+    sent through the trainer's tracker (`trainer.run.tracker`: console table, samples.jsonl, W&B
+    when enabled). generation_config is accepted for TRL's signature only by trainers whose
+    sample_completions takes one; the online trainers sample with their own settings.
     """
 
     def __init__(
@@ -220,24 +228,11 @@ class LogCompletionsCallback(TrainerCallback):
         self.freq = freq
         self._last_logged_step = -1
 
-    def on_step_end(self, args: Any, state: Any, control: Any = None, **kwargs: Any) -> None:
-        if isinstance(state, TrainerState):
-            step, logging_steps = state.global_step, state.logging_steps
-        else:
-            # The call shape (trainer, step, logs) of the Online DPO / XPO trainers, until they fire
-            # TrainerEvents: `args` is the trainer and `state` the step.
-            step, logging_steps = int(state), args.args.logging_steps
-        if step == self._last_logged_step or step % (self.freq or logging_steps) != 0:
+    def on_step_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        step = state.global_step
+        if step == self._last_logged_step or step % (self.freq or state.logging_steps) != 0:
             return
         extra = {} if self.generation_config is None else {"generation_config": self.generation_config}
         rows = self.trainer.sample_completions(self.num_prompts, **extra)
         self.trainer.run.tracker.log_table("completions", [{"step": step, **row} for row in rows], step=step)
         self._last_logged_step = step
-
-    # The Online DPO / XPO trainers call these two hooks as (trainer), RLOO / PPO as
-    # (config, state, control): both shapes are accepted until those trainers fire TrainerEvents.
-    def on_train_begin(self, args: Any, state: Any = None, control: Any = None, **kwargs: Any) -> None:
-        return None
-
-    def on_train_end(self, args: Any, state: Any = None, control: Any = None, **kwargs: Any) -> None:
-        return None

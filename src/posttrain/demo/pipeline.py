@@ -148,9 +148,9 @@ class GoldMonitor:
 
     Passed to the trainer as a reward function next to the reward model, it returns 0.0 for every
     completion (so the trainer optimises the proxy alone) and keeps the gold scores; at each logging
-    step (`on_log` of PPO / RLOO / GRPO, `on_step_end` of Online DPO / XPO) the mean since the last
-    one becomes a `gold/score` row. `stride=2` keeps every other row: XPO scores (policy,
-    reference) pairs and only the policy's completions are its own.
+    step (`on_log` of the `transformers.TrainerCallback` from `as_callback()`, passed in the
+    trainer's callbacks) the mean since the last one becomes a `gold/score` row. `stride=2` keeps
+    every other row: XPO scores (policy, reference) pairs and only the policy's completions are its own.
     """
 
     __name__ = "gold_monitor"
@@ -164,21 +164,31 @@ class GoldMonitor:
         self.pending.extend(demo_task.gold_score(c) for c in completions[:: self.stride])
         return [0.0] * len(completions)
 
-    def _flush(self, logs: dict[str, float] | None) -> None:
-        if not self.pending:
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **_: Any) -> None:
+        """transformers' on_log(args, state, control, logs=...): at a training logging step (logs with
+        `episode`; not the end-of-training summary or an evaluation) the pending gold scores become a row."""
+        if not self.pending or not logs or "episode" not in logs:
             return
-        row = {"step": len(self.rows) + 1, "gold/score": sum(self.pending) / len(self.pending)}
-        if logs and "episode" in logs:
-            row["episode"] = logs["episode"]
+        row = {
+            "step": len(self.rows) + 1,
+            "gold/score": sum(self.pending) / len(self.pending),
+            "episode": logs["episode"],
+        }
         self.rows.append(row)
         self.pending = []
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **_: Any) -> None:
-        self._flush(logs)
+    def as_callback(self) -> Any:
+        """A `transformers.TrainerCallback` whose on_log is this monitor's (built here, so importing the
+        demo does not import transformers)."""
+        from transformers import TrainerCallback
 
-    def on_step_end(self, trainer: Any, step: int, logs: dict[str, float] | None) -> None:
-        if logs is not None:
-            self._flush(logs)
+        monitor = self
+
+        class GoldCallback(TrainerCallback):
+            def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+                monitor.on_log(args, state, control, logs=logs)
+
+        return GoldCallback()
 
     def save(self, path: Path) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -477,7 +487,7 @@ def train_rl(
             value_model=critic,
             train_dataset=prompts,
             eval_dataset=heldout,
-            callbacks=[monitor],
+            callbacks=[monitor.as_callback()],
         )
         trainer.train()
         return trainer.model
@@ -492,7 +502,7 @@ def train_rl(
             reward_model=rewards,
             train_dataset=prompts,
             eval_dataset=heldout,
-            callbacks=[monitor],
+            callbacks=[monitor.as_callback()],
         )
         trainer.train()
         return trainer.policy
@@ -506,7 +516,7 @@ def train_rl(
             train_dataset=prompts,
             eval_dataset=heldout,
             processing_class=tokenizer,
-            callbacks=[monitor],
+            callbacks=[monitor.as_callback()],
         )
         trainer.train()
         return trainer.model
@@ -520,7 +530,7 @@ def train_rl(
             train_dataset=prompts,
             eval_dataset=heldout,
             processing_class=tokenizer,
-            callbacks=[monitor],
+            callbacks=[monitor.as_callback()],
         )
         trainer.train()
         return trainer.model
@@ -533,7 +543,7 @@ def train_rl(
         train_dataset=prompts,
         eval_dataset=heldout,
         processing_class=tokenizer,
-        callbacks=[monitor],
+        callbacks=[monitor.as_callback()],
     )
     trainer.train()
     return trainer.model

@@ -192,8 +192,8 @@ class GRPOTrainer(OnlineTrainer):
     def from_config(cls, config: GRPOConfig) -> GRPOTrainer:
         return cls(args=config)
 
-    def train(self) -> dict[str, float]:
-        """Run to total_episodes (resuming if asked); save the policy; return the last logged metrics."""
+    def train(self) -> Any:
+        """Run to total_episodes (resuming if asked); save the policy; return a transformers TrainOutput."""
         config, run = self.config, self.run
         with self.training():
             for update in run.updates():
@@ -212,7 +212,7 @@ class GRPOTrainer(OnlineTrainer):
                 # 4. the loss of config.loss_type, num_iterations × num_mini_batches optimizer steps
                 self.update(rollout, advantages, loss_mask, ref_logprobs)
                 self.end_of_update(update)
-        return self.last_logs
+        return self.train_output
 
     @torch.no_grad()
     def sample_and_score(self, batch: dict) -> tuple[Rollout, torch.Tensor]:

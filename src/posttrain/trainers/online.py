@@ -415,8 +415,9 @@ def derive_sizes(config: OnPolicyConfig, world_size: int, dataset_size: int) -> 
 
 
 @dataclass
-class RunState:
-    """Counters that a checkpoint must restore for an exact resume."""
+class RunProgress:
+    """Counters that a checkpoint must restore for an exact resume (`OnlineRun.progress`; the
+    transformers.TrainerState that callbacks see is `OnlineTrainer.state`)."""
 
     update: int = 0  # rollout batches done
     episode: int = 0  # completions generated (global)
@@ -431,6 +432,10 @@ class OnlineRun:
     forward pass), the prompt stream, the tracker and progress bar, metric accumulation, the health
     monitor, checkpointing and resume.
     """
+
+    # This train() call's loss tally and the stop request (set in __init__ and by updates(); class
+    # defaults for runs built without __init__, e.g. the classic PPO step() run).
+    loss_total, loss_steps, stop_requested = 0.0, 0, False
 
     def __init__(
         self,
@@ -475,15 +480,19 @@ class OnlineRun:
         self.generator = torch.Generator(device=self.device).manual_seed(
             config.seed + 7919 * dist.process_index(self.accelerator)
         )
-        self.state = RunState()
+        self.progress = RunProgress()
         self.metrics = MetricAccumulator()
         self.tracker = Tracker(
             config.output_dir, config.report_to, config=config.to_dict(), run_name=config.run_name, is_main=self.is_main
         )
         self.health = HealthMonitor(enabled=self.is_main)
-        self.progress: ProgressBar | None = None
+        self.progress_bar: ProgressBar | None = None
         self.start_time = time.time()
-        self._episodes_at_start = 0
+        self.episodes_at_start = 0
+        # This train() call's optimizer steps and the sum of their global losses (the end-of-training
+        # summary's train_loss), and whether a callback asked to stop after the current rollout batch.
+        self.loss_total, self.loss_steps = 0.0, 0
+        self.stop_requested = False
 
     def autocast(self):
         """bf16/fp16 autocast for forwards when mixed precision is on (CPU AMX or GPU)."""
@@ -493,20 +502,22 @@ class OnlineRun:
 
     # -- the outer loop ---------------------------------------------------------------------------
     def updates(self) -> Iterator[int]:
-        """Yield rollout-batch indices from the resumed position to num_total_batches − 1."""
+        """Yield rollout-batch indices from the resumed position to num_total_batches − 1, or until
+        `stop_requested` (a callback's control.should_training_stop, set by end_of_update)."""
         total = self.config.num_total_batches
-        self.progress = ProgressBar(self.config.total_episodes, disable=not self.is_main)
-        self.progress.update(self.state.episode)
-        self._episodes_at_start = self.state.episode
+        self.progress_bar = ProgressBar(self.config.total_episodes, disable=not self.is_main)
+        self.progress_bar.update(self.progress.episode)
+        self.episodes_at_start = self.progress.episode
         self.start_time = time.time()
+        self.loss_total, self.loss_steps, self.stop_requested = 0.0, 0, False
         try:
-            while self.state.update < total:
-                yield self.state.update
-                self.state.update += 1
-                self.state.episode += self.config.batch_size
-                self.progress.update(self.config.batch_size)
+            while self.progress.update < total and not self.stop_requested:
+                yield self.progress.update
+                self.progress.update += 1
+                self.progress.episode += self.config.batch_size
+                self.progress_bar.update(self.config.batch_size)
         finally:
-            self.progress.close()
+            self.progress_bar.close()
 
     def to_device(self, batch: dict) -> dict:
         batch["input_ids"] = batch["input_ids"].to(self.device)
@@ -524,7 +535,7 @@ class OnlineRun:
     def eps(self) -> float:
         """Episodes per second since this process started training (TRL's `eps`)."""
         elapsed = max(time.time() - self.start_time, 1e-9)
-        return (self.state.episode + self.config.batch_size - self._episodes_at_start) / elapsed
+        return (self.progress.episode + self.config.batch_size - self.episodes_at_start) / elapsed
 
     # -- statistics over the whole rollout batch --------------------------------------------------
     def batch_moments(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> tuple | None:
@@ -536,6 +547,11 @@ class OnlineRun:
             return None
         return dist.global_moments(values, mask, self.accelerator)
 
+    def epoch(self, episode: int) -> float:
+        """Passes over the prompt dataset after `episode` completions (each prompt sampled
+        samples_per_prompt times per pass)."""
+        return episode / max(len(self.train_dataset) * self.config.samples_per_prompt, 1)
+
     # -- logging, health, checkpoints -------------------------------------------------------------
     def should_log(self, update: int) -> bool:
         return (update + 1) % self.config.logging_steps == 0 or update + 1 == self.config.num_total_batches
@@ -546,8 +562,8 @@ class OnlineRun:
         self.metrics.reset()
         values.update(extra)
         values["eps"] = self.eps
-        values["episode"] = self.state.episode + self.config.batch_size
-        values["epoch"] = values["episode"] / max(len(self.train_dataset) * self.config.samples_per_prompt, 1)
+        values["episode"] = self.progress.episode + self.config.batch_size
+        values["epoch"] = self.epoch(values["episode"])
         self.tracker.log(values, step=update + 1)
         self.health.check(values, update + 1)
         return values
@@ -564,9 +580,9 @@ class OnlineRun:
         """A resumable checkpoint after the current rollout batch (counters already advanced)."""
         state = {
             "run": {
-                "update": self.state.update + 1,
-                "episode": self.state.episode + self.config.batch_size,
-                "optimizer_steps": self.state.optimizer_steps,
+                "update": self.progress.update + 1,
+                "episode": self.progress.episode + self.config.batch_size,
+                "optimizer_steps": self.progress.optimizer_steps,
             },
             "prompts": self.prompts.state_dict(),
             "generator": self.generator.get_state(),
@@ -576,7 +592,7 @@ class OnlineRun:
         unwrapped = {k: dist.unwrap(m, self.accelerator) for k, m in models.items()}
         ckpt.save_checkpoint(
             self.config.output_dir,
-            self.state.update + 1,
+            self.progress.update + 1,
             models=unwrapped,
             tokenizer=self.tokenizer,
             config=self.config.to_dict(),
@@ -597,12 +613,14 @@ class OnlineRun:
             path, models=unwrapped, optimizer=optimizer, scheduler=scheduler, accelerator=self.accelerator
         )
         run = state.pop("run")
-        self.state = RunState(update=run["update"], episode=run["episode"], optimizer_steps=run["optimizer_steps"])
+        self.progress = RunProgress(
+            update=run["update"], episode=run["episode"], optimizer_steps=run["optimizer_steps"]
+        )
         self.prompts.load_state_dict(state.pop("prompts"))
         self.generator.set_state(state.pop("generator"))
         self.health.load_state_dict(state.pop("health", {}))
         if self.is_main:
-            print(f"Resumed from {path} at rollout batch {self.state.update} (episode {self.state.episode}).")
+            print(f"Resumed from {path} at rollout batch {self.progress.update} (episode {self.progress.episode}).")
         return state
 
     def finish(self, model: nn.Module, extra_models: dict[str, nn.Module] | None = None) -> None:
@@ -786,11 +804,13 @@ def backward_micro_batches(
 
 def step_if_finite(
     model: nn.Module, optimizer: Any, loss: torch.Tensor, *, accelerator: Any, health: HealthMonitor, config: Any
-) -> bool:
+) -> float | None:
     """THE non-finite policy of every online trainer: the finiteness of this rank's loss is summed
     over all ranks, so either every rank takes the optimizer step (clipping the global grad norm)
     or every rank drops its gradients together, and ranks never fall out of step. Skipped steps
-    are counted by the health monitor, which stops training after max_nonfinite in a row."""
+    are counted by the health monitor, which stops training after max_nonfinite in a row.
+    Returns the step's loss over all ranks (the mean of the ranks' losses, each already divided by
+    the global normalizer: Σ_all / N_global) when the step was taken, None when it was skipped."""
     local = loss.detach().float().reshape(())
     flags = dist.reduce_sum(
         torch.stack([local.nan_to_num(0.0, 0.0, 0.0), (~torch.isfinite(local)).float()]), accelerator
@@ -798,9 +818,9 @@ def step_if_finite(
     value = float(flags[0]) if float(flags[1]) == 0 else float("nan")
     if health.loss_is_finite(value):
         clip_and_step(model, optimizer, config, accelerator)
-        return True
+        return value / dist.world_size(accelerator)
     optimizer.zero_grad(set_to_none=True)
-    return False
+    return None
 
 
 def minibatch_step(
@@ -818,9 +838,12 @@ def minibatch_step(
     if veto is not None and veto():
         optimizer.zero_grad(set_to_none=True)
         return False
-    stepped = step_if_finite(model, optimizer, total, accelerator=run.accelerator, health=run.health, config=run.config)
-    run.state.optimizer_steps += int(stepped)
-    return stepped
+    loss = step_if_finite(model, optimizer, total, accelerator=run.accelerator, health=run.health, config=run.config)
+    if loss is None:
+        return False
+    run.progress.optimizer_steps += 1
+    run.loss_total, run.loss_steps = run.loss_total + loss, run.loss_steps + 1
+    return True
 
 
 def shuffled_orders(run: OnlineRun, n: int, num_epochs: int) -> list[torch.Tensor]:
@@ -912,17 +935,23 @@ class OnlineTrainer:
             for update in self.run.updates():
                 ...                              # sample → score → advantages → update → controllers
                 self.end_of_update(update, extra_metrics)
-        return self.last_logs
+        return self.train_output
 
-    Attributes: args (= config), processing_class, run (OnlineRun), model (the trained policy,
-    unwrapped), ref_model, optimizer, lr_scheduler, callbacks, log_history; train_dataset,
-    eval_dataset and state (the run's counters).
+    Attributes, as on a transformers.Trainer: args (= config), model (the trained policy, unwrapped),
+    ref_model, processing_class, accelerator, optimizer, lr_scheduler, train_dataset / eval_dataset
+    (the prepared prompt datasets), data_collator, state (a transformers.TrainerState: global_step =
+    rollout batches done, epoch, log_history), control, callback_handler. `run` is the OnlineRun; the
+    counters a checkpoint restores are `run.progress`.
+
+    Callbacks are transformers.TrainerCallback objects (`callbacks=`, add_callback / pop_callback /
+    remove_callback), fired by one callbacks.TrainerEvents where transformers.Trainer fires them, one
+    rollout batch being one step: on_train_begin; after each rollout batch on_step_end, then on_log at
+    a logging step, on_evaluate when evaluating (eval_steps), on_save after a checkpoint; after the
+    final save the summary entry (on_log) and on_train_end. A callback that sets
+    control.should_training_stop ends training after that rollout batch: it is logged, no checkpoint
+    is written, and the final model is saved, as in SFT.
     """
 
-    # How callbacks are called: "hf" = transformers' method names on_log(args, state, control, logs=)
-    # and on_train_end(args, state, control); "trainer" = posttrain.callbacks.TrainerCallback's
-    # on_train_begin(trainer), on_step_end(trainer, step, logs), on_train_end(trainer).
-    callback_protocol = "hf"
     # Learning-rate schedule stepped once per rollout batch (TRL's on-policy trainers) or, when
     # False, by the update loop once per optimizer step (TRL's Online DPO / XPO).
     schedule_per_update = True
@@ -940,8 +969,8 @@ class OnlineTrainer:
         callbacks: Sequence[Any] | None = None,
         accelerator: Any = None,
     ) -> nn.Module:
-        """Build the run, the optimizer and schedule (unless given) and prepare `model` with the
-        accelerator; returns the prepared (possibly DDP-wrapped) model."""
+        """Build the run, the optimizer and schedule (unless given), prepare `model` with the
+        accelerator and create the callback events; returns the prepared (possibly DDP-wrapped) model."""
         from posttrain.models import ensure_pad_token
 
         self.args = self.config = config
@@ -950,14 +979,30 @@ class OnlineTrainer:
             config, tokenizer, train_dataset, eval_dataset, accelerator=accelerator, data_collator=data_collator
         )
         self.accelerator = self.run.accelerator
-        self.callbacks = list(callbacks or [])
-        self.log_history: list[dict[str, float]] = []
+        self.data_collator = self.run.collate
         optimizer, scheduler = optimizers
         optimizer = optimizer or build_optimizer(model.parameters(), config)
         steps = config.num_total_batches * (1 if self.schedule_per_update else config.num_mini_batches)
         self.lr_scheduler = scheduler or build_scheduler(optimizer, config, num_training_steps=steps)
-        prepared, self.optimizer = self.run.accelerator.prepare(model, optimizer)
-        return prepared
+        self.wrapped, self.optimizer = self.run.accelerator.prepare(model, optimizer)
+        # Imported here: transformers' callback module pulls in peft, which importing a trainer must not.
+        from posttrain.callbacks import TrainerEvents
+
+        self.events = TrainerEvents(
+            config,
+            callbacks,
+            model=self.model,
+            processing_class=self.processing_class,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            accelerator=self.accelerator,
+            max_steps=config.num_total_batches,
+            train_batch_size=config.per_device_train_batch_size,
+            # As TRL's on-policy trainers: total_episodes over the episodes of one pass.
+            num_train_epochs=self.run.epoch(config.total_episodes),
+        )
+        self.train_output: Any = None
+        return self.wrapped
 
     # -- hooks a trainer may override ---------------------------------------------------------------
     def checkpoint_models(self) -> dict[str, nn.Module]:
@@ -999,15 +1044,37 @@ class OnlineTrainer:
         return self.run.eval_dataset
 
     @property
-    def state(self) -> RunState:
-        return self.run.state
+    def state(self) -> Any:
+        """The `transformers.TrainerState`: global_step (rollout batches done), epoch, max_steps
+        (num_total_batches), log_history (one entry per logging step and per evaluation, with step
+        and epoch; after train() the summary entry), logging_steps, save_steps, ..."""
+        return self.events.state
 
     @property
-    def last_logs(self) -> dict[str, float]:
-        return self.log_history[-1] if self.log_history else {}
+    def control(self) -> Any:
+        """The `transformers.TrainerControl` callbacks set (should_training_stop, should_log, should_save, ...)."""
+        return self.events.control
+
+    @property
+    def callback_handler(self) -> Any:
+        return self.events.handler
 
     def add_callback(self, callback: Any) -> None:
-        self.callbacks.append(callback)
+        """Add a `transformers.TrainerCallback` (an instance, or a class, which is instantiated)."""
+        self.events.add_callback(callback)
+
+    def pop_callback(self, callback: Any) -> Any:
+        """Remove a callback (an instance, or the first of a class) and return it, or None."""
+        return self.events.pop_callback(callback)
+
+    def remove_callback(self, callback: Any) -> None:
+        """Remove a callback (an instance, or the first of a class)."""
+        self.events.remove_callback(callback)
+
+    def log(self, logs: dict[str, float]) -> None:
+        """Log `logs` at the current step: metrics.jsonl and the trackers, state.log_history, on_log."""
+        self.run.tracker.log(logs, step=self.state.global_step)
+        self.events.log(logs)
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Save the policy (safetensors) and tokenizer where plain transformers can load them."""
@@ -1020,53 +1087,93 @@ class OnlineTrainer:
             accelerator=run.accelerator,
         )
 
+    @torch.no_grad()
+    def evaluate(self, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Greedy completions of every eval prompt (batches of per_device_eval_batch_size), drawn as
+        `sample_completions` draws them, summarised as
+            {prefix}_objective/scores        mean score (missing_eos_penalty included; absent when
+                                             the trainer has no scores, e.g. with a judge)
+            {prefix}_completions/mean_length mean completion length in tokens
+            {prefix}_val/num_eos_tokens      completions that ended on a stop token.
+        Every rank evaluates every prompt (the numbers are the same on all ranks). The metrics are
+        logged (metrics.jsonl, state.log_history, on_log), passed to on_evaluate, and returned.
+        During train() this runs every eval_steps rollout batches (never when eval_steps is None)
+        or when a callback sets control.should_evaluate."""
+        run = self.run
+        if run.eval_dataset is None:
+            raise ConfigError("evaluate() needs an eval_dataset (--dataset_test_split).")
+        n, size = len(run.eval_dataset), self.config.per_device_eval_batch_size
+        scores, lengths, ended = [], [], 0
+        for start in range(0, n, size):
+            batch = run.to_device(run.collate([run.eval_dataset[i] for i in range(start, min(start + size, n))]))
+            rollout, batch_scores = self.greedy_completions(batch)
+            lengths.extend(rollout.completion_lengths.tolist())
+            ended += int(rollout.ended.sum())
+            if batch_scores is not None:
+                scores.extend(batch_scores.float().tolist())
+        metrics = {}
+        if scores:
+            metrics[f"{metric_key_prefix}_objective/scores"] = sum(scores) / len(scores)
+        metrics[f"{metric_key_prefix}_completions/mean_length"] = sum(lengths) / len(lengths)
+        metrics[f"{metric_key_prefix}_val/num_eos_tokens"] = float(ended)
+        run.tracker.log(metrics, step=self.state.global_step)
+        self.events.evaluate(metrics)
+        return metrics
+
     # -- the steps around the algorithm -------------------------------------------------------------
     @contextlib.contextmanager
     def training(self) -> Iterator[None]:
         """Around every train(): the output-dir guard (no half-written output_dir on failure), OOM
-        advice, resume, the begin event; on success the final save and the end event."""
-        run = self.run
+        advice, resume (weights, counters, state.log_history), on_train_begin; on success the final
+        save, the summary entry and on_train_end, leaving the TrainOutput in `self.train_output`."""
+        run, events = self.run, self.events
         with ckpt.OutputDirGuard(self.config.output_dir, is_main=run.is_main), oom_advice():
             extra = run.maybe_resume(self.checkpoint_models(), self.optimizer, self.lr_scheduler)
+            events.state.global_step = run.progress.update
+            events.state.epoch = run.epoch(run.progress.episode)
+            if "log_history" in extra:
+                events.state.log_history = list(extra.pop("log_history"))
             if extra:
                 self.load_extra_state(extra)
-            self.notify("train_begin")
+            events.train_begin()
             yield
             policy, extra_models = self.final_models()
             run.finish(policy, extra_models)
-            self.notify("train_end")
+            # train_loss: the mean over this call's optimizer steps of each step's global loss.
+            training_loss = run.loss_total / max(run.loss_steps, 1)
+            episodes = run.progress.episode - run.episodes_at_start
+            # total_flos is not estimated for online training (generation and scoring dominate): 0.
+            self.train_output = events.train_end(training_loss, episodes, total_flos=0.0)
 
     def end_of_update(self, update: int, extra: dict[str, float] | None = None) -> dict[str, float] | None:
-        """After each rollout batch: step the schedule; log (metrics reduced over ranks, health
-        checks), sample table, callbacks and checkpoint when due. Returns the logged metrics."""
-        run, logs = self.run, None
+        """After each rollout batch: step the schedule; on_step_end (state.global_step = update + 1);
+        then, when due or asked by a callback (control.should_log / should_evaluate / should_save),
+        log (metrics reduced over ranks, health checks, on_log), the sample table, evaluate, and a
+        checkpoint (on_save; never after the last or a stopping rollout batch: the final save
+        follows). Returns the logged metrics (None when this rollout batch logged nothing)."""
+        run, events = self.run, self.events
         lr = self.lr_scheduler.get_last_lr()[0]
         if self.schedule_per_update:
             self.lr_scheduler.step()
-        if run.should_log(update):
+        step = update + 1
+        events.step_end(step, run.epoch(run.progress.episode + self.config.batch_size))
+        control, logs = events.control, None
+        # A callback's requests, read now: on_log / on_evaluate / on_save reset them.
+        log_now, eval_now, save_now = control.should_log, control.should_evaluate, control.should_save
+        if run.should_log(update) or log_now or control.should_training_stop:
             logs = run.log(update, {"lr": lr, **(extra or {})})
-            self.log_history.append(logs)
-            self.notify("log", logs)
+            events.log(logs)
         if run.should_sample(update):
             self.sample_table(update)
-        self.notify("step_end", logs)
-        if run.should_save(update):
-            run.save(self.checkpoint_models(), self.optimizer, self.lr_scheduler, extra=self.extra_state())
+        eval_steps = self.config.eval_steps
+        if run.eval_dataset is not None and ((eval_steps and step % eval_steps == 0) or eval_now):
+            self.evaluate()
+        if (run.should_save(update) or save_now) and not events.control.should_training_stop:
+            state = {**self.extra_state(), "log_history": events.state.log_history}
+            run.save(self.checkpoint_models(), self.optimizer, self.lr_scheduler, extra=state)
+            events.save()
+        run.stop_requested = events.control.should_training_stop
         return logs
-
-    def notify(self, event: str, logs: dict | None = None) -> None:
-        """THE place where callbacks are called (train_begin, log, step_end, train_end)."""
-        run = self.run
-        for cb in self.callbacks:
-            if self.callback_protocol == "trainer":
-                if event == "step_end":
-                    getattr(cb, "on_step_end", lambda t, step, logs: None)(self, run.state.update + 1, logs)
-                elif event in ("train_begin", "train_end"):
-                    getattr(cb, f"on_{event}", lambda t: None)(self)
-            elif event == "log" and hasattr(cb, "on_log"):
-                cb.on_log(self.config, run.state, None, logs=logs)
-            elif event == "train_end" and hasattr(cb, "on_train_end"):
-                cb.on_train_end(self.config, run.state, None)
 
     def sample_table(self, update: int) -> None:
         """THE sample table of every online trainer, every sample_generations_freq rollout batches:
@@ -1078,19 +1185,26 @@ class OnlineTrainer:
         self.run.tracker.log_table("completions", table, step=update + 1)
 
     @torch.no_grad()
+    def greedy_completions(self, batch: dict) -> tuple[Rollout, torch.Tensor | None]:
+        """Greedy completions of a collated prompt batch (TRL samples its tables at temperature
+        0.01), and their scores as objective/scores computes them (missing_eos_penalty included;
+        None where the trainer has no scores, e.g. with a judge)."""
+        run = self.run
+        greedy = dataclasses.replace(run.sampling, temperature=0.0, do_sample=False)
+        rollout = sample(run, self.generation_model, batch["input_ids"], batch["attention_mask"], sampling=greedy)
+        return rollout, self.table_scores(rollout, batch)
+
+    @torch.no_grad()
     def sample_completions(self, num_prompts: int) -> list[dict]:
-        """Greedy completions of the first `num_prompts` eval prompts (TRL samples its tables at
-        temperature 0.01), decoded with special tokens (EOS shown, padding not), and their scores as
-        objective/scores computes them (missing_eos_penalty included; None where the trainer has no
-        scores, e.g. with a judge): rows {prompt, completion, score}, TRL LogCompletionsCallback's
-        names. The same rows make every trainer's sample table (see `end_of_update`)."""
+        """Greedy completions of the first `num_prompts` eval prompts (see greedy_completions),
+        decoded with special tokens (EOS shown, padding not), with their scores: rows {prompt,
+        completion, score}, TRL LogCompletionsCallback's names. The same rows make every trainer's
+        sample table (see `end_of_update`)."""
         run = self.run
         if run.eval_dataset is None:
             raise ConfigError("sampling completions needs an eval_dataset (--dataset_test_split).")
         batch = run.eval_prompts(num_prompts)
-        greedy = dataclasses.replace(run.sampling, temperature=0.0, do_sample=False)
-        rollout = sample(run, self.generation_model, batch["input_ids"], batch["attention_mask"], sampling=greedy)
-        scores = self.table_scores(rollout, batch)
+        rollout, scores = self.greedy_completions(batch)
         scores = scores.tolist() if scores is not None else [None] * len(rollout)
         shown = decode_completions(run.tokenizer, rollout, skip_special_tokens=False)
         return [{"prompt": p, "completion": c, "score": s} for p, c, s in zip(batch["prompt"], shown, scores)]

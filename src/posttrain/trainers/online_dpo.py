@@ -83,11 +83,10 @@ class OnlineDPOTrainer(OnlineTrainer):
     `model` / `ref_model` may be modules, hub ids or folders (model None: args.model_name_or_path);
     `reward_model` a sequence-classification model (its own tokenizer via
     `reward_processing_class`), a callable `f(prompts, completions, **cols)`, or a list of them;
-    `reward_funcs` adds callables; `judge` a pairwise judge (not with rewards). Callbacks get
-    `on_train_begin(trainer)`, `on_step_end(trainer, step, logs)`, `on_train_end(trainer)`.
+    `reward_funcs` adds callables; `judge` a pairwise judge (not with rewards). callbacks:
+    `transformers.TrainerCallback` objects (see trainers/online.py, `OnlineTrainer`).
     """
 
-    callback_protocol = "trainer"
     schedule_per_update = False
 
     def __init__(
@@ -149,7 +148,7 @@ class OnlineDPOTrainer(OnlineTrainer):
     def from_config(cls, config: OnlineDPOConfig) -> OnlineDPOTrainer:
         return cls(args=config)
 
-    def train(self) -> dict[str, float]:
+    def train(self) -> Any:
         run, config = self.run, self.args
         with self.training():
             for update in run.updates():
@@ -196,7 +195,7 @@ class OnlineDPOTrainer(OnlineTrainer):
                     m.add_sum("judge/failures", (~ranking.valid).sum())
                 m.add_value("beta", beta)
                 self.end_of_update(update)
-        return self.last_logs
+        return self.train_output
 
     # -- checkpointed state and the sample table --------------------------------------------------
     def extra_state(self) -> dict:

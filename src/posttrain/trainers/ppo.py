@@ -125,8 +125,8 @@ class PPOTrainer(OnlineTrainer):
     or path, a text reward function `f(prompts, completions, **columns) -> list[float]`, a list of
     those, or a scoring.RewardSource; `reward_processing_class` is the reward model's own tokenizer
     when it differs from the policy's. value_model: the critic; None builds one as
-    `args.value_model_init` says. callbacks: objects whose optional `on_log(args, state, control,
-    logs=...)` is called after each logging step. A `data_collator` is accepted for TRL
+    `args.value_model_init` says. callbacks: `transformers.TrainerCallback` objects
+    (see trainers/online.py, `OnlineTrainer`). A `data_collator` is accepted for TRL
     compatibility; train() always left-pads prompts with data.PromptCollator (masks from lengths).
     """
 
@@ -253,8 +253,8 @@ class PPOTrainer(OnlineTrainer):
         return self.unwrapped.lm
 
     # -- train() ------------------------------------------------------------------------------------
-    def train(self) -> dict[str, float]:
-        """Run the whole training (resuming if asked) and save; returns the last logged metrics."""
+    def train(self) -> Any:
+        """Run the whole training (resuming if asked) and save; returns a transformers TrainOutput."""
         config, run = self.args, self.run
         with self.training():
             for update in run.updates():
@@ -274,7 +274,7 @@ class PPOTrainer(OnlineTrainer):
                 # 5. controllers
                 self.update_kl_controller(ppo_batch.kl)
                 self.end_of_update(update, {"objective/kl_coef": kl_coef})
-        return self.last_logs
+        return self.train_output
 
     # -- steps 3-5, shared with the classic step() --------------------------------------------------
     def layout(self, B: int, micro: int, accum: int) -> Layout:

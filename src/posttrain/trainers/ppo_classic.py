@@ -41,7 +41,7 @@ from posttrain.optim import build_optimizer
 from posttrain.rollout import Rollout, SamplingConfig, _make_sampler, generate, generation_mode
 from posttrain.scoring import is_encoder_decoder
 from posttrain.tracking import MetricAccumulator, Tracker
-from posttrain.trainers.online import OnlineRun, RunState
+from posttrain.trainers.online import OnlineRun, RunProgress
 from posttrain.trainers.ppo import PPOTrainer
 from posttrain.trainers.ppo_config import PPOConfig
 
@@ -125,7 +125,7 @@ class StepRun(OnlineRun):
         self.generator = torch.Generator(device=self.device).manual_seed(
             config.seed + 7919 * dist.process_index(self.accelerator)
         )
-        self.state = RunState()
+        self.progress = RunProgress()
         self.metrics = MetricAccumulator()
         self.health = HealthMonitor(enabled=self.is_main)
 

@@ -95,8 +95,8 @@ class RLOOTrainer(OnlineTrainer):
     the initial policy, or with `peft_config` (a peft.LoraConfig: only the adapter trains) the policy
     with its adapter disabled. `tokenizer=` is accepted for `processing_class` (TRL ≤ 0.11),
     `reward_processing_class=` when the reward model has its own tokenizer (texts are re-tokenized),
-    `accelerator=` to share one. Callbacks: objects with `on_log(config, state, control, logs=...)`
-    and/or `on_train_end(config, state, control)` (the transformers TrainerCallback method names).
+    `accelerator=` to share one. callbacks: `transformers.TrainerCallback` objects (trainers/online.py,
+    `OnlineTrainer`: the events, `trainer.state`).
     """
 
     def __init__(
@@ -158,8 +158,8 @@ class RLOOTrainer(OnlineTrainer):
     def policy(self) -> nn.Module:
         return self.model
 
-    def train(self) -> dict[str, float]:
-        """Run to total_episodes (resuming if asked); save the policy; return the last logged metrics."""
+    def train(self) -> Any:
+        """Run to total_episodes (resuming if asked); save the policy; return a transformers TrainOutput."""
         config, run, metrics, k = self.config, self.run, self.run.metrics, self.config.rloo_k
         with self.training():
             for update in run.updates():
@@ -228,7 +228,7 @@ class RLOOTrainer(OnlineTrainer):
                     loss_fn=loss_fn,
                 )
                 self.end_of_update(update, {"val/clipfrac_avg": 0.0})
-        return self.last_logs
+        return self.train_output
 
     def reward_source(self, rewards: list[Any], reward_tokenizer: Any) -> RewardSource:
         """The reward models (in eval mode on the run's device) and functions, TRL RLOO's one-argument

@@ -71,10 +71,9 @@ class XPOTrainer(OnlineTrainer):
 
     `model` / `ref_model` may be modules, hub ids or folders (model None: args.model_name_or_path).
     With `peft_config` and no `ref_model` the reference is the base model (adapter disabled).
-    Callbacks as OnlineDPOTrainer.
+    callbacks: `transformers.TrainerCallback` objects (see trainers/online.py, `OnlineTrainer`).
     """
 
-    callback_protocol = "trainer"
     schedule_per_update = False
 
     def __init__(
@@ -133,7 +132,7 @@ class XPOTrainer(OnlineTrainer):
     def from_config(cls, config: XPOConfig) -> XPOTrainer:
         return cls(args=config)
 
-    def train(self) -> dict[str, float]:
+    def train(self) -> Any:
         run, config = self.run, self.args
         with self.training():
             for update in run.updates():
@@ -194,7 +193,7 @@ class XPOTrainer(OnlineTrainer):
                 m.add_value("alpha", alpha)
                 m.add_value("beta", beta)
                 self.end_of_update(update)
-        return self.last_logs
+        return self.train_output
 
     # -- checkpointed state and the sample table --------------------------------------------------
     def extra_state(self) -> dict:
