@@ -103,6 +103,8 @@ def grpo_config(tmp_path, **overrides) -> GRPOConfig:
 def capture(monkeypatch, module):
     """Record, per rollout batch, the rollout and every micro-batch's (rows, micro rollout,
     advantages handed to ppo_policy_loss, update-forward logprobs)."""
+    if module is grpo:
+        return capture_grpo(monkeypatch)
     records: list[dict] = []
     seen: dict = {}
     loss, update = module.ppo_policy_loss, module.policy_update
@@ -124,6 +126,39 @@ def capture(monkeypatch, module):
 
     monkeypatch.setattr(module, "ppo_policy_loss", loss_spy)
     monkeypatch.setattr(module, "policy_update", update_spy)
+    return records
+
+
+def capture_grpo(monkeypatch):
+    """`capture` for GRPO, whose update loop hands grpo_losses.grpo_policy_loss the advantages of
+    each micro-batch's rows (the rows are read where the loop calls online.minibatch_step)."""
+    import posttrain.trainers.online as online
+
+    records: list[dict] = []
+    seen: dict = {}
+    loss, update, step = grpo.grpo_policy_loss, GRPOTrainer.update, online.minibatch_step
+
+    def loss_spy(logprobs, old_logprobs, advantages, mask, *args, **kwargs):
+        seen["advantages"], seen["logprobs"] = advantages.detach().clone(), logprobs.detach().clone()
+        return loss(logprobs, old_logprobs, advantages, mask, *args, **kwargs)
+
+    def update_spy(self, rollout, advantages, loss_mask, ref_logprobs):
+        records.append({"rollout": rollout, "micro": []})
+        return update(self, rollout, advantages, loss_mask, ref_logprobs)
+
+    def step_spy(run, model, optimizer, micros, micro_loss, veto=None):
+        def wrapped(rows):
+            out = micro_loss(rows)
+            record = records[-1]
+            mb = record["rollout"].select(rows)
+            record["micro"].append((rows.clone(), mb, seen.pop("advantages"), seen.pop("logprobs")))
+            return out
+
+        return step(run, model, optimizer, micros, wrapped, veto)
+
+    monkeypatch.setattr(grpo, "grpo_policy_loss", loss_spy)
+    monkeypatch.setattr(GRPOTrainer, "update", update_spy)
+    monkeypatch.setattr(online, "minibatch_step", step_spy)
     return records
 
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 from datasets import Dataset, DatasetDict
 
-import posttrain.advantages as adv
 import posttrain.trainers.grpo as grpo
 from helpers import train_and_last_log
 from posttrain import cli
@@ -103,6 +102,8 @@ def test_command_line_with_reward_functions_and_a_reward_model(
         "none",
         "--num_sample_generations",
         "1",
+        "--beta",  # TRL 1.16's default is 0.0 (no KL term); the KL metrics below need one
+        "0.05",
     ]
     assert cli.main(argv) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -195,16 +196,16 @@ def test_loss_is_a_global_token_mean(tmp_path, tiny_tokenizer):
 
 def test_mask_truncated_completions(tmp_path, tiny_tokenizer, monkeypatch):
     masks = []
-    original = grpo.ppo_policy_loss
+    original = grpo.grpo_policy_loss
 
     def spy(logprobs, old_logprobs, advantages, mask, *args, **kwargs):
         masks.append(mask.clone())
         return original(logprobs, old_logprobs, advantages, mask, *args, **kwargs)
 
-    monkeypatch.setattr(grpo, "ppo_policy_loss", spy)
+    monkeypatch.setattr(grpo, "grpo_policy_loss", spy)
     seen = []
-    original_group = adv.group_advantages
-    monkeypatch.setattr(adv, "group_advantages", lambda r, **kw: seen.append(r) or original_group(r, **kw))
+    original_group = grpo.grpo_advantages
+    monkeypatch.setattr(grpo, "grpo_advantages", lambda r, **kw: seen.append(r) or original_group(r, **kw))
     cfg = config(tmp_path, mask_truncated_completions=True, response_length=3, total_episodes=8)
     trainer = GRPOTrainer(
         build_tiny_causal_lm(tiny_tokenizer), letter_fraction, cfg, prompt_dataset(), processing_class=tiny_tokenizer
@@ -214,7 +215,7 @@ def test_mask_truncated_completions(tmp_path, tiny_tokenizer, monkeypatch):
     # Random weights rarely emit EOS within 3 tokens: every completion is truncated, so no token is
     # in the loss; the number of unmasked rows equals the number of completions that ended.
     assert int(mask.any(-1).sum()) == int(last["val/num_eos_tokens"])
-    assert len(seen) == 1 and seen[0].shape == (2, 4)
+    assert len(seen) == 1 and seen[0].shape == (2, 4, 1)  # (prompts, generations, reward functions)
 
 
 def test_config_checks():
@@ -231,11 +232,11 @@ def test_config_checks():
     cfg = GRPOConfig()
     assert (cfg.num_generations, cfg.beta, cfg.epsilon, cfg.num_iterations, cfg.temperature, cfg.scale_rewards) == (
         8,
-        0.05,
+        0.0,
         0.2,
         1,
         1.0,
-        True,
+        "group",
     )
     with pytest.raises(ValueError, match="divisible"):
         GRPOConfig(per_device_train_batch_size=6, num_generations=4).derive_sizes(1, 10)

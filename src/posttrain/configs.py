@@ -289,12 +289,7 @@ class OnPolicyConfig(TrainingConfig):
         self.local_batch_size = self.local_mini_batch_size * self.num_mini_batches
         self.batch_size = self.local_batch_size * world_size
         self.mini_batch_size = self.local_mini_batch_size * world_size
-        if self.local_batch_size % k != 0:
-            raise ConfigError(
-                "per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches = "
-                f"{self.local_batch_size} completions per device must be divisible by the samples per prompt ({k}); "
-                "change the batch size or k."
-            )
+        self.check_samples_per_prompt()
         if self.max_steps > 0:
             # TRL semantics: max_steps (optimizer steps) overrides the episode / epoch budget.
             rollouts = math.ceil(self.max_steps / self.optimizer_steps_per_rollout)
@@ -313,6 +308,17 @@ class OnPolicyConfig(TrainingConfig):
             )
         self.num_total_batches = math.ceil(self.total_episodes / self.batch_size)
         return self
+
+    def check_samples_per_prompt(self) -> None:
+        """Each device's rollout batch holds whole groups of samples_per_prompt completions (RLOO);
+        GRPO overrides this with TRL's global check (a group may span processes)."""
+        k = self.samples_per_prompt
+        if self.local_batch_size % k != 0:
+            raise ConfigError(
+                "per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches = "
+                f"{self.local_batch_size} completions per device must be divisible by the samples per prompt ({k}); "
+                "change the batch size or k."
+            )
 
     @property
     def prompts_per_rollout(self) -> int:

@@ -112,6 +112,18 @@ def gather(tensor: torch.Tensor, accelerator: Accelerator | None) -> torch.Tenso
     return accelerator.gather(tensor)
 
 
+def gather_values(values: torch.Tensor, accelerator: Accelerator | None) -> torch.Tensor:
+    """Concatenate 1-D tensors of DIFFERENT lengths from all ranks (rank order), e.g. the masked
+    token values of each rank's micro-batch. NaN marks the padding between ranks, so the values
+    themselves must not be NaN."""
+    values = values.reshape(-1)
+    if world_size(accelerator) == 1:
+        return values
+    padded = accelerator.pad_across_processes(values.float(), dim=0, pad_index=float("nan"))
+    gathered = accelerator.gather(padded)
+    return gathered[~torch.isnan(gathered)].to(values.dtype)
+
+
 def broadcast_object(obj: Any, accelerator: Accelerator | None, from_process: int = 0) -> Any:
     """Send a picklable object from `from_process` to every rank; returns the received copy."""
     if world_size(accelerator) == 1:

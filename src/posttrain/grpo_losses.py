@@ -30,10 +30,13 @@ import torch
 
 from posttrain.ops import masked_mean
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-SCALE_REWARDS = ("group", "batch", "none")
-MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+# The accepted values, defined once with the config fields that take them.
+from posttrain.trainers.grpo_config import (  # noqa: F401  (re-exported)
+    IMPORTANCE_SAMPLING_LEVELS,
+    LOSS_TYPES,
+    MULTI_OBJECTIVE_AGGREGATIONS,
+    SCALE_REWARDS,
+)
 
 # Loss types whose objective is the hard-clipped PPO surrogate (and whose clip ratios TRL logs).
 _CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")

@@ -486,6 +486,7 @@ class RewardSource:
                 f"reward_weights has {len(weights)} entries for {len(items)} rewards; give one weight per reward."
             )
         weights = list(weights) if weights is not None else [1.0] * len(items)
+        self.items, self.weights = items, [float(w) for w in weights]
         self.model_weights = [w for r, w in zip(items, weights) if isinstance(r, nn.Module)]
         self.func_weights = [w for r, w in zip(items, weights) if not isinstance(r, nn.Module)]
         self.policy_tokenizer, self.reward_tokenizer = policy_tokenizer, reward_tokenizer
@@ -510,3 +511,27 @@ class RewardSource:
             s = reward_function_scores(self.funcs, prompts, completions, weights=self.func_weights, columns=columns)
             scores = scores + s.to(device=device, dtype=torch.float32)
         return apply_missing_eos_penalty(scores, rollout.ended, self.missing_eos_penalty)
+
+    @torch.no_grad()
+    def per_reward(
+        self, rollout: Rollout, prompts: list[str], completions: list[str], columns: dict[str, list] | None = None
+    ) -> torch.Tensor:
+        """Each reward's own scores, unweighted and without the missing-EOS penalty: (B, F) float32,
+        one column per reward in the order given (`self.weights` holds their weights). GRPO's
+        multi-objective advantages combine them; `__call__` is Σ_f weights_f · column_f − penalty."""
+        device = rollout.completion_ids.device
+        out = torch.zeros(len(rollout), len(self.items), dtype=torch.float32, device=device)
+        model_columns = [j for j, r in enumerate(self.items) if isinstance(r, nn.Module)]
+        func_columns = [j for j, r in enumerate(self.items) if not isinstance(r, nn.Module)]
+        for j, model in zip(model_columns, self.models):
+            out[:, j] = reward_model_scores(
+                model,
+                rollout,
+                batch_size=self.batch_size,
+                policy_tokenizer=self.policy_tokenizer,
+                reward_tokenizer=self.reward_tokenizer,
+            ).to(device=device, dtype=torch.float32)
+        if self.funcs:
+            matrix = reward_function_matrix(self.funcs, prompts, completions, columns=columns)
+            out[:, func_columns] = matrix.to(device=device, dtype=torch.float32)
+        return out

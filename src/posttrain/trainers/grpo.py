@@ -1,40 +1,57 @@
-"""GRPO: group relative policy optimisation (Shao et al. 2024, "DeepSeekMath").
+"""GRPO: group relative policy optimisation (Shao et al. 2024, "DeepSeekMath"), with TRL 1.16's loss family.
 
-No value function: each prompt gets G completions and each completion's advantage is its score
-relative to its group. One rollout batch, per rank, with P prompts and G = num_generations:
+No value function: each prompt gets G = num_generations completions and each completion's advantage
+is its reward relative to its group. One rollout batch of B = batch_size completions over all ranks:
 
-1. Rollout and score: the P prompts repeated as G blocks (row i·P + p is sample
-   i of prompt p), s = Σ_j w_j·reward_j (reward_weights; reward model first, then reward_funcs),
-   s −= missing_eos_penalty without a stop token. No KL in the reward.
-2. Advantage, one per completion (advantages.group_advantages on the explicit (P, G) grid =
-   s.view(G, P).T): A = (s − mean_group(s)) / (std_group(s) + 1e-4) with the unbiased std, or
-   A = s − mean_group(s) when scale_rewards is False (Dr. GRPO). A group whose scores are all
-   equal gets A = 0 (counted in frac_reward_zero_std).
-3. Update: num_iterations passes × num_mini_batches minibatches, token-level ratio
-   ρ_t = exp(log π_θ(y_t) − log π_old(y_t)) and per-token loss
-   ℓ_t = max(−A·ρ_t, −A·clip(ρ_t, 1 − epsilon, 1 + epsilon_high)) + beta·KL3_t,
-   KL3_t = exp(ref_t − lp_t) − (ref_t − lp_t) − 1 (k3, unbiased and ≥ 0, advantages.kl_penalty),
-   L = Σ_t ℓ_t·m_t / N_tok with N_tok = loss tokens of the minibatch over all ranks: a token mean
-   over the global token count (TRL's loss_type="dapo"), so micro-batching and data parallelism
-   leave the update unchanged. m = completion_mask, minus truncated completions (no stop token)
-   when mask_truncated_completions. π_old as in RLOO (exact ratio 1 on the first minibatch, the
-   update forward's detached logprobs when num_iterations = num_mini_batches = 1).
+1. Prompts: every rank draws the same P = B / G prompts; the B (prompt, sample) pairs, prompt-major
+   (pair j = p·G + i), are cut into one contiguous slice per rank (TRL's RepeatSampler layout), so
+   only B, not each rank's share, must divide by G and a group may span ranks. Within a rank the
+   rows are ordered sample-major (blocks of the rank's prompts), as in RLOO.
+2. Rollout and score: each rank samples its rows; reward r_f (reward model first, then
+   reward_funcs; unweighted, `RewardSource.per_reward`), plus a column −missing_eos_penalty on
+   completions without a stop token (weight 1). No KL in the reward.
+3. Advantages (`grpo_losses.grpo_advantages`, on the GLOBAL (P, G, F) grid gathered from all ranks;
+   each rank keeps its rows), ε = 1e-4, w = reward_weights:
+     sum_then_normalize: r = Σ_f w_f·r_f, A = (r − mean_group r) / (std + ε) with std the group's
+       (scale_rewards="group"), the whole batch's ("batch"), or no division ("none", Dr. GRPO);
+     normalize_then_sum (GDPO): each r_f normalised in its group, weighted sum, then normalised over the batch.
+4. Update: num_iterations passes × num_mini_batches minibatches (micro-batches of
+   per_device_train_batch_size). With ρ per token (or per sequence, importance_sampling_level),
+   ε_lo = epsilon, ε_hi = epsilon_high (default epsilon), per token:
+     grpo, bnpo, dr_grpo, dapo: ℓ_t = −min(min(ρ, delta)·A, clip(ρ, 1 − ε_lo, 1 + ε_hi)·A)
+     cispo: ℓ_t = −sg[min(ρ, ε_hi)]·A·log π_θ(y_t)
+     sapo:  ℓ_t = −(4/τ)·σ(τ·(ρ − 1))·A, τ = sapo_temperature_pos if A > 0 else sapo_temperature_neg
+   times the top-entropy mask (top_entropy_quantile: the threshold is the quantile of the update
+   forward's entropies over the loss tokens of the micro-batch on all ranks), plus
+   beta·KL3_t (·ρ with use_bias_correction_kl), KL3 = e^(ref − lp) − (ref − lp) − 1. Aggregated over
+   the loss tokens m (completion mask, minus truncated completions with mask_truncated_completions):
+     grpo, sapo: mean over sequences of Σ_t ℓ·m / Σ_t m; bnpo: Σ ℓ·m / Σ m per micro-batch;
+     dr_grpo: Σ ℓ·m / (b·max_completion_length)  — each divided by gradient_accumulation_steps;
+     dapo, cispo: Σ ℓ·m / N_tok, N_tok the loss tokens of the minibatch over all ranks (so
+     micro-batching and data parallelism leave the update unchanged).
+   π_old as in RLOO (exact ratio 1 on the first minibatch; the update forward's detached
+   logprobs when num_iterations = num_mini_batches = 1). docs/internals.md ("GRPO loss family")
+   gives each variant's source; posttrain.grpo_losses is the math, checked against TRL 1.16.
 
 Metrics (masked, count-weighted across micro-batches and ranks):
-  objective/scores            mean score s (after missing_eos_penalty)
+  objective/scores            mean score Σ_f w_f·r_f − missing_eos_penalty
+  reward, reward_std          mean and std of Σ_f w_f·r_f over the global batch (TRL's names)
+  rewards/<name>/mean         each reward's own (unweighted) mean
   objective/entropy           mean over sequences of Σ_t −log π(y_t) (sampled-token NLL of the rollout)
   objective/kl                mean over sequences of Σ_t k1 (log π − log π_ref on sampled tokens; with beta > 0)
   val/num_eos_tokens          completions that ended on a stop token (sum over ranks)
   completions/mean_length     mean completion length in tokens
-  frac_reward_zero_std        fraction of groups whose scores are all equal (no learning signal)
-  loss/policy_avg             token mean of the clipped surrogate term
-  loss/kl_avg                 token mean of KL3 (the term beta multiplies; with beta > 0)
-  policy/approxkl_avg         token mean of ½·(log ρ_t)²
-  policy/clipfrac_avg         fraction of tokens whose clipped term was the max
-  clip_ratio/low_mean, clip_ratio/high_mean  fraction of tokens with ρ < 1 − epsilon and A < 0 /
-                              ρ > 1 + epsilon_high and A > 0 (TRL GRPO's clip_ratio/*)
+  frac_reward_zero_std        fraction of completions whose normalising std is 0 (no learning signal)
+  loss/policy_avg             the minimised loss (KL term included), mean over optimizer steps
+  kl, loss/kl_avg             token mean of the KL term beta multiplies (with beta > 0)
+  clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean   (grpo, bnpo, dr_grpo, dapo)
+                              fraction of loss tokens (sequences at sequence level) with
+                              ρ < 1 − ε_lo and A < 0 / ρ > 1 + ε_hi and A > 0 / either
+  cispo_clip_ratio            (cispo) fraction with ρ > ε_hi and A > 0
+  policy/clipfrac_avg         = clip_ratio/region_mean (posttrain's name)
+  policy/approxkl_avg         token mean of ½·(log π − log π_old)²
   policy/entropy_avg          token-weighted entropy of the update forward
-  val/ratio, val/ratio_var    mean and unbiased variance of the token ratio ρ_t over loss tokens
+  val/ratio, val/ratio_var    mean and unbiased variance of the token ratio over loss tokens
   lr, episode, eps, epoch
 """
 
@@ -46,22 +63,43 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttrain import advantages as adv
+from posttrain import distributed as dist
+from posttrain.advantages import kl_penalty
 from posttrain.configs import ConfigError
-from posttrain.losses import ppo_policy_loss
-from posttrain.rollout import Rollout
-from posttrain.scoring import RewardSource
+from posttrain.grpo_losses import grpo_advantages, grpo_policy_loss, high_entropy_mask, truncation_loss_mask
+from posttrain.rollout import Rollout, decode_completions
+from posttrain.scoring import RewardSource, completion_logprobs, reward_function_name
 from posttrain.trainers import online
 from posttrain.trainers.grpo_config import GRPOConfig
 from posttrain.trainers.online import (
     OnlineTrainer,
+    PromptStream,
     default_config,
     load_parts,
-    policy_update,
     prepare_policy,
-    sample_and_score,
+    reference_logprobs,
+    sample,
     score,
 )
+
+_CLIP_STATS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio")
+
+
+def rank_rows(num_prompts: int, num_generations: int, world_size: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt index, sample index), each (L,), of rank `rank`'s L = P·G / world_size rows.
+
+    The P·G pairs in prompt-major order (j = p·G + i) are cut into world_size contiguous slices
+    (TRL's layout: a group may span ranks); a rank orders its slice sample-major, (i, p), which
+    for whole groups is the k-block layout row = i·P_local + p_local of RLOO.
+    """
+    total = num_prompts * num_generations
+    if total % world_size:
+        raise ConfigError(f"{total} completions per rollout batch do not split evenly over {world_size} processes.")
+    size = total // world_size
+    j = torch.arange(rank * size, (rank + 1) * size)
+    p, i = j // num_generations, j % num_generations
+    order = torch.argsort(i * num_prompts + p)
+    return p[order], i[order]
 
 
 class GRPOTrainer(OnlineTrainer):
@@ -141,6 +179,14 @@ class GRPOTrainer(OnlineTrainer):
             batch_size=args.local_rollout_forward_batch_size,
             missing_eos_penalty=args.missing_eos_penalty,
         )
+        # Every rank draws the same global prompt batch and keeps its rows of the (prompt, sample)
+        # pairs (`rank_rows`), so a group may span ranks. Same permutation and checkpoint state as
+        # the per-rank stream it replaces.
+        run = self.run
+        run.prompts = PromptStream(run.train_dataset, args.global_prompts_per_rollout, run.collate, args.seed)
+        world, rank = run.world_size, dist.process_index(run.accelerator)
+        self.layout = [rank_rows(args.global_prompts_per_rollout, args.num_generations, world, r) for r in range(world)]
+        self.prompt_index, self.sample_index = (t.to(run.device) for t in self.layout[rank])
 
     @classmethod
     def from_config(cls, config: GRPOConfig) -> GRPOTrainer:
@@ -148,77 +194,171 @@ class GRPOTrainer(OnlineTrainer):
 
     def train(self) -> Any:
         """Run to total_episodes (resuming if asked); save the policy; return a transformers TrainOutput."""
-        config, run, metrics, G = self.args, self.run, self.run.metrics, self.args.num_generations
+        config, run = self.args, self.run
         with self.training():
             for update in run.updates():
-                # 1. rollout G completions per prompt (G blocks of P prompts) and score them
-                exp = sample_and_score(
-                    run,
-                    self.wrapped,
-                    self.ref_model,
-                    self.reward,
-                    run.next_batch(),
-                    G,
-                    with_reference=self.use_reference,
-                )
-                # 2. group-relative advantages on the explicit (num_prompts, G) grid
-                grid = exp.scores.view(G, exp.num_prompts).T  # (P, G)
-                advantages = adv.group_advantages(grid, scale_std=config.scale_rewards).T.reshape(-1)  # (B,) blocks
-                metrics.add_mean("frac_reward_zero_std", (grid.max(dim=1).values == grid.min(dim=1).values).float())
-                loss_mask = exp.rollout.completion_mask
+                # 1-2. this rank's rows of the global batch, sampled and scored
+                rollout, rewards = self.sample_and_score(run.next_batch())
+                # 3. group-relative advantages on the global (P, G, F) grid
+                advantages = self.advantages(rewards)
+                loss_mask = rollout.completion_mask
                 if config.mask_truncated_completions:
-                    loss_mask = loss_mask & exp.rollout.ended[:, None]
-                ref_logprobs = exp.ref_logprobs if config.beta > 0 else None
-
-                # 3. token-level PPO-clip + beta·KL(π‖π_ref), token mean over the global token count
-                def loss_fn(
-                    rows: torch.Tensor,
-                    mb: Rollout,
-                    logprobs: torch.Tensor,
-                    old_logprobs: torch.Tensor,
-                    normalizer: float,
-                ) -> torch.Tensor:
-                    mask = loss_mask[rows]
-                    loss, stats = ppo_policy_loss(
-                        logprobs,
-                        old_logprobs,
-                        advantages[rows],
-                        mask,
-                        config.epsilon,
-                        cliprange_high=config.epsilon_high,
-                        level="token",
-                        normalizer=normalizer,
-                    )
-                    n = stats["count"]
-                    for name, key in (
-                        ("loss/policy_avg", "pg_loss"),
-                        ("policy/approxkl_avg", "approxkl"),
-                        ("policy/clipfrac_avg", "clipfrac"),
-                        ("clip_ratio/low_mean", "clipfrac_low"),
-                        ("clip_ratio/high_mean", "clipfrac_high"),
-                    ):
-                        metrics.add(name, stats[key] * n, n)
-                    if ref_logprobs is not None:
-                        kl3 = adv.kl_penalty(logprobs, ref_logprobs[rows], "k3", mask)  # (b, T), 0 off-mask
-                        loss = loss + config.beta * kl3.sum() / normalizer
-                        metrics.add_mean("loss/kl_avg", kl3, mask)
-                    with torch.no_grad():
-                        ratio = (logprobs - old_logprobs).exp()
-                        metrics.add_mean("val/ratio", ratio, mask)
-                        metrics.add_var("val/ratio_var", ratio, mask)
-                    return loss
-
-                policy_update(
-                    run,
-                    self.wrapped,
-                    self.optimizer,
-                    exp.rollout,
-                    num_epochs=config.num_iterations,
-                    count=lambda rows: loss_mask[rows].sum(),
-                    loss_fn=loss_fn,
-                )
+                    loss_mask = truncation_loss_mask(loss_mask, rollout.ended)
+                ref_logprobs = None
+                if self.use_reference:
+                    ref_logprobs = reference_logprobs(run, self.wrapped, self.ref_model, rollout)
+                    kl = kl_penalty(rollout.logprobs, ref_logprobs, "k1", rollout.completion_mask)
+                    run.metrics.add_mean("objective/kl", kl.sum(-1))
+                # 4. the loss of config.loss_type, num_iterations × num_mini_batches optimizer steps
+                self.update(rollout, advantages, loss_mask, ref_logprobs)
                 self.end_of_update(update)
         return self.train_output
+
+    @torch.no_grad()
+    def sample_and_score(self, batch: dict) -> tuple[Rollout, torch.Tensor]:
+        """This rank's completions of the global prompt batch and their rewards, (L, F) unweighted
+        (+ the missing-EOS column); logs the rollout metrics."""
+        run, rows = self.run, self.prompt_index
+        ids, mask = batch["input_ids"][rows], batch["attention_mask"][rows]
+        first = int(mask.any(0).nonzero()[0])  # drop the left padding no row of this rank needs
+        rollout = sample(run, self.wrapped, ids[:, first:], mask[:, first:], return_logprobs=True)
+        n, picked = len(rollout), rows.tolist()
+        prompts, completions, columns = [""] * n, [""] * n, {}
+        if self.reward.funcs:
+            prompts = [batch["prompt"][p] for p in picked]
+            completions = decode_completions(run.tokenizer, rollout)
+            skip = ("input_ids", "attention_mask", "prompt")
+            columns = {k: [v[p] for p in picked] for k, v in batch.items() if k not in skip}
+        with run.autocast():
+            rewards = self.reward.per_reward(rollout, prompts, completions, columns)
+        if not torch.isfinite(rewards).all():
+            raise FloatingPointError(f"reward scores are not finite ({rewards.flatten()[:4].tolist()} ...).")
+        penalty = self.args.missing_eos_penalty
+        if penalty is not None:
+            missing = -penalty * (~rollout.ended.to(rewards.device, torch.bool)).to(rewards.dtype)
+            rewards = torch.cat([rewards, missing[:, None]], dim=1)
+        m, completion_mask = run.metrics, rollout.completion_mask
+        for name, column in zip(self.reward_names, rewards.T):
+            m.add_mean(f"rewards/{name}/mean", column)
+        m.add_mean("objective/scores", rewards @ self.reward_weights(rewards))
+        m.add_mean("objective/entropy", -(rollout.logprobs * completion_mask).sum(-1))
+        m.add_sum("val/num_eos_tokens", rollout.ended.sum())
+        m.add_mean("completions/mean_length", rollout.completion_lengths.float())
+        return rollout, rewards
+
+    @property
+    def reward_names(self) -> list[str]:
+        """TRL's `rewards/<name>/mean` names: a function's __name__, a reward model's folder or hub name."""
+        names = []
+        for r in self.reward.items:
+            if isinstance(r, nn.Module):
+                path = str(getattr(getattr(r, "config", None), "_name_or_path", "") or "")
+                names.append(path.rstrip("/").split("/")[-1] or "reward_model")
+            else:
+                names.append(reward_function_name(r))
+        return names
+
+    def reward_weights(self, rewards: torch.Tensor) -> torch.Tensor:
+        """The weight of each column of `rewards`: reward_weights, then 1 for the missing-EOS column."""
+        weights = list(self.reward.weights) + [1.0] * (rewards.size(1) - len(self.reward.weights))
+        return torch.tensor(weights, dtype=rewards.dtype, device=rewards.device)
+
+    @torch.no_grad()
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Advantages (L,) of this rank's rows, from the rewards of ALL ranks on the (P, G, F) grid."""
+        config, run = self.args, self.run
+        everyone = dist.gather(rewards, run.accelerator)  # (B, F), rank order
+        p = torch.cat([pi for pi, _ in self.layout]).to(everyone.device)
+        i = torch.cat([si for _, si in self.layout]).to(everyone.device)
+        grid = everyone.new_zeros(config.global_prompts_per_rollout, config.num_generations, everyone.size(1))
+        grid[p, i] = everyone
+        advantages, stats = grpo_advantages(
+            grid,
+            reward_weights=self.reward_weights(rewards),
+            scale_rewards=config.scale_rewards,
+            multi_objective_aggregation=config.multi_objective_aggregation,
+        )
+        # Global values: every rank adds the same number, so the mean over ranks is that number.
+        for name in ("frac_reward_zero_std", "reward", "reward_std"):
+            run.metrics.add(name, stats[name], 1)
+        return advantages[self.prompt_index, self.sample_index]
+
+    def update(
+        self,
+        rollout: Rollout,
+        advantages: torch.Tensor,
+        loss_mask: torch.Tensor,
+        ref_logprobs: torch.Tensor | None,
+    ) -> None:
+        """num_iterations × num_mini_batches optimizer steps (the loop of `online.policy_update`, with
+        the update forward's entropies passed to the loss for top_entropy_quantile)."""
+        config, run, acc, metrics = self.args, self.run, self.run.accelerator, self.run.metrics
+        policy, temperature = self.wrapped, run.sampling.logprob_temperature
+        orders = online.shuffled_orders(run, len(rollout), config.num_iterations)
+        policy.train()
+        old_logprobs = None
+        if not (config.num_iterations == 1 and config.num_mini_batches == 1):
+            old_logprobs = online.old_policy_logprobs(run, dist.unwrap(policy, acc), rollout, orders[0], temperature)
+
+        def micro_loss(rows: torch.Tensor, normalizer: float, accumulation: int) -> torch.Tensor:
+            mb = rollout.select(rows)
+            with run.autocast():
+                logprobs, entropy = completion_logprobs(policy, mb, temperature=temperature, with_entropy=True)
+            old = logprobs.detach() if old_logprobs is None else old_logprobs[rows]
+            mask = loss_mask[rows]
+            metrics.add_mean("policy/entropy_avg", entropy, mb.completion_mask)
+            entropy_mask = None
+            if config.top_entropy_quantile < 1.0:
+                entropy = entropy.detach().float()
+                pool = dist.gather_values(entropy[mask], acc)  # the loss tokens of every rank
+                entropy_mask = high_entropy_mask(entropy, mask, config.top_entropy_quantile, all_entropies=pool)
+            loss, stats = grpo_policy_loss(
+                logprobs,
+                old,
+                advantages[rows],
+                mask,
+                loss_type=config.loss_type,
+                importance_sampling_level=config.importance_sampling_level,
+                epsilon=config.epsilon,
+                epsilon_high=config.epsilon_high,
+                delta=config.delta,
+                sapo_temperature_pos=config.sapo_temperature_pos,
+                sapo_temperature_neg=config.sapo_temperature_neg,
+                beta=config.beta,
+                ref_logprobs=ref_logprobs[rows] if ref_logprobs is not None else None,
+                use_bias_correction_kl=config.use_bias_correction_kl,
+                entropy_mask=entropy_mask,
+                normalizer=normalizer,
+                max_completion_length=config.response_length,
+                accumulation_steps=accumulation,
+            )
+            # Each micro-batch adds 1/accumulation: per rank and minibatch the sum is the step's loss.
+            metrics.add("loss/policy_avg", loss.detach().float(), 1.0 / accumulation)
+            for name in _CLIP_STATS:
+                if name in stats:
+                    metrics.add(name, stats[name] * stats["count/clip"], stats["count/clip"])
+            if "clip_ratio/region_mean" in stats:
+                metrics.add(
+                    "policy/clipfrac_avg", stats["clip_ratio/region_mean"] * stats["count/clip"], stats["count/clip"]
+                )
+            if "kl" in stats:
+                for name in ("kl", "loss/kl_avg"):
+                    metrics.add(name, stats["kl"] * stats["count"], stats["count"])
+            with torch.no_grad():
+                log_ratio = logprobs.detach() - old
+                metrics.add_mean("policy/approxkl_avg", 0.5 * log_ratio**2, mask)
+                metrics.add_mean("val/ratio", log_ratio.exp(), mask)
+                metrics.add_var("val/ratio_var", log_ratio.exp(), mask)
+            return loss
+
+        for order in orders:
+            for start in range(0, len(rollout), config.local_mini_batch_size):
+                rows = order[start : start + config.local_mini_batch_size]
+                normalizer = online.global_normalizer(loss_mask[rows].sum(), acc)
+                micros = list(online.micro_batches(rows, config.per_device_train_batch_size))
+                online.minibatch_step(
+                    run, policy, self.optimizer, micros, lambda r, n=normalizer, a=len(micros): micro_loss(r, n, a)
+                )
 
     def table_scores(self, rollout: Rollout, batch: dict) -> torch.Tensor:
         return score(self.run, self.reward, rollout, batch, 1)

@@ -1,18 +1,20 @@
 """Configuration of GRPO (`posttrain grpo`, `GRPOTrainer`).
 
-Field names follow TRL's `GRPOConfig` (num_generations, beta, epsilon, epsilon_high,
-num_iterations, scale_rewards, reward_weights, mask_truncated_completions, max_completion_length)
-on top of `OnPolicyConfig`, which sizes the rollout batch exactly like RLOO / PPO
-(per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches completions per
-device, num_mini_batches optimizer steps per pass). Defaults, and where they differ from TRL:
+Field names and defaults follow TRL 1.16's `GRPOConfig` (num_generations, beta, epsilon,
+epsilon_high, delta, num_iterations, loss_type, importance_sampling_level, scale_rewards,
+multi_objective_aggregation, reward_weights, mask_truncated_completions, top_entropy_quantile,
+use_bias_correction_kl, sapo_temperature_pos / sapo_temperature_neg, max_completion_length) on top
+of `OnPolicyConfig`, which sizes the rollout batch like RLOO / PPO (per_device_train_batch_size ×
+gradient_accumulation_steps × num_mini_batches completions per device, num_mini_batches optimizer
+steps per pass). docs/internals.md ("GRPO loss family") gives the equation of every variant.
 
-- num_generations 8, learning_rate 1e-6, temperature 1.0, epsilon 0.2: TRL GRPO's defaults.
-- beta 0.05 (TRL GRPO: 0.0 since v0.19, 0.04 before; TRL's GRPO-style RLOO: 0.05): a KL term to
-  the reference is on by default, as in the classic trainers; beta = 0 loads no reference model.
-- scale_rewards is a bool (TRL's older form): True divides by the group std ("group" in newer TRL),
-  False only subtracts the group mean (Dr. GRPO, "none").
-- The loss is always the token mean over the GLOBAL number of completion tokens of the minibatch
-  (TRL's loss_type="dapo"), so micro-batching and data parallelism leave the update unchanged.
+- As in TRL, only the GLOBAL rollout batch (all processes) must divide by num_generations: the G
+  completions of one prompt may live on different processes (rewards are gathered before the
+  group statistics are taken).
+- beta defaults to 0.0 (TRL GRPO's default since v0.19; posttrain used 0.05 before): no KL term and
+  no reference model unless beta is set.
+- scale_rewards takes "group", "batch" or "none"; True / False (also "true" / "false" from the
+  command line) are aliases of "group" / "none", as in TRL.
 - max_completion_length is an alias of response_length: give either (both only if equal).
 
 Standard library only: `posttrain grpo --help` and validation run before torch loads.
@@ -26,35 +28,86 @@ from posttrain.configs import ConfigError, OnPolicyConfig, _help
 
 _DEFAULT_RESPONSE_LENGTH = 53  # OnPolicyConfig.response_length's default
 
+# The accepted values (posttrain.grpo_losses implements each one).
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+SCALE_REWARDS = ("group", "batch", "none")
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
+def _one_of(name: str, value: object, accepted: tuple[str, ...], extra: str = "") -> None:
+    if value not in accepted:
+        raise ConfigError(f"{name}={value!r} is not supported; use one of {', '.join(accepted)}{extra}.")
+
 
 @dataclass
 class GRPOConfig(OnPolicyConfig):
-    """Group relative policy optimisation: num_generations completions per prompt, advantages
-    (r − mean_group) / std_group, token-level PPO-clip loss plus beta · KL(π‖π_ref) (k3)."""
+    """Group relative policy optimisation: num_generations completions per prompt, group-relative
+    advantages, and the loss selected by loss_type (TRL 1.16's GRPO family)."""
 
     exp_name: str = _help("Experiment name.", default="grpo_config")
     learning_rate: float = _help("Initial AdamW learning rate (TRL GRPO's default).", default=1e-6)
     temperature: float = _help("Sampling temperature; also divides logits when scoring logprobs.", default=1.0)
-    num_generations: int = _help("Completions sampled per prompt (the group size G, ≥ 2).", default=8)
+    num_generations: int = _help(
+        "Completions sampled per prompt (the group size G, >= 2). The global rollout batch (all processes) "
+        "must divide by it; a group may span processes.",
+        default=8,
+    )
     max_completion_length: int | None = _help("Alias of response_length (TRL GRPO's name).", default=None)
     beta: float = _help(
-        "Coefficient of the KL(π‖π_ref) loss term (k3 estimator); 0 loads no reference model.", default=0.05
+        "Coefficient of the KL(π‖π_ref) loss term (k3 estimator); 0 (TRL's default) loads no reference model.",
+        default=0.0,
     )
     epsilon: float = _help(
-        "Lower clip range of the token-level ratio: clip(ρ, 1 − epsilon, 1 + epsilon_high).", default=0.2
+        "Lower clip range of the importance ratio: clip(ρ, 1 − epsilon, 1 + epsilon_high).", default=0.2
     )
-    epsilon_high: float | None = _help("Upper clip range (DAPO's clip-higher); None means epsilon.", default=None)
+    epsilon_high: float | None = _help(
+        "Upper clip range (DAPO's clip-higher); None means epsilon. With loss_type=cispo: the absolute cap on ρ "
+        "(ScaleRL suggests 5.0).",
+        default=None,
+    )
+    delta: float | None = _help(
+        "Two-sided clipping (INTELLECT-2): cap the unclipped ratio at delta (recommended > 1 + epsilon); None: off.",
+        default=None,
+    )
     num_iterations: int = _help("Passes over each rollout batch (GRPO's μ, PPO epochs).", default=1)
-    scale_rewards: bool = _help(
-        "Divide the group-centred rewards by the group std (False: Dr. GRPO, centring only).", default=True
+    loss_type: str = _help(
+        "The objective: grpo (sequence mean of token means), bnpo (micro-batch token mean), dr_grpo (sum / "
+        "(B · max_completion_length)), dapo (token mean over the global batch), cispo (clipped IS-weight "
+        "REINFORCE), sapo (soft gate). See docs/internals.md, 'GRPO loss family'.",
+        default="dapo",
+    )
+    importance_sampling_level: str = _help(
+        'Importance ratio per "token" or per "sequence" (GSPO: the length-normalised sequence ratio).',
+        default="token",
+    )
+    scale_rewards: str = _help(
+        'Divide the group-centred rewards by the std of the "group", of the whole "batch", or "none" '
+        "(Dr. GRPO); true / false are aliases of group / none.",
+        default="group",
+    )
+    multi_objective_aggregation: str = _help(
+        "sum_then_normalize: weight and sum the rewards, then normalise (scale_rewards); normalize_then_sum "
+        "(GDPO): normalise each reward within its group, weight and sum, then normalise over the batch.",
+        default="sum_then_normalize",
     )
     reward_weights: list[float] | None = _help(
         "One weight per reward: the reward model first (when reward_model_path is set), then reward_funcs in order.",
         default=None,
     )
     mask_truncated_completions: bool = _help(
-        "Leave completions that hit response_length without a stop token out of the loss.", default=False
+        "Leave completions that hit max_completion_length without a stop token out of the loss.", default=False
     )
+    top_entropy_quantile: float = _help(
+        "Keep in the policy loss only the tokens whose entropy is in this top quantile (Beyond the 80/20 Rule "
+        "recommends 0.2); 1.0 keeps every token.",
+        default=1.0,
+    )
+    use_bias_correction_kl: bool = _help(
+        "Multiply the per-token KL term by the importance ratio (DeepSeek-V3.2's unbiased KL estimate).", default=True
+    )
+    sapo_temperature_pos: float = _help("SAPO's gate temperature for positive advantages.", default=1.0)
+    sapo_temperature_neg: float = _help("SAPO's gate temperature for negative advantages.", default=1.05)
 
     def __post_init__(self) -> None:
         if self.max_completion_length is not None:
@@ -78,6 +131,21 @@ class GRPOConfig(OnPolicyConfig):
             raise ConfigError(f"epsilon={self.epsilon} must be > 0.")
         if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
             raise ConfigError(f"epsilon_high={self.epsilon_high} must be >= epsilon={self.epsilon} (or None).")
+        if self.delta is not None and self.delta <= 1:
+            raise ConfigError(f"delta={self.delta} must be > 1 (it caps the ratio from above; None turns it off).")
+        _one_of("loss_type", self.loss_type, LOSS_TYPES)
+        _one_of("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+        _one_of("multi_objective_aggregation", self.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
+        scale = self.scale_rewards
+        if isinstance(scale, str):
+            scale = {"true": "group", "false": "none"}.get(scale.strip().lower(), scale)
+        self.scale_rewards = {True: "group", False: "none"}.get(scale, scale) if isinstance(scale, bool) else scale
+        _one_of("scale_rewards", self.scale_rewards, SCALE_REWARDS, " (True / False: group / none)")
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ConfigError(f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1.0 keeps all).")
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be > 0.")
         if self.reward_weights is not None and not self.reward_weights:
             raise ConfigError("reward_weights is empty; give one weight per reward or leave it unset.")
         expected = int(bool(self.reward_model_path)) + len(self.reward_funcs or [])
@@ -90,3 +158,27 @@ class GRPOConfig(OnPolicyConfig):
     @property
     def samples_per_prompt(self) -> int:
         return self.num_generations
+
+    def check_samples_per_prompt(self) -> None:
+        """Only the global rollout batch must hold whole groups (TRL 1.16: generation_batch_size %
+        num_generations == 0); a group's completions may live on different processes."""
+        assert self.batch_size is not None and self.world_size is not None
+        if self.batch_size % self.num_generations != 0:
+            raise ConfigError(
+                "per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches × processes = "
+                f"{self.batch_size} completions per rollout batch must be divisible by num_generations "
+                f"({self.num_generations}); change the batch size or num_generations."
+            )
+
+    @property
+    def prompts_per_rollout(self) -> int:
+        """Prompts per device the shared prompt stream is sized for (rounded up); GRPOTrainer draws
+        the whole global batch of batch_size / num_generations prompts on every process."""
+        assert self.batch_size is not None and self.world_size is not None, "call derive_sizes() first"
+        return -(-self.global_prompts_per_rollout // self.world_size)
+
+    @property
+    def global_prompts_per_rollout(self) -> int:
+        """Prompts per rollout batch over all processes."""
+        assert self.batch_size is not None, "call derive_sizes() first"
+        return self.batch_size // self.num_generations
