@@ -334,7 +334,7 @@ def test_reward_weights_with_sum_then_normalize(tmp_path, tiny_tokenizer, monkey
 
 
 def test_normalize_then_sum(tmp_path, tiny_tokenizer, monkeypatch):
-    """GDPO: each reward normalised within its group (ε = 1e-4), weighted sum, then over the batch.
+    """GDPO: each reward normalized within its group (ε = 1e-4), weighted sum, then over the batch.
     ROW_SCORES: prompt 0 flat → 0, 0; prompt 1 (0, 4) → ∓2 / 2.8285271 = ∓0.7070818.
     SECOND: prompt 0 (1, 3) → ∓1 / 1.4143136 = ∓0.7070568; prompt 1 (2, 5) → ∓1.5 / 2.1214203 = ∓0.7070802.
     Weights (1, 2): rows (p0 i0, p1 i0, p0 i1, p1 i1) = (−1.4141136, −2.1212422, 1.4141136, 2.1212422);
@@ -358,7 +358,7 @@ def test_normalize_then_sum(tmp_path, tiny_tokenizer, monkeypatch):
 # Each row is sampled from a generator seeded by its prompt and its GLOBAL sample index, so the
 # completions do not depend on how the group is spread over ranks: with P = 1 prompt and G = 8, rank
 # r holds samples 4r .. 4r + 3 (rank_rows). Everything downstream (gathered rewards, group
-# advantages on the global grid, the cross-rank entropy quantile, the global token normaliser,
+# advantages on the global grid, the cross-rank entropy quantile, the global token normalizer,
 # DDP's average) is what the test compares: 1 process × micro-batch 8 == 2 processes × 4.
 SPAN_SCRIPT = textwrap.dedent("""
     import sys, torch

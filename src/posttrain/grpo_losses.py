@@ -105,7 +105,7 @@ def log_importance_weights(
 
     "token":    log ρ_t = log π_θ(y_t) − log π_old(y_t)  (0 off-mask, so padding cannot overflow exp).
     "sequence": log ρ = Σ_t m_t·(log π_θ − log π_old) / max(Σ_t m_t, 1), one per completion,
-                broadcast over its tokens: GSPO's length-normalised sequence ratio (Zheng et al.
+                broadcast over its tokens: GSPO's length-normalized sequence ratio (Zheng et al.
                 2025, arXiv:2507.18071, eq. 7), TRL 1.16 `importance_sampling_level="sequence"`.
     """
     m = mask.bool()
@@ -330,12 +330,12 @@ def grpo_advantages(
           A = (r − mean_group(r)) / (std + ε), std = std_group(r) for scale_rewards="group"
           (Shao et al. 2024), std over the whole batch for "batch" (PPO Lite, arXiv:2508.08221);
           A = r − mean_group(r) for "none" (Dr. GRPO, arXiv:2503.20783).
-      "normalize_then_sum" (GDPO, arXiv:2601.05242): each function is normalised within its group,
+      "normalize_then_sum" (GDPO, arXiv:2601.05242): each function is normalized within its group,
           r̂_f = (r_f − mean_group(r_f)) / (std_group(r_f) + ε), then r = Σ_f w_f·r̂_f and
           A = (r − mean_batch(r)) / (std_batch(r) + ε); scale_rewards is not used.
     Stds are unbiased (n − 1) and NaN-skipping (TRL's `nanstd`); a group of one completion
     (G = 1) has std 0. In multi-process runs pass the rewards of the whole generation batch (TRL
-    gathers them before normalising, so a group may span processes) and keep this rank's slice.
+    gathers them before normalizing, so a group may span processes) and keep this rank's slice.
     stats: frac_reward_zero_std (fraction of completions whose std is 0: groups with all-equal
     rewards, or the whole batch for "batch" / "normalize_then_sum"), reward and reward_std (mean and
     std of Σ_f w_f·r_f over the scorable completions).
@@ -374,8 +374,8 @@ def grpo_advantages(
     elif multi_objective_aggregation == "normalize_then_sum":
         mean_k = torch.nanmean(rewards, dim=1, keepdim=True)
         std_k = nanstd(rewards, dim=1, keepdim=True) if group > 1 else torch.zeros_like(mean_k)
-        normalised = ((rewards - mean_k) / (std_k + _STD_EPS)).reshape(num_prompts * group, num_funcs)
-        summed = (normalised * weights).nansum(dim=1)
+        normalized = ((rewards - mean_k) / (std_k + _STD_EPS)).reshape(num_prompts * group, num_funcs)
+        summed = (normalized * weights).nansum(dim=1)
         summed[unscorable] = torch.nan
         std = nanstd(summed) if summed.numel() > 1 else torch.zeros((), dtype=summed.dtype, device=summed.device)
         advantages = ((summed - torch.nanmean(summed)) / (std + _STD_EPS)).view(num_prompts, group)

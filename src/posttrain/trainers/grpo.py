@@ -14,7 +14,7 @@ is its reward relative to its group. One rollout batch of B = batch_size complet
    each rank keeps its rows), ε = 1e-4, w = reward_weights:
      sum_then_normalize: r = Σ_f w_f·r_f, A = (r − mean_group r) / (std + ε) with std the group's
        (scale_rewards="group"), the whole batch's ("batch"), or no division ("none", Dr. GRPO);
-     normalize_then_sum (GDPO): each r_f normalised in its group, weighted sum, then normalised over the batch.
+     normalize_then_sum (GDPO): each r_f normalized in its group, weighted sum, then normalized over the batch.
 4. Update: num_iterations passes × num_mini_batches minibatches (micro-batches of
    per_device_train_batch_size). With ρ per token (or per sequence, importance_sampling_level),
    ε_lo = epsilon, ε_hi = epsilon_high (default epsilon), per token:
@@ -41,7 +41,7 @@ Metrics (masked, count-weighted across micro-batches and ranks):
   objective/kl                mean over sequences of Σ_t k1 (log π − log π_ref on sampled tokens; with beta > 0)
   val/num_eos_tokens          completions that ended on a stop token (sum over ranks)
   completions/mean_length     mean completion length in tokens
-  frac_reward_zero_std        fraction of completions whose normalising std is 0 (no learning signal)
+  frac_reward_zero_std        fraction of completions whose normalizing std is 0 (no learning signal)
   loss/policy_avg             the minimised loss (KL term included), mean over optimizer steps
   kl, loss/kl_avg             token mean of the KL term beta multiplies (with beta > 0)
   clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean   (grpo, bnpo, dr_grpo, dapo)

@@ -78,7 +78,7 @@ class GRPOConfig(OnPolicyConfig):
         default="dapo",
     )
     importance_sampling_level: str = _help(
-        'Importance ratio per "token" or per "sequence" (GSPO: the length-normalised sequence ratio).',
+        'Importance ratio per "token" or per "sequence" (GSPO: the length-normalized sequence ratio).',
         default="token",
     )
     scale_rewards: str = _help(
