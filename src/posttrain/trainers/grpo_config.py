@@ -87,8 +87,8 @@ class GRPOConfig(OnPolicyConfig):
         default="group",
     )
     multi_objective_aggregation: str = _help(
-        "sum_then_normalize: weight and sum the rewards, then normalise (scale_rewards); normalize_then_sum "
-        "(GDPO): normalise each reward within its group, weight and sum, then normalise over the batch.",
+        "sum_then_normalize: weight and sum the rewards, then normalize (scale_rewards); normalize_then_sum "
+        "(GDPO): normalize each reward within its group, weight and sum, then normalize over the batch.",
         default="sum_then_normalize",
     )
     reward_weights: list[float] | None = _help(
