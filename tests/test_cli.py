@@ -269,7 +269,7 @@ def test_ctrl_c_exits_130_with_where_to_resume(tmp_path, monkeypatch, capsys, wi
     def interrupted(config):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(rloo, "run", interrupted)
+    monkeypatch.setattr(rloo, "main", interrupted)
     code = cli.main(["rloo", "--output_dir", str(out), "--model_name_or_path", "m", "--reward_funcs", "a:b"])
     err = capsys.readouterr().err
     assert code == 130 and "Traceback" not in err

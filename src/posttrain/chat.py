@@ -116,7 +116,7 @@ def chat_loop(session: ChatSession, name: str, stdin: TextIO, stdout: TextIO) ->
         print(f"<{name}>: {session.send(text)}", file=stdout, flush=True)
 
 
-def run(config: ChatConfig) -> int:
+def main(config: ChatConfig) -> int:
     import torch
 
     from posttrain.models import load_policy, load_tokenizer

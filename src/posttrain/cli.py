@@ -32,51 +32,53 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "sft": Command(
-        "posttrain.trainers.sft_config:SFTConfig", "posttrain.trainers.sft:run", "Supervised fine-tuning (step 1)."
+        "posttrain.trainers.sft_config:SFTConfig", "posttrain.trainers.sft:main", "Supervised fine-tuning (step 1)."
     ),
     "reward": Command(
         "posttrain.trainers.reward_config:RewardConfig",
-        "posttrain.trainers.reward:run",
+        "posttrain.trainers.reward:main",
         "Train a reward model on preference pairs (step 2).",
     ),
     "ppo": Command(
         "posttrain.trainers.ppo_config:PPOConfig",
-        "posttrain.trainers.ppo:run",
+        "posttrain.trainers.ppo:main",
         "PPO with a critic (actor, reference, reward, value).",
     ),
     "rloo": Command(
-        "posttrain.trainers.rloo_config:RLOOConfig", "posttrain.trainers.rloo:run", "REINFORCE leave-one-out (RLOO)."
+        "posttrain.trainers.rloo_config:RLOOConfig", "posttrain.trainers.rloo:main", "REINFORCE leave-one-out (RLOO)."
     ),
     "grpo": Command(
-        "posttrain.trainers.grpo_config:GRPOConfig", "posttrain.trainers.grpo:run", "GRPO: group-normalized advantages."
+        "posttrain.trainers.grpo_config:GRPOConfig",
+        "posttrain.trainers.grpo:main",
+        "GRPO: group-normalized advantages.",
     ),
     "online-dpo": Command(
         "posttrain.trainers.online_dpo_config:OnlineDPOConfig",
-        "posttrain.trainers.online_dpo:run",
+        "posttrain.trainers.online_dpo:main",
         "Online DPO with a reward model or judge.",
     ),
     "xpo": Command(
         "posttrain.trainers.xpo_config:XPOConfig",
-        "posttrain.trainers.xpo:run",
+        "posttrain.trainers.xpo:main",
         "Exploratory Preference Optimization (XPO).",
     ),
     "judge": Command(
-        "posttrain.evaluate:JudgeConfig", "posttrain.evaluate:run", "Win-rate evaluation of a model with a judge."
+        "posttrain.evaluate:JudgeConfig", "posttrain.evaluate:main", "Win-rate evaluation of a model with a judge."
     ),
     "chat": Command(
         "posttrain.chat:ChatConfig",
-        "posttrain.chat:run",
+        "posttrain.chat:main",
         "Talk to a trained model in the terminal.",
         "model_name_or_path",
     ),
     "demo": Command(
         "posttrain.demo.pipeline:DemoConfig",
-        "posttrain.demo.pipeline:run",
+        "posttrain.demo.pipeline:main",
         "The offline one-command RLHF demo (SFT, RM, RL, report).",
     ),
     "plot": Command(
         "posttrain.plots:PlotConfig",
-        "posttrain.plots:run",
+        "posttrain.plots:main",
         "Redraw the plots of a run from its metrics.jsonl.",
         "output_dir",
     ),

@@ -245,7 +245,7 @@ def evaluate(config: JudgeConfig, judge: Any = None) -> tuple[Any, list[dict]]:
     return win_rate(judgements, index=0), rows
 
 
-def run(config: JudgeConfig) -> int:
+def main(config: JudgeConfig) -> int:
     result, rows = evaluate(config)
     if config.output_file:
         directory = os.path.dirname(os.path.abspath(config.output_file))

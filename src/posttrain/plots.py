@@ -104,7 +104,7 @@ def plot_run(
     return written
 
 
-def run(config: PlotConfig) -> int:
+def main(config: PlotConfig) -> int:
     written = plot_run(config.output_dir, config.metrics, config.plots_dir)
     if not written:
         print(f"No plottable metrics in {config.output_dir}/metrics.jsonl.")

@@ -597,7 +597,7 @@ def evaluate(
 # ---------------------------------------------------------------------------------------------
 # the command
 # ---------------------------------------------------------------------------------------------
-def run(config: DemoConfig) -> int:
+def main(config: DemoConfig) -> int:
     import torch
     import transformers
 

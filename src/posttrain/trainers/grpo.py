@@ -364,6 +364,6 @@ class GRPOTrainer(OnlineTrainer):
         return score(self.run, self.reward, rollout, batch, 1)
 
 
-def run(config: GRPOConfig) -> int:
+def main(config: GRPOConfig) -> int:
     """`posttrain grpo`: policy, reference (beta > 0), rewards and prompts from the config; train."""
-    return online.run(GRPOTrainer, config)
+    return online.run_command(GRPOTrainer, config)

@@ -1213,7 +1213,7 @@ class OnlineTrainer:
 # ---------------------------------------------------------------------------------------------
 # the command line
 # ---------------------------------------------------------------------------------------------
-def run(trainer_cls: type, config: OnPolicyConfig) -> int:
+def run_command(trainer_cls: type, config: OnPolicyConfig) -> int:
     """`posttrain <algorithm>`: refuse to overwrite a finished run, then build the trainer from the
     config alone (its constructor loads every part with `load_parts`) and train. Errors are
     reported by cli.main."""

@@ -210,6 +210,6 @@ class OnlineDPOTrainer(OnlineTrainer):
         return self.feedback.reward(rollout, *row_texts(self.run, batch, rollout, 1, blocks=False))
 
 
-def run(config: OnlineDPOConfig) -> int:
+def main(config: OnlineDPOConfig) -> int:
     """`posttrain online-dpo`: policy, reference, judge or rewards and prompts from the config; train."""
-    return online.run(OnlineDPOTrainer, config)
+    return online.run_command(OnlineDPOTrainer, config)

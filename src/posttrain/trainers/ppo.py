@@ -85,7 +85,7 @@ from posttrain.trainers.online import (
 )
 from posttrain.trainers.ppo_config import PPOConfig
 
-__all__ = ["PPOConfig", "PPOTrainer", "PolicyAndValue", "run"]
+__all__ = ["PPOConfig", "PPOTrainer", "PolicyAndValue", "main"]
 
 
 @dataclass
@@ -468,6 +468,6 @@ class PPOTrainer(OnlineTrainer):
         return score(self.run, self.reward, rollout, batch, 1)
 
 
-def run(config: PPOConfig) -> int:
+def main(config: PPOConfig) -> int:
     """`posttrain ppo`: policy, reference, reward, critic and prompts from the config; train."""
-    return online.run(PPOTrainer, config)
+    return online.run_command(PPOTrainer, config)

@@ -280,7 +280,7 @@ class RewardTrainer(SupervisedTrainerAPI):
         return out
 
 
-def run(config: RewardConfig) -> int:
+def main(config: RewardConfig) -> int:
     """`posttrain reward`: load tokenizer, model and data from the config, train, save. Exit code."""
     from posttrain.data import DataError
     from posttrain.models import peft_config_from

@@ -269,6 +269,6 @@ def full_text_reward(reward: Any) -> Any:
     return on_full_texts
 
 
-def run(config: RLOOConfig) -> int:
+def main(config: RLOOConfig) -> int:
     """`posttrain rloo`: policy, reference, reward and prompts from the config; train."""
-    return online.run(RLOOTrainer, config)
+    return online.run_command(RLOOTrainer, config)

@@ -301,7 +301,7 @@ def _forward_kwargs(model: nn.Module, router_aux_loss_coef: float) -> dict[str, 
     return kwargs
 
 
-def run(config: SFTConfig) -> int:
+def main(config: SFTConfig) -> int:
     """`posttrain sft`: load tokenizer, model and data from the config, train, save. Exit code."""
     from posttrain.data import DataError
     from posttrain.models import peft_config_from

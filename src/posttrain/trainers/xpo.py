@@ -208,6 +208,6 @@ class XPOTrainer(OnlineTrainer):
         return self.feedback.reward(rollout, *row_texts(self.run, batch, rollout, 1, blocks=False))
 
 
-def run(config: XPOConfig) -> int:
+def main(config: XPOConfig) -> int:
     """`posttrain xpo`: policy, reference, judge or rewards and prompts from the config; train."""
-    return online.run(XPOTrainer, config)
+    return online.run_command(XPOTrainer, config)
