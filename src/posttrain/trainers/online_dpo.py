@@ -52,16 +52,14 @@ import torch
 from posttrain.losses import dpo_loss
 from posttrain.rollout import Rollout
 from posttrain.trainers import online
-from posttrain.trainers.online import OnlineTrainer, as_list, default_config, prepare_policy, row_texts, sample
+from posttrain.trainers.online import OnlineTrainer, as_list, default_config, row_texts, sample
 from posttrain.trainers.online_dpo_config import OnlineDPOConfig
 from posttrain.trainers.pairs import (
-    build_feedback,
-    check_pairs_fit,
     choose,
-    load_pair_parts,
     record_sequence_metrics,
     reference_logps,
     schedule_value,
+    setup_pair_trainer,
     train_on_pairs,
     truncate_prompts,
     valid_pair_loss,
@@ -107,8 +105,8 @@ class OnlineDPOTrainer(OnlineTrainer):
         reward_funcs: Any = None,
     ) -> None:
         args = args if args is not None else default_config(OnlineDPOConfig, model, "OnlineDPO")
-        check_pairs_fit(args)
-        parts, judge = load_pair_parts(
+        setup_pair_trainer(
+            self,
             args,
             judge=judge,
             rewards=as_list(reward_model) + as_list(reward_funcs),
@@ -119,29 +117,9 @@ class OnlineDPOTrainer(OnlineTrainer):
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             peft_config=peft_config,
-        )
-        policy, self.ref_model = prepare_policy(
-            parts.policy, parts.reference, args, peft_config=parts.peft_config, needs_reference=True
-        )
-        self.wrapped = self.setup(
-            args,
-            parts.tokenizer,
-            policy,
-            train_dataset=parts.train_dataset,
-            eval_dataset=parts.eval_dataset,
             data_collator=data_collator,
             optimizers=optimizers,
             callbacks=callbacks,
-        )
-        if self.ref_model is not None:
-            self.ref_model.to(self.run.device)
-        self.feedback = build_feedback(
-            args,
-            self.processing_class,
-            self.run.device,
-            rewards=parts.rewards,
-            judge=judge,
-            reward_tokenizer=parts.reward_tokenizer,
         )
 
     @classmethod

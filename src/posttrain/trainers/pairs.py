@@ -26,6 +26,7 @@ from posttrain.trainers.online import (
     global_normalizer,
     load_parts,
     minibatch_step,
+    prepare_policy,
     reference_policy,
 )
 
@@ -131,6 +132,46 @@ def load_pair_parts(
         **given,
     )
     return parts, judge
+
+
+def setup_pair_trainer(
+    trainer: Any,
+    args: Any,
+    *,
+    judge: Any,
+    rewards: list[Any],
+    data_collator: Any,
+    optimizers: tuple,
+    callbacks: list | None,
+    **given: Any,
+) -> None:
+    """The start of Online DPO and XPO alike: parts and judge, policy and reference, the skeleton's
+    setup, and the feedback (reward models / functions or the judge) on the run's device."""
+    check_pairs_fit(args)
+    parts, judge = load_pair_parts(args, judge=judge, rewards=rewards, **given)
+    policy, trainer.ref_model = prepare_policy(
+        parts.policy, parts.reference, args, peft_config=parts.peft_config, needs_reference=True
+    )
+    trainer.wrapped = trainer.setup(
+        args,
+        parts.tokenizer,
+        policy,
+        train_dataset=parts.train_dataset,
+        eval_dataset=parts.eval_dataset,
+        data_collator=data_collator,
+        optimizers=optimizers,
+        callbacks=callbacks,
+    )
+    if trainer.ref_model is not None:
+        trainer.ref_model.to(trainer.run.device)
+    trainer.feedback = build_feedback(
+        args,
+        trainer.processing_class,
+        trainer.run.device,
+        rewards=parts.rewards,
+        judge=judge,
+        reward_tokenizer=parts.reward_tokenizer,
+    )
 
 
 def check_pairs_fit(config: Any) -> None:

@@ -45,20 +45,17 @@ from posttrain.trainers.online import (
     OnlineTrainer,
     as_list,
     default_config,
-    prepare_policy,
     reference_policy,
     row_texts,
     sample,
 )
 from posttrain.trainers.pairs import (
-    build_feedback,
-    check_pairs_fit,
     choose,
     interleave_pairs,
-    load_pair_parts,
     record_sequence_metrics,
     reference_logps,
     schedule_value,
+    setup_pair_trainer,
     train_on_pairs,
     truncate_prompts,
     valid_pair_loss,
@@ -92,8 +89,8 @@ class XPOTrainer(OnlineTrainer):
         optimizers: tuple = (None, None),
     ) -> None:
         args = args if args is not None else default_config(XPOConfig, model, "XPO")
-        check_pairs_fit(args)
-        parts, judge = load_pair_parts(
+        setup_pair_trainer(
+            self,
             args,
             judge=judge,
             rewards=as_list(reward_model),
@@ -103,29 +100,9 @@ class XPOTrainer(OnlineTrainer):
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             peft_config=peft_config,
-        )
-        policy, self.ref_model = prepare_policy(
-            parts.policy, parts.reference, args, peft_config=parts.peft_config, needs_reference=True
-        )
-        self.wrapped = self.setup(
-            args,
-            parts.tokenizer,
-            policy,
-            train_dataset=parts.train_dataset,
-            eval_dataset=parts.eval_dataset,
             data_collator=data_collator,
             optimizers=optimizers,
             callbacks=callbacks,
-        )
-        if self.ref_model is not None:
-            self.ref_model.to(self.run.device)
-        self.feedback = build_feedback(
-            args,
-            self.processing_class,
-            self.run.device,
-            rewards=parts.rewards,
-            judge=judge,
-            reward_tokenizer=parts.reward_tokenizer,
         )
 
     @classmethod
