@@ -14,29 +14,25 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TextIO
 
-from posttrain.configs import ConfigError
+from posttrain.configs import ConfigError, flag
 
 HELP = "Commands: /reset clears the conversation, /exit quits."
 
 
-def _help(text: str, **kw: Any) -> Any:
-    return field(metadata={"help": text}, **kw)
-
-
 @dataclass
 class ChatConfig:
-    model_name_or_path: str | None = _help(
+    model_name_or_path: str | None = flag(
         "The model to talk to (first positional argument): a folder or hub name.", default=None
     )
-    max_new_tokens: int = _help("Maximum tokens per reply.", default=256)
-    temperature: float = _help("Sampling temperature; 0 = greedy.", default=0.7)
-    system_prompt: str | None = _help("A system message placed before the conversation.", default=None)
-    seed: int = _help("Seed for sampling.", default=42)
-    torch_dtype: str | None = _help("dtype to load the model in: float32, bfloat16, float16 or auto.", default=None)
-    trust_remote_code: bool = _help("Allow model code from the hub.", default=False)
+    max_new_tokens: int = flag("Maximum tokens per reply.", default=256)
+    temperature: float = flag("Sampling temperature; 0 = greedy.", default=0.7)
+    system_prompt: str | None = flag("A system message placed before the conversation.", default=None)
+    seed: int = flag("Seed for sampling.", default=42)
+    torch_dtype: str | None = flag("dtype to load the model in: float32, bfloat16, float16 or auto.", default=None)
+    trust_remote_code: bool = flag("Allow model code from the hub.", default=False)
 
     def __post_init__(self) -> None:
         if not self.model_name_or_path:

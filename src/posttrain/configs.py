@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def _help(text: str, **kw: Any) -> Any:
+def flag(text: str, **kw: Any) -> Any:
+    """A config field whose `help` text is its `--help` line on the command line."""
     return field(metadata={"help": text}, **kw)
 
 
@@ -33,84 +34,84 @@ class ConfigError(ValueError):
 class TrainingConfig:
     """Fields every trainer shares: where to read and write, how to optimise, log and save."""
 
-    output_dir: str = _help("Where models, checkpoints, metrics.jsonl and plots are written.", default="outputs/run")
-    model_name_or_path: str | None = _help(
+    output_dir: str = flag("Where models, checkpoints, metrics.jsonl and plots are written.", default="outputs/run")
+    model_name_or_path: str | None = flag(
         "Policy (or model to train): a local folder saved with save_pretrained or a hub name.", default=None
     )
-    dataset_name: str | None = _help(
+    dataset_name: str | None = flag(
         "Training data: a hub dataset name, a folder saved with datasets.save_to_disk, or a "
         ".jsonl/.json/.parquet/.csv file.",
         default=None,
     )
-    dataset_config: str | None = _help("Configuration name of a hub dataset.", default=None)
-    dataset_train_split: str = _help("Split used for training.", default="train")
-    dataset_test_split: str = _help("Split used for evaluation and sample generations.", default="test")
-    learning_rate: float = _help("Initial AdamW learning rate.", default=5e-5)
-    per_device_train_batch_size: int = _help("Batch size per device per micro-step.", default=8)
-    per_device_eval_batch_size: int = _help("Batch size per device for evaluation.", default=8)
-    gradient_accumulation_steps: int = _help("Micro-steps accumulated before each optimizer step.", default=1)
-    num_train_epochs: float = _help(
+    dataset_config: str | None = flag("Configuration name of a hub dataset.", default=None)
+    dataset_train_split: str = flag("Split used for training.", default="train")
+    dataset_test_split: str = flag("Split used for evaluation and sample generations.", default="test")
+    learning_rate: float = flag("Initial AdamW learning rate.", default=5e-5)
+    per_device_train_batch_size: int = flag("Batch size per device per micro-step.", default=8)
+    per_device_eval_batch_size: int = flag("Batch size per device for evaluation.", default=8)
+    gradient_accumulation_steps: int = flag("Micro-steps accumulated before each optimizer step.", default=1)
+    num_train_epochs: float = flag(
         "Passes over the training data (when max_steps / total_episodes are not set).", default=3.0
     )
-    max_steps: int = _help(
+    max_steps: int = flag(
         "If > 0: total optimizer steps, overriding num_train_epochs (online trainers: and total_episodes; "
         "they run ceil(max_steps / optimizer steps per rollout batch) rollout batches).",
         default=-1,
     )
-    lr_scheduler_type: str = _help(
+    lr_scheduler_type: str = flag(
         "Learning-rate schedule: linear, cosine, cosine_with_restarts, polynomial, constant, constant_with_warmup.",
         default="linear",
     )
-    warmup_ratio: float = _help("Fraction of total steps used for linear warmup.", default=0.0)
-    warmup_steps: int = _help("Warmup steps (overrides warmup_ratio when > 0).", default=0)
-    weight_decay: float = _help("AdamW weight decay.", default=0.0)
-    adam_beta1: float = _help("AdamW beta1.", default=0.9)
-    adam_beta2: float = _help("AdamW beta2.", default=0.999)
-    adam_epsilon: float = _help("AdamW epsilon.", default=1e-8)
-    max_grad_norm: float | None = _help(
+    warmup_ratio: float = flag("Fraction of total steps used for linear warmup.", default=0.0)
+    warmup_steps: int = flag("Warmup steps (overrides warmup_ratio when > 0).", default=0)
+    weight_decay: float = flag("AdamW weight decay.", default=0.0)
+    adam_beta1: float = flag("AdamW beta1.", default=0.9)
+    adam_beta2: float = flag("AdamW beta2.", default=0.999)
+    adam_epsilon: float = flag("AdamW epsilon.", default=1e-8)
+    max_grad_norm: float | None = flag(
         "Clip the global gradient norm to this value (None or 0: no clipping).", default=1.0
     )
-    seed: int = _help("Random seed for python, numpy and torch (sampling included).", default=42)
-    bf16: bool = _help("bf16 mixed precision (autocast). Fast on GPUs and on CPUs with AMX.", default=False)
-    fp16: bool = _help("fp16 mixed precision (GPU only).", default=False)
-    torch_dtype: str | None = _help("dtype to load weights in: float32, bfloat16, float16 or auto.", default=None)
-    trust_remote_code: bool = _help("Allow model code from the hub.", default=False)
-    gradient_checkpointing: bool = _help("Recompute activations in backward to save memory.", default=False)
-    disable_dropout: bool = _help("Turn off dropout in every model (needed for exact PPO ratios).", default=True)
-    logging_steps: int = _help(
+    seed: int = flag("Random seed for python, numpy and torch (sampling included).", default=42)
+    bf16: bool = flag("bf16 mixed precision (autocast). Fast on GPUs and on CPUs with AMX.", default=False)
+    fp16: bool = flag("fp16 mixed precision (GPU only).", default=False)
+    torch_dtype: str | None = flag("dtype to load weights in: float32, bfloat16, float16 or auto.", default=None)
+    trust_remote_code: bool = flag("Allow model code from the hub.", default=False)
+    gradient_checkpointing: bool = flag("Recompute activations in backward to save memory.", default=False)
+    disable_dropout: bool = flag("Turn off dropout in every model (needed for exact PPO ratios).", default=True)
+    logging_steps: int = flag(
         "Log metrics every N optimizer steps (online trainers: every N rollout batches).", default=10
     )
-    eval_steps: int | None = _help("Evaluate every N steps (None: only at the end).", default=None)
-    save_steps: int = _help("Save a resumable checkpoint every N steps (0: never during training).", default=500)
-    save_total_limit: int | None = _help("Keep at most this many checkpoints (oldest deleted).", default=None)
-    report_to: list[str] = _help(
+    eval_steps: int | None = flag("Evaluate every N steps (None: only at the end).", default=None)
+    save_steps: int = flag("Save a resumable checkpoint every N steps (0: never during training).", default=500)
+    save_total_limit: int | None = flag("Keep at most this many checkpoints (oldest deleted).", default=None)
+    report_to: list[str] = flag(
         "Metric sinks besides console and metrics.jsonl: none, tensorboard, wandb, all.",
         default_factory=lambda: ["none"],
     )
-    run_name: str | None = _help("Run name for trackers.", default=None)
-    resume_from_checkpoint: str | None = _help(
+    run_name: str | None = flag("Run name for trackers.", default=None)
+    resume_from_checkpoint: str | None = flag(
         'Resume from a checkpoint folder, or "latest" for the newest one in output_dir.', default=None
     )
-    overwrite_output_dir: bool = _help(
+    overwrite_output_dir: bool = flag(
         "Allow writing into a non-empty output_dir that holds a finished run.", default=False
     )
-    dataset_num_proc: int | None = _help("Processes for dataset preprocessing.", default=None)
+    dataset_num_proc: int | None = flag("Processes for dataset preprocessing.", default=None)
     # LoRA flags of TRL's ModelConfig (same names and defaults), turned into a peft.LoraConfig by
     # posttrain.models.peft_config_from.
-    use_peft: bool = _help(
+    use_peft: bool = flag(
         "Train LoRA adapters instead of the full model (needs `pip install posttrain[peft]`).", default=False
     )
-    lora_r: int = _help("LoRA rank.", default=16)
-    lora_alpha: int = _help("LoRA alpha (the update is scaled by lora_alpha / lora_r).", default=32)
-    lora_dropout: float = _help("Dropout on the LoRA input.", default=0.05)
-    lora_target_modules: list[str] | None = _help(
+    lora_r: int = flag("LoRA rank.", default=16)
+    lora_alpha: int = flag("LoRA alpha (the update is scaled by lora_alpha / lora_r).", default=32)
+    lora_dropout: float = flag("Dropout on the LoRA input.", default=0.05)
+    lora_target_modules: list[str] | None = flag(
         'Module names to adapt, e.g. q_proj v_proj, or "all-linear" (None: peft\'s default for the architecture).',
         default=None,
     )
-    lora_modules_to_save: list[str] | None = _help(
+    lora_modules_to_save: list[str] | None = flag(
         "Modules trained fully and saved with the adapter (e.g. a new head).", default=None
     )
-    lora_task_type: str = _help(
+    lora_task_type: str = flag(
         'PEFT task type: "CAUSAL_LM" (the reward command uses "SEQ_CLS" for its score head).', default="CAUSAL_LM"
     )
 
@@ -174,49 +175,47 @@ class OnPolicyConfig(TrainingConfig):
     per_device_train_batch_size × gradient_accumulation_steps completions per device.
     """
 
-    learning_rate: float = _help("Initial AdamW learning rate.", default=3e-6)
-    logging_steps: int = _help("Log metrics every N rollout batches.", default=1)
-    num_mini_batches: int = _help("Minibatches (optimizer steps) per rollout batch and epoch.", default=1)
-    total_episodes: int | None = _help(
+    learning_rate: float = flag("Initial AdamW learning rate.", default=3e-6)
+    logging_steps: int = flag("Log metrics every N rollout batches.", default=1)
+    num_mini_batches: int = flag("Minibatches (optimizer steps) per rollout batch and epoch.", default=1)
+    total_episodes: int | None = flag(
         "Total completions to generate (default: num_train_epochs × dataset size × samples per prompt).", default=None
     )
-    local_rollout_forward_batch_size: int = _help(
+    local_rollout_forward_batch_size: int = flag(
         "Rows per no-grad chunk for generation and the reference / reward / value forwards.", default=64
     )
-    num_sample_generations: int = _help(
+    num_sample_generations: int = flag(
         "How many times during training to print a table of (query, model response, score); 0 disables.", default=10
     )
-    response_length: int = _help("Maximum new tokens per completion.", default=53)
-    stop_token: str | None = _help('"eos": stop completions at the tokenizer\'s EOS token.', default=None)
-    stop_token_id: int | None = _help("Stop completions at this token id (kept in the completion).", default=None)
-    temperature: float = _help("Sampling temperature; also divides logits when scoring logprobs.", default=0.7)
-    top_k: int = _help("Sample from the top-k tokens only (0: off).", default=0)
-    top_p: float = _help("Nucleus sampling threshold (1.0: off).", default=1.0)
-    missing_eos_penalty: float | None = _help(
+    response_length: int = flag("Maximum new tokens per completion.", default=53)
+    stop_token: str | None = flag('"eos": stop completions at the tokenizer\'s EOS token.', default=None)
+    stop_token_id: int | None = flag("Stop completions at this token id (kept in the completion).", default=None)
+    temperature: float = flag("Sampling temperature; also divides logits when scoring logprobs.", default=0.7)
+    top_k: int = flag("Sample from the top-k tokens only (0: off).", default=0)
+    top_p: float = flag("Nucleus sampling threshold (1.0: off).", default=1.0)
+    missing_eos_penalty: float | None = flag(
         "Subtract this from the score of a completion that did not end with the stop token (the EOS trick).",
         default=None,
     )
-    sft_model_path: str | None = _help(
+    sft_model_path: str | None = flag(
         "Policy / reference initialisation; defaults to model_name_or_path (TRL's script argument).", default=None
     )
-    reward_model_path: str | None = _help(
+    reward_model_path: str | None = flag(
         "Reward model: a sequence-classification model folder or hub name.", default=None
     )
-    reward_funcs: list[str] | None = _help(
+    reward_funcs: list[str] | None = flag(
         "Text reward functions as dotted import paths, module:function or module.function "
         "(used instead of a reward model).",
         default=None,
     )
-    max_prompt_length: int | None = _help(
+    max_prompt_length: int | None = flag(
         "Prompts longer than this many tokens are handled by prompt_overflow.", default=None
     )
-    prompt_overflow: str = _help(
-        'What to do with overlong prompts: "truncate_left" or "drop".', default="truncate_left"
-    )
-    ds3_gather_for_generation: bool = _help(
+    prompt_overflow: str = flag('What to do with overlong prompts: "truncate_left" or "drop".', default="truncate_left")
+    ds3_gather_for_generation: bool = flag(
         "Under DeepSpeed ZeRO-3 gather the full policy once for generation (fast; needs the memory).", default=True
     )
-    exp_name: str = _help("Experiment name.", default="posttrain")
+    exp_name: str = flag("Experiment name.", default="posttrain")
 
     # Derived by derive_sizes(); None until then (TRL names).
     world_size: int | None = field(
@@ -351,26 +350,26 @@ def parse_json_field(name: str, value: Any) -> dict[str, Any] | None:
 class SupervisedConfig(TrainingConfig):
     """Fields SFT and reward-model training share (TRL's SFTConfig / RewardConfig)."""
 
-    model_init_kwargs: dict[str, Any] | str | None = _help(
+    model_init_kwargs: dict[str, Any] | str | None = flag(
         "Extra keyword arguments for from_pretrained, as JSON on the command line "
         '(e.g. \'{"attn_implementation": "sdpa"}\').',
         default=None,
     )
-    chat_template_path: str | None = _help(
+    chat_template_path: str | None = flag(
         "A Jinja chat-template file, or a tokenizer folder whose template is used, for conversational data.",
         default=None,
     )
-    eos_token: str | None = _help(
+    eos_token: str | None = flag(
         "End-of-sequence token appended to plain-text examples (default: the tokenizer's). "
         "Must already exist in the vocabulary.",
         default=None,
     )
-    pad_token: str | None = _help(
+    pad_token: str | None = flag(
         "Padding token (default: the tokenizer's pad, else unk, else eos). Must already exist in the vocabulary.",
         default=None,
     )
-    pad_to_multiple_of: int | None = _help("Pad every batch's length up to a multiple of this.", default=None)
-    activation_offloading: bool = _help(
+    pad_to_multiple_of: int | None = flag("Pad every batch's length up to a multiple of this.", default=None)
+    activation_offloading: bool = flag(
         "Keep activations saved for backward in CPU memory instead of the GPU.", default=False
     )
 

@@ -24,52 +24,48 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from posttrain.configs import ConfigError
-
-
-def _help(text: str, **kw: Any) -> Any:
-    return field(metadata={"help": text}, **kw)
+from posttrain.configs import ConfigError, flag
 
 
 @dataclass
 class JudgeConfig:
     """Flags of `posttrain judge` (names as judge_tldr.py where it has them)."""
 
-    model_name_or_path: str | None = _help("Model whose completions are judged (a folder or hub name).", default=None)
-    judge: str | None = _help(
+    model_name_or_path: str | None = flag("Model whose completions are judged (a folder or hub name).", default=None)
+    judge: str | None = flag(
         "Judge spec: pair_rm, openai[:model], http:<base_url>#<model>, reward_model:<path>, "
         "python:<module>:<function>, random[:seed].",
         default=None,
     )
-    dataset_name: str | None = _help(
+    dataset_name: str | None = flag(
         "Prompt set: hub name, saved folder, or .jsonl/.json/.parquet/.csv file.", default=None
     )
-    dataset_config: str | None = _help("Configuration name of a hub dataset.", default=None)
-    dataset_split: str = _help("Split to evaluate on.", default="test")
-    prompt_column: str = _help("Column holding the prompts (text or chat messages).", default="prompt")
-    reference_column: str | None = _help("Column holding the reference completions.", default=None)
-    reference_file: str | None = _help(
+    dataset_config: str | None = flag("Configuration name of a hub dataset.", default=None)
+    dataset_split: str = flag("Split to evaluate on.", default="test")
+    prompt_column: str = flag("Column holding the prompts (text or chat messages).", default="prompt")
+    reference_column: str | None = flag("Column holding the reference completions.", default=None)
+    reference_file: str | None = flag(
         '.jsonl file of reference completions (field "completion"), in prompt order.', default=None
     )
-    reference_model: str | None = _help("Compare against this model's generations instead.", default=None)
-    completions_file: str | None = _help(
+    reference_model: str | None = flag("Compare against this model's generations instead.", default=None)
+    completions_file: str | None = flag(
         '.jsonl file of the model\'s completions (field "completion"; "prompt" too when no dataset is given), '
         "instead of generating.",
         default=None,
     )
-    num_examples: int | None = _help("Judge only the first N examples.", default=None)
-    max_new_tokens: int = _help("Maximum new tokens per generated completion.", default=200)
-    temperature: float = _help("Sampling temperature for generation; 0 = greedy (judge_tldr.py).", default=0.0)
-    batch_size: int = _help("Prompts per generation batch.", default=16)
-    seed: int = _help("Seed for sampling (temperature > 0) and for the judge's order flips.", default=42)
-    output_file: str | None = _help(
+    num_examples: int | None = flag("Judge only the first N examples.", default=None)
+    max_new_tokens: int = flag("Maximum new tokens per generated completion.", default=200)
+    temperature: float = flag("Sampling temperature for generation; 0 = greedy (judge_tldr.py).", default=0.0)
+    batch_size: int = flag("Prompts per generation batch.", default=16)
+    seed: int = flag("Seed for sampling (temperature > 0) and for the judge's order flips.", default=42)
+    output_file: str | None = flag(
         "Write one JSON line per example (prompt, completion, reference, winner) to this file.", default=None
     )
-    torch_dtype: str | None = _help("dtype to load models in: float32, bfloat16, float16 or auto.", default=None)
-    trust_remote_code: bool = _help("Allow model code from the hub.", default=False)
+    torch_dtype: str | None = flag("dtype to load models in: float32, bfloat16, float16 or auto.", default=None)
+    trust_remote_code: bool = flag("Allow model code from the hub.", default=False)
 
     def __post_init__(self) -> None:
         if not self.judge:

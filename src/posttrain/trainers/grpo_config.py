@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.configs import ConfigError, OnPolicyConfig, _help
+from posttrain.configs import ConfigError, OnPolicyConfig, flag
 
 _DEFAULT_RESPONSE_LENGTH = 53  # OnPolicyConfig.response_length's default
 
@@ -45,69 +45,69 @@ class GRPOConfig(OnPolicyConfig):
     """Group relative policy optimisation: num_generations completions per prompt, group-relative
     advantages, and the loss selected by loss_type (TRL 1.16's GRPO family)."""
 
-    exp_name: str = _help("Experiment name.", default="grpo_config")
-    learning_rate: float = _help("Initial AdamW learning rate (TRL GRPO's default).", default=1e-6)
-    temperature: float = _help("Sampling temperature; also divides logits when scoring logprobs.", default=1.0)
-    num_generations: int = _help(
+    exp_name: str = flag("Experiment name.", default="grpo_config")
+    learning_rate: float = flag("Initial AdamW learning rate (TRL GRPO's default).", default=1e-6)
+    temperature: float = flag("Sampling temperature; also divides logits when scoring logprobs.", default=1.0)
+    num_generations: int = flag(
         "Completions sampled per prompt (the group size G, >= 2). The global rollout batch (all processes) "
         "must divide by it; a group may span processes.",
         default=8,
     )
-    max_completion_length: int | None = _help("Alias of response_length (TRL GRPO's name).", default=None)
-    beta: float = _help(
+    max_completion_length: int | None = flag("Alias of response_length (TRL GRPO's name).", default=None)
+    beta: float = flag(
         "Coefficient of the KL(π‖π_ref) loss term (k3 estimator); 0 (TRL's default) loads no reference model.",
         default=0.0,
     )
-    epsilon: float = _help(
+    epsilon: float = flag(
         "Lower clip range of the importance ratio: clip(ρ, 1 − epsilon, 1 + epsilon_high).", default=0.2
     )
-    epsilon_high: float | None = _help(
+    epsilon_high: float | None = flag(
         "Upper clip range (DAPO's clip-higher); None means epsilon. With loss_type=cispo: the absolute cap on ρ "
         "(ScaleRL suggests 5.0).",
         default=None,
     )
-    delta: float | None = _help(
+    delta: float | None = flag(
         "Two-sided clipping (INTELLECT-2): cap the unclipped ratio at delta (recommended > 1 + epsilon); None: off.",
         default=None,
     )
-    num_iterations: int = _help("Passes over each rollout batch (GRPO's μ, PPO epochs).", default=1)
-    loss_type: str = _help(
+    num_iterations: int = flag("Passes over each rollout batch (GRPO's μ, PPO epochs).", default=1)
+    loss_type: str = flag(
         "The objective: grpo (sequence mean of token means), bnpo (micro-batch token mean), dr_grpo (sum / "
         "(B · max_completion_length)), dapo (token mean over the global batch), cispo (clipped IS-weight "
         "REINFORCE), sapo (soft gate). See docs/internals.md, 'GRPO loss family'.",
         default="dapo",
     )
-    importance_sampling_level: str = _help(
+    importance_sampling_level: str = flag(
         'Importance ratio per "token" or per "sequence" (GSPO: the length-normalized sequence ratio).',
         default="token",
     )
-    scale_rewards: str = _help(
+    scale_rewards: str = flag(
         'Divide the group-centred rewards by the std of the "group", of the whole "batch", or "none" '
         "(Dr. GRPO); true / false are aliases of group / none.",
         default="group",
     )
-    multi_objective_aggregation: str = _help(
+    multi_objective_aggregation: str = flag(
         "sum_then_normalize: weight and sum the rewards, then normalize (scale_rewards); normalize_then_sum "
         "(GDPO): normalize each reward within its group, weight and sum, then normalize over the batch.",
         default="sum_then_normalize",
     )
-    reward_weights: list[float] | None = _help(
+    reward_weights: list[float] | None = flag(
         "One weight per reward: the reward model first (when reward_model_path is set), then reward_funcs in order.",
         default=None,
     )
-    mask_truncated_completions: bool = _help(
+    mask_truncated_completions: bool = flag(
         "Leave completions that hit max_completion_length without a stop token out of the loss.", default=False
     )
-    top_entropy_quantile: float = _help(
+    top_entropy_quantile: float = flag(
         "Keep in the policy loss only the tokens whose entropy is in this top quantile (Beyond the 80/20 Rule "
         "recommends 0.2); 1.0 keeps every token.",
         default=1.0,
     )
-    use_bias_correction_kl: bool = _help(
+    use_bias_correction_kl: bool = flag(
         "Multiply the per-token KL term by the importance ratio (DeepSeek-V3.2's unbiased KL estimate).", default=True
     )
-    sapo_temperature_pos: float = _help("SAPO's gate temperature for positive advantages.", default=1.0)
-    sapo_temperature_neg: float = _help("SAPO's gate temperature for negative advantages.", default=1.05)
+    sapo_temperature_pos: float = flag("SAPO's gate temperature for positive advantages.", default=1.0)
+    sapo_temperature_neg: float = flag("SAPO's gate temperature for negative advantages.", default=1.05)
 
     def __post_init__(self) -> None:
         if self.max_completion_length is not None:

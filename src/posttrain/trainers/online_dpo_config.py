@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.configs import ConfigError, OnPolicyConfig, _help
+from posttrain.configs import ConfigError, OnPolicyConfig, flag
 
 DEFAULT_MAX_NEW_TOKENS = 64
 
@@ -38,31 +38,31 @@ def resolve_schedule(name: str, value: object) -> list[float]:
 class OnlineDPOConfig(OnPolicyConfig):
     """Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback")."""
 
-    learning_rate: float = _help("Initial AdamW learning rate.", default=5e-7)
-    logging_steps: int = _help("Log metrics (averaged since the last log) every N rollout batches.", default=10)
-    max_new_tokens: int | None = _help(
+    learning_rate: float = flag("Initial AdamW learning rate.", default=5e-7)
+    logging_steps: int = flag("Log metrics (averaged since the last log) every N rollout batches.", default=10)
+    max_new_tokens: int | None = flag(
         f"Maximum new tokens per completion (default {DEFAULT_MAX_NEW_TOKENS}); alias of response_length.", default=None
     )
-    response_length: int | None = _help("Alias of max_new_tokens (the OnPolicyConfig name).", default=None)
-    max_length: int = _help(
+    response_length: int | None = flag("Alias of max_new_tokens (the OnPolicyConfig name).", default=None)
+    max_length: int = flag(
         "Cap on prompt + completion tokens in the log-prob forward passes; longer prompts lose their left part "
         "there (generation sees the whole prompt), as in TRL.",
         default=512,
     )
-    temperature: float = _help(
+    temperature: float = flag(
         "Sampling temperature (log-probs of the DPO loss are taken at temperature 1).", default=0.9
     )
-    beta: list[float] = _help(
+    beta: list[float] = flag(
         "DPO beta / IPO tau: one value, or one value per epoch (the last one is kept after the list ends).",
         default_factory=lambda: [0.1],
     )
-    loss_type: str = _help('"sigmoid" (DPO) or "ipo".', default="sigmoid")
-    judge: str | None = _help(
+    loss_type: str = flag('"sigmoid" (DPO) or "ipo".', default="sigmoid")
+    judge: str | None = flag(
         "Pairwise judge instead of a reward model: pair_rm, openai[:model], http:<url>#<model>, "
         "reward_model:<path>, python:<module>:<function>, random[:seed].",
         default=None,
     )
-    reward_weights: list[float] | None = _help(
+    reward_weights: list[float] | None = flag(
         "Weights of the rewards (reward model first, then each reward function); default 1 each.", default=None
     )
 

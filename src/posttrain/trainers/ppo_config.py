@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.configs import ConfigError, OnPolicyConfig, _help
+from posttrain.configs import ConfigError, OnPolicyConfig, flag
 
 # Equivalent names of the same estimator (advantages.KL_ESTIMATORS plus the exact "full" KL).
 _KL_CANONICAL = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "abs": "abs", "full": "full"}
@@ -48,79 +48,79 @@ class PPOConfig(OnPolicyConfig):
     """PPO with a critic (TRL PPOConfig, both generations); see the module docstring for aliases."""
 
     # -- PPO (TRL on-policy names) ------------------------------------------------------------
-    num_ppo_epochs: int | None = _help(
+    num_ppo_epochs: int | None = flag(
         "Epochs of PPO updates over each rollout batch (default 4; alias ppo_epochs).", default=None
     )
-    kl_coef: float | None = _help(
+    kl_coef: float | None = flag(
         "KL penalty coefficient in the per-token reward; the initial value when adap_kl_ctrl "
         "(default 0.05; alias init_kl_coef).",
         default=None,
     )
-    kl_estimator: str | None = _help(
+    kl_estimator: str | None = flag(
         "Per-token KL estimator: k1 (= kl), k2 (= mse), k3, abs, or full (exact KL over the vocabulary) "
         "(default k1; alias kl_penalty).",
         default=None,
     )
-    whiten_rewards: bool = _help("Whiten the per-token rewards (scale only, mean kept) before GAE.", default=False)
-    whiten_advantages: bool = _help(
+    whiten_rewards: bool = flag("Whiten the per-token rewards (scale only, mean kept) before GAE.", default=False)
+    whiten_advantages: bool = flag(
         "Whiten the advantages over the batch (mean 0, std 1), as TRL always does.", default=True
     )
-    cliprange: float = _help("PPO policy clip range ε: the ratio is clipped to [1 − ε, 1 + ε].", default=0.2)
-    vf_coef: float = _help("Weight of the value loss in the total loss.", default=0.1)
-    cliprange_value: float = _help(
+    cliprange: float = flag("PPO policy clip range ε: the ratio is clipped to [1 − ε, 1 + ε].", default=0.2)
+    vf_coef: float = flag("Weight of the value loss in the total loss.", default=0.1)
+    cliprange_value: float = flag(
         "Value clip range: V is clipped to V_old ± cliprange_value in the value loss.", default=0.2
     )
-    gamma: float = _help("Discount factor of GAE.", default=1.0)
-    lam: float = _help("λ of GAE.", default=0.95)
-    entropy_coef: float = _help(
+    gamma: float = flag("Discount factor of GAE.", default=1.0)
+    lam: float = flag("λ of GAE.", default=0.95)
+    entropy_coef: float = flag(
         "Entropy bonus weight: loss −= entropy_coef · mean token entropy (DeepSpeed-Chat practice uses 0.01; 0 = off).",
         default=0.0,
     )
-    value_model_path: str | None = _help(
+    value_model_path: str | None = flag(
         "Critic initialisation from this folder / hub name (a reward or causal LM checkpoint); "
         "overrides value_model_init.",
         default=None,
     )
-    value_model_init: str | None = _help(
+    value_model_init: str | None = flag(
         'Critic when none is given: "reward" (a copy of the reward model, as DeepSpeed-Chat and TRL\'s examples do), '
         '"policy" (a separate value model with the policy\'s trunk and a new head) or "head" (a value head on the '
         'policy\'s own trunk). Default: "reward" with a reward model, else "policy".',
         default=None,
     )
-    is_encoder_decoder: bool | None = _help(
+    is_encoder_decoder: bool | None = flag(
         "step() / generate(): the policy is an encoder–decoder LM (T5, BART; queries feed the encoder, responses "
         "are decoder sequences). None: detected from the model.",
         default=None,
     )
     # -- reward scaling (classic PPOConfig; DeepSpeed-Chat's cure for a diverging critic) ------
-    use_score_scaling: bool = _help("Divide scores by the running std of all scores seen so far.", default=False)
-    use_score_norm: bool = _help("With use_score_scaling: also subtract the running mean.", default=False)
-    score_clip: float | None = _help("Clip (scaled) scores to [−score_clip, score_clip].", default=None)
+    use_score_scaling: bool = flag("Divide scores by the running std of all scores seen so far.", default=False)
+    use_score_norm: bool = flag("With use_score_scaling: also subtract the running mean.", default=False)
+    score_clip: float | None = flag("Clip (scaled) scores to [−score_clip, score_clip].", default=None)
     # -- KL control and safety switches (classic PPOConfig) ------------------------------------
-    adap_kl_ctrl: bool = _help(
+    adap_kl_ctrl: bool = flag(
         "Adapt the KL coefficient towards `target` (Ziegler et al. 2019); off = fixed kl_coef.", default=False
     )
-    target: float = _help("Target KL (sum over a completion) of the adaptive controller.", default=6.0)
-    horizon: float = _help("Horizon of the adaptive KL controller, in episodes.", default=10000.0)
-    early_stopping: bool = _help(
+    target: float = flag("Target KL (sum over a completion) of the adaptive controller.", default=6.0)
+    horizon: float = flag("Horizon of the adaptive KL controller, in episodes.", default=10000.0)
+    early_stopping: bool = flag(
         "Stop a batch's PPO epochs once the minibatch policy KL exceeds 1.5 × target_kl.", default=False
     )
-    target_kl: float = _help("KL threshold of early_stopping.", default=1.0)
-    ratio_threshold: float = _help(
+    target_kl: float = flag("KL threshold of early_stopping.", default=1.0)
+    ratio_threshold: float = flag(
         "Skip (zero the loss of) a micro-batch whose mean ratio exceeds this (classic PPO's guard).", default=10.0
     )
     # -- classic aliases -------------------------------------------------------------------------
-    steps: int | None = _help("Classic name of total_episodes (completions in the run).", default=None)
-    ppo_epochs: int | None = _help("Classic name of num_ppo_epochs.", default=None)
-    init_kl_coef: float | None = _help("Classic name of kl_coef.", default=None)
-    kl_penalty: str | None = _help("Classic name of kl_estimator (kl, abs, mse, full).", default=None)
-    log_with: str | None = _help("Classic name of report_to: wandb or tensorboard.", default=None)
+    steps: int | None = flag("Classic name of total_episodes (completions in the run).", default=None)
+    ppo_epochs: int | None = flag("Classic name of num_ppo_epochs.", default=None)
+    init_kl_coef: float | None = flag("Classic name of kl_coef.", default=None)
+    kl_penalty: str | None = flag("Classic name of kl_estimator (kl, abs, mse, full).", default=None)
+    log_with: str | None = flag("Classic name of report_to: wandb or tensorboard.", default=None)
     # Settable here (derived in OnPolicyConfig): step() reads them, train() checks them.
-    batch_size: int | None = _help(
+    batch_size: int | None = flag(
         "step(): rows per step() call (None: any). train(): derived; if set it must equal the derived value.",
         default=None,
     )
-    mini_batch_size: int | None = _help(
+    mini_batch_size: int | None = flag(
         "step(): rows per forward/backward micro-batch (None: the whole batch). train(): derived episodes per "
         "optimizer step; if set it must equal the derived value.",
         default=None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.configs import ConfigError, SupervisedConfig, _help
+from posttrain.configs import ConfigError, SupervisedConfig, flag
 
 OVERFLOW_POLICIES = ("drop", "truncate")
 
@@ -23,22 +23,22 @@ class RewardConfig(SupervisedConfig):
     kept and the end is cut, so the score still reads the last real token of what remains).
     """
 
-    learning_rate: float = _help("Initial AdamW learning rate.", default=1e-4)
-    disable_dropout: bool = _help("Turn off dropout in the reward model.", default=True)
-    max_length: int | None = _help(
+    learning_rate: float = flag("Initial AdamW learning rate.", default=1e-4)
+    disable_dropout: bool = flag("Turn off dropout in the reward model.", default=True)
+    max_length: int | None = flag(
         "Longest chosen / rejected sequence in tokens (prompt included); see max_length_overflow. None: no limit.",
         default=1024,
     )
-    max_length_overflow: str = _help(
+    max_length_overflow: str = flag(
         'Pairs longer than max_length: "drop" them (TRL\'s behaviour) or "truncate" them. The count is printed.',
         default="drop",
     )
-    center_rewards_coefficient: float | None = _help(
+    center_rewards_coefficient: float | None = flag(
         "Weight of the auxiliary loss mean((r_chosen + r_rejected)^2) that centres rewards at 0 "
         "(Eisenstein et al. 2023; 0.01 recommended). None: off.",
         default=None,
     )
-    num_print_samples: int = _help(
+    num_print_samples: int = flag(
         "Eval pairs shown in the (prompt, chosen, rejected, scores) table at each evaluation (0: none).", default=4
     )
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.configs import ConfigError, OnPolicyConfig, _help
+from posttrain.configs import ConfigError, OnPolicyConfig, flag
 
 
 @dataclass
@@ -33,23 +33,23 @@ class RLOOConfig(OnPolicyConfig):
     the other k − 1; sequence-level PPO-clip updates (REINFORCE/A2C when num_ppo_epochs = 1 and
     num_mini_batches = 1)."""
 
-    exp_name: str = _help("Experiment name.", default="rloo_config")
-    learning_rate: float = _help("Initial AdamW learning rate (TRL's documented RLOOConfig default).", default=5e-5)
-    num_ppo_epochs: int = _help("Passes over each rollout batch (PPO epochs).", default=4)
-    whiten_rewards: bool = _help(
+    exp_name: str = flag("Experiment name.", default="rloo_config")
+    learning_rate: float = flag("Initial AdamW learning rate (TRL's documented RLOOConfig default).", default=5e-5)
+    num_ppo_epochs: int = flag("Passes over each rollout batch (PPO epochs).", default=4)
+    whiten_rewards: bool = flag(
         "Divide the per-sequence RLHF rewards of the rollout batch by their std (mean kept). TRL declares "
         "this flag but never uses it.",
         default=False,
     )
-    kl_coef: float = _help("KL coefficient: rlhf_reward = score − kl_coef · Σ_t KL_t.", default=0.05)
-    cliprange: float = _help("PPO clip range of the sequence-level probability ratio.", default=0.2)
-    rloo_k: int = _help("Completions sampled per prompt (the leave-one-out group size, ≥ 2).", default=2)
-    normalize_reward: bool = _help(
+    kl_coef: float = flag("KL coefficient: rlhf_reward = score − kl_coef · Σ_t KL_t.", default=0.05)
+    cliprange: float = flag("PPO clip range of the sequence-level probability ratio.", default=0.2)
+    rloo_k: int = flag("Completions sampled per prompt (the leave-one-out group size, ≥ 2).", default=2)
+    normalize_reward: bool = flag(
         "Normalise scores to mean 0 / std 1 over the rollout batch, then clip to ±reward_clip_range.", default=False
     )
-    reward_clip_range: float = _help("Clip range of the normalized scores (with normalize_reward).", default=10.0)
-    normalize_advantage: bool = _help("Normalise advantages to mean 0 / std 1 over the rollout batch.", default=False)
-    token_level_kl: bool = _help(
+    reward_clip_range: float = flag("Clip range of the normalized scores (with normalize_reward).", default=10.0)
+    normalize_advantage: bool = flag("Normalise advantages to mean 0 / std 1 over the rollout batch.", default=False)
+    token_level_kl: bool = flag(
         "Put the KL penalty per token (score on the last token) instead of per sequence; with a "
         "masked KL both give the same per-sequence reward.",
         default=False,

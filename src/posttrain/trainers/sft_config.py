@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.configs import ConfigError, SupervisedConfig, _help, parse_json_field
+from posttrain.configs import ConfigError, SupervisedConfig, flag, parse_json_field
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 LOSS_TYPES = ("nll", "chunked_nll", "dft")
@@ -30,27 +30,27 @@ class SFTConfig(SupervisedConfig):
     attention memory than several padded ones.
     """
 
-    learning_rate: float = _help("Initial AdamW learning rate.", default=2e-5)
-    disable_dropout: bool = _help(
+    learning_rate: float = flag("Initial AdamW learning rate.", default=2e-5)
+    disable_dropout: bool = flag(
         "Turn off dropout in the model. Off by default for SFT, as in TRL (the model's own dropout applies).",
         default=False,
     )
-    dataset_text_field: str = _help("Column holding the text of language-modelling data.", default="text")
-    dataset_kwargs: dict[str, Any] | str | None = _help(
+    dataset_text_field: str = flag("Column holding the text of language-modelling data.", default="text")
+    dataset_kwargs: dict[str, Any] | str | None = flag(
         'Dataset preparation options as JSON; {"skip_prepare_dataset": true} trains on a dataset that '
         "already has input_ids (and optionally completion_mask / assistant_masks).",
         default=None,
     )
-    max_length: int | None = _help("Truncate every example to this many tokens (None: no limit).", default=1024)
-    truncation_mode: str = _help(
+    max_length: int | None = flag("Truncate every example to this many tokens (None: no limit).", default=1024)
+    truncation_mode: str = flag(
         'Which end of an overlong example to keep: "keep_start" or "keep_end".', default="keep_start"
     )
-    shuffle_dataset: bool = _help("Shuffle the training set once before preparing it.", default=False)
-    packing: bool = _help(
+    shuffle_dataset: bool = flag("Shuffle the training set once before preparing it.", default=False)
+    packing: bool = flag(
         "Pack several examples into each row of at most max_length tokens (see packing_strategy).",
         default=False,
     )
-    packing_strategy: str = _help(
+    packing_strategy: str = flag(
         '"bfd": best-fit decreasing; overlong examples truncated (truncation_mode), whole examples '
         "packed into rows, each attending only to itself (position ids restart per example). "
         '"bfd_split": the same, but overlong examples are split into max_length pieces instead of '
@@ -58,27 +58,27 @@ class SFTConfig(SupervisedConfig):
         "crosses example boundaries within a block.",
         default="bfd",
     )
-    padding_free: bool = _help(
+    padding_free: bool = flag(
         "Concatenate each micro-batch into one row with per-example position ids instead of padding "
         "it; examples still attend only to themselves. Saves the padding compute; best with flash "
         "attention (sdpa / eager build a row-length² mask).",
         default=False,
     )
-    eval_packing: bool | None = _help("Pack the eval set (None: same as packing).", default=None)
-    completion_only_loss: bool | None = _help(
+    eval_packing: bool | None = flag("Pack the eval set (None: same as packing).", default=None)
+    completion_only_loss: bool | None = flag(
         "Train only on completion tokens of prompt-completion data (None: yes for prompt-completion data).",
         default=None,
     )
-    assistant_only_loss: bool = _help("Train only on assistant turns of conversational (messages) data.", default=False)
-    loss_type: str = _help(
+    assistant_only_loss: bool = flag("Train only on assistant turns of conversational (messages) data.", default=False)
+    loss_type: str = flag(
         '"chunked_nll" (default) or "nll": next-token cross-entropy on trained tokens; "dft": each '
         "token's NLL weighted by its (detached) probability (Dynamic Fine-Tuning, Wu et al. 2025).",
         default="chunked_nll",
     )
-    router_aux_loss_coef: float = _help(
+    router_aux_loss_coef: float = flag(
         "Weight of the router load-balancing loss for mixture-of-experts models that report one.", default=0.001
     )
-    loss_chunk_tokens: int = _help(
+    loss_chunk_tokens: int = flag(
         "Trained tokens per chunk of the lm_head + cross-entropy (bounds the float32 logits held at once).",
         default=1024,
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.configs import ConfigError, _help
+from posttrain.configs import ConfigError, flag
 from posttrain.trainers.online_dpo_config import OnlineDPOConfig, resolve_schedule
 
 
@@ -17,7 +17,7 @@ from posttrain.trainers.online_dpo_config import OnlineDPOConfig, resolve_schedu
 class XPOConfig(OnlineDPOConfig):
     """Exploratory Preference Optimization (Xie et al. 2024)."""
 
-    alpha: list[float] = _help(
+    alpha: list[float] = flag(
         "Weight of the exploration term alpha·Σ log π(y_ref): one value, or one per epoch.",
         default_factory=lambda: [1e-5],
     )
