@@ -104,8 +104,8 @@ def test_command_help_lists_every_field_with_help_and_default(fake_command):
     for f in config_fields(OnPolicyConfig):
         assert f"--{f.name}" in text, f.name
     assert "Maximum new tokens per completion. (default: 53)" in " ".join(text.split())
-    # derived sizes are computed, not flags
-    assert "--num_total_batches" not in text
+    # derived sizes are flags as in TRL, documented as derived (a value given is checked, not trusted)
+    assert "Derived: rollout batches in the run (if given, checked)." in " ".join(text.split())
 
 
 def test_yaml_config_with_command_line_override(fake_command, tmp_path: Path):

@@ -10,7 +10,6 @@ imported only when their command runs, so `posttrain --help` is quick.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import importlib
 import importlib.util
@@ -121,6 +120,11 @@ def build_parser(name: str, config_cls: type):
     parser = HfArgumentParser(
         config_cls, prog=f"posttrain {name}", description=COMMANDS[name].summary, allow_abbrev=False
     )
+    # `--bf16` alone means True for every bool field, the Optional[bool] ones (default None) included,
+    # which HfArgumentParser would otherwise make require a value.
+    for action in parser._actions:
+        if getattr(action.type, "__name__", "") == "string_to_bool" and action.nargs is None:
+            action.nargs, action.const = "?", True
     parser.add_argument(
         "--config", default=None, help="YAML file of field: value defaults; command-line flags override it."
     )
@@ -168,7 +172,7 @@ def parse_config(name: str, argv: list[str]) -> Any:
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
     if known.config:
-        from posttrain.configs import ConfigError, load_config_file
+        from posttrain.configs import DERIVED_SIZES, ConfigError, load_config_file
 
         try:
             values = load_config_file(known.config)
@@ -177,8 +181,7 @@ def parse_config(name: str, argv: list[str]) -> Any:
         dests = {action.dest for action in parser._actions}
         # A saved posttrain_config.json (JSON is YAML) also holds the derived sizes; they are
         # recomputed from the other fields, so they are skipped rather than rejected.
-        derived = {f.name for f in dataclasses.fields(config_cls) if f.metadata.get("derived")}
-        values = {k: v for k, v in values.items() if k not in derived}
+        values = {k: v for k, v in values.items() if k not in DERIVED_SIZES}
         for key in values:
             if key not in dests:
                 _refuse(

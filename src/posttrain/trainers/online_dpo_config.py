@@ -17,9 +17,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.configs import ConfigError, OnPolicyConfig, flag
+from posttrain.configs import ConfigError, OnPolicyConfig, flag, refuse_unsupported
 
 DEFAULT_MAX_NEW_TOKENS = 64
+
+
+VLLM_FIELDS = {
+    "use_vllm": "posttrain generates with its own engine (posttrain.rollout); vLLM is not used",
+    "vllm_model_impl": "vLLM is not used",
+    "gpu_memory_utilization": "vLLM is not used",
+}
 
 
 def resolve_schedule(name: str, value: object) -> list[float]:
@@ -65,8 +72,14 @@ class OnlineDPOConfig(OnPolicyConfig):
     reward_weights: list[float] | None = flag(
         "Weights of the rewards (reward model first, then each reward function); default 1 each.", default=None
     )
+    use_vllm: bool = flag(
+        "Generate with vLLM (not supported: posttrain.rollout is the generation engine).", default=False
+    )
+    vllm_model_impl: str = flag("vLLM model implementation (not supported).", default="vllm")
+    gpu_memory_utilization: float | None = flag("vLLM GPU memory fraction (not supported).", default=0.55)
 
     def __post_init__(self) -> None:
+        refuse_unsupported(self, VLLM_FIELDS)
         # The alias must be settled before OnPolicyConfig validates response_length.
         if (
             self.max_new_tokens is not None
