@@ -16,7 +16,8 @@ and calls into this module for the plumbing around it:
   after `HealthMonitor.max_nonfinite` skipped steps in a row training stops with `TrainingDiverged`;
 - `OnlineTrainer`: the public surface of every online trainer and the steps around the algorithm
   (`training()`: output-dir guard, OOM advice, resume, begin/end events and the final save;
-  `end_of_update()`: learning-rate schedule, metrics, health, sample table, callbacks, checkpoint);
+  `end_of_update()`: learning-rate schedule, metrics, sample table, callbacks, checkpoint); the
+  health monitor (`OnlineRun.health`) is the first of the trainer's callbacks and checks each log;
 - `run()`: the command-line path (`posttrain rloo|grpo|ppo|online-dpo|xpo`); errors meant for
   people are printed once by cli.main.
 
@@ -430,7 +431,8 @@ class OnlineRun:
     Owns: the accelerator (one per run; gradient accumulation is done here with exact global
     normalization, so accelerate's own loss scaling stays off), derived sizes (validated before any
     forward pass), the prompt stream, the tracker and progress bar, metric accumulation, the health
-    monitor, checkpointing and resume.
+    monitor (`health`: registered as the trainer's first callback by `OnlineTrainer.setup`; its
+    non-finite counters serve `step_if_finite`; its state is checkpointed), checkpointing and resume.
     """
 
     # This train() call's loss tally and the stop request (set in __init__ and by updates(); class
@@ -565,7 +567,6 @@ class OnlineRun:
         values["episode"] = self.progress.episode + self.config.batch_size
         values["epoch"] = self.epoch(values["episode"])
         self.tracker.log(values, step=update + 1)
-        self.health.check(values, update + 1)
         return values
 
     def should_sample(self, update: int) -> bool:
@@ -990,7 +991,8 @@ class OnlineTrainer:
 
         self.events = TrainerEvents(
             config,
-            callbacks,
+            # The health monitor first, as transformers puts its own callbacks before the user's.
+            [self.run.health, *(callbacks or [])],
             model=self.model,
             processing_class=self.processing_class,
             optimizer=self.optimizer,
@@ -1148,9 +1150,9 @@ class OnlineTrainer:
     def end_of_update(self, update: int, extra: dict[str, float] | None = None) -> dict[str, float] | None:
         """After each rollout batch: step the schedule; on_step_end (state.global_step = update + 1);
         then, when due or asked by a callback (control.should_log / should_evaluate / should_save),
-        log (metrics reduced over ranks, health checks, on_log), the sample table, evaluate, and a
-        checkpoint (on_save; never after the last or a stopping rollout batch: the final save
-        follows). Returns the logged metrics (None when this rollout batch logged nothing)."""
+        log (metrics reduced over ranks; on_log, where the health monitor checks them), the sample
+        table, evaluate, and a checkpoint (on_save; never after the last or a stopping rollout batch:
+        the final save follows). Returns the logged metrics (None when this rollout batch logged nothing)."""
         run, events = self.run, self.events
         lr = self.lr_scheduler.get_last_lr()[0]
         if self.schedule_per_update:
