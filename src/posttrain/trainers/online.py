@@ -47,7 +47,13 @@ from posttrain.data.prompts import PromptStream, prompt_dataset
 from posttrain.health import HealthMonitor, oom_advice
 from posttrain.optim import build_optimizer, build_scheduler, clip_and_step
 from posttrain.rollout import Rollout, SamplingConfig, decode_completions, generate, generation_mode
-from posttrain.scoring import RewardSource, batched_completion_logprobs, completion_logprobs, import_reward_function
+from posttrain.scoring import (
+    RewardSource,
+    batched_completion_logprobs,
+    completion_forward,
+    completion_logprobs,
+    import_reward_function,
+)
 from posttrain.tracking import MetricAccumulator, ProgressBar, Tracker
 
 
@@ -250,9 +256,18 @@ def prepare_policy(
 ) -> tuple[nn.Module, nn.Module | None]:
     """(policy, reference) ready to train: LoRA applied (only the adapter trains), dropout off in both
     (LoRA dropout included), the reference frozen in eval mode. No reference given: a frozen copy of
-    the initial policy, or None with PEFT, meaning "the policy with its adapter disabled"."""
-    from posttrain.models import apply_peft, disable_dropout, is_peft_model
+    the initial policy, or None with PEFT, meaning "the policy with its adapter disabled". A
+    models.CausalLMWithValueHead (PPO's policy with a value head) is prepared through its LM, and a
+    reference given as one is its LM (the reference only scores tokens)."""
+    from posttrain.models import CausalLMWithValueHead, apply_peft, disable_dropout, is_peft_model
 
+    if isinstance(reference, CausalLMWithValueHead):
+        reference = reference.pretrained_model
+    if isinstance(policy, CausalLMWithValueHead):
+        policy.pretrained_model, reference = prepare_policy(
+            policy.pretrained_model, reference, config, peft_config=peft_config, needs_reference=needs_reference
+        )
+        return policy, reference
     if reference is not None and reference is policy:
         raise ConfigError("the reference model is the policy object itself; pass a separate copy (or None to copy it).")
     policy = apply_peft(policy, peft_config)
@@ -603,6 +618,29 @@ def reference_logprobs(
     return logprobs
 
 
+@torch.no_grad()
+def reference_full_kl(
+    run: OnlineRun, policy: nn.Module, ref_model: nn.Module | None, rollout: Rollout, temperature: float
+) -> torch.Tensor:
+    """Exact per-token KL(π‖π_ref) over the vocabulary (advantages.full_kl), (B, T), 0 off-mask, in
+    chunks of local_rollout_forward_batch_size rows; π_ref is ref_model or, when it is None, the PEFT
+    policy with its adapter disabled. `policy` is the unwrapped causal LM."""
+    from posttrain.advantages import full_kl
+
+    size, out = run.config.local_rollout_forward_batch_size, []
+    with run.autocast():
+        for start in range(0, len(rollout), size):
+            part = rollout.select(slice(start, start + size))
+            current = completion_forward(policy, part)
+            if ref_model is not None:
+                ref = completion_forward(ref_model, part)
+            else:
+                with policy.disable_adapter():
+                    ref = completion_forward(policy, part)
+            out.append(current.pad(full_kl(current.logits, ref.logits, current.mask, temperature=temperature)))
+    return torch.cat(out)
+
+
 @dataclass
 class Experience:
     """One rollout batch on this rank: row = sample_index · num_prompts + prompt_index."""
@@ -738,6 +776,25 @@ def shuffled_orders(run: OnlineRun, n: int, num_epochs: int) -> list[torch.Tenso
         torch.randperm(n, generator=run.generator, device=run.generator.device).to(run.device)
         for _ in range(num_epochs)
     ]
+
+
+@dataclass
+class UpdateLayout:
+    """How the update cuts one rollout batch of local rows: micro-batches of `micro` rows, `accum`
+    micro-batches per optimizer step, one row permutation per epoch (`orders`; None in the single
+    pass, one epoch of one micro-batch, whose update forward is also the old forward)."""
+
+    micro: int
+    accum: int
+    orders: list[torch.Tensor] | None
+
+
+def update_layout(
+    run: OnlineRun, rows: int, micro: int, accum: int, num_epochs: int, *, allow_single_pass: bool = True
+) -> UpdateLayout:
+    """The layout of `rows` local rows; the permutations are drawn from the run's sampling stream."""
+    single_pass = allow_single_pass and num_epochs == 1 and accum == 1 and rows // micro == 1
+    return UpdateLayout(micro, accum, None if single_pass else shuffled_orders(run, rows, num_epochs))
 
 
 LossFn = Callable[[torch.Tensor, Rollout, torch.Tensor, torch.Tensor, float], torch.Tensor]
