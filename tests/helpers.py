@@ -1,8 +1,10 @@
 """Helpers shared by several test files (not collected: no test_ prefix)."""
 
 import torch
+from datasets import Dataset
 
 from posttrain.rollout import Rollout, generate
+from posttrain.testing import build_tiny_causal_lm
 
 
 def per_row_generate(model, prompt_ids, prompt_mask, sampling, *, pad_token_id, batch_size=None, generator=None, **kw):
@@ -37,3 +39,53 @@ def train_and_last_log(trainer) -> dict:
     history = trainer.state.log_history
     assert "train_runtime" in history[-1] and "train_runtime" not in history[-2]
     return history[-2]
+
+
+def length_reward(prompts, completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def online_trainer(algo, out, tokenizer, callbacks=None, prompts=4, reward=length_reward, **overrides):
+    """A tiny online trainer whose rollout batch is 4 completions (2 prompts × 2 samples; PPO: 4
+    prompts × 1), over `prompts` prompts per pass, with 2 rollout batches (8 episodes) by default."""
+    from posttrain.trainers.grpo import GRPOTrainer
+    from posttrain.trainers.grpo_config import GRPOConfig
+    from posttrain.trainers.online_dpo import OnlineDPOTrainer
+    from posttrain.trainers.online_dpo_config import OnlineDPOConfig
+    from posttrain.trainers.ppo import PPOTrainer
+    from posttrain.trainers.ppo_config import PPOConfig
+    from posttrain.trainers.rloo import RLOOTrainer
+    from posttrain.trainers.rloo_config import RLOOConfig
+    from posttrain.trainers.xpo import XPOTrainer
+    from posttrain.trainers.xpo_config import XPOConfig
+
+    values = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        total_episodes=8,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_steps=1,
+        report_to="none",
+        num_sample_generations=0,
+        seed=0,
+    )
+    eval_dataset = overrides.pop("eval_dataset", None)
+    values.update(overrides)
+    words = ["Hello world", "The quick brown fox", "Once upon a time", "Thank you", "Good morning", "Blue sea"]
+    dataset = Dataset.from_dict({"prompt": [words[i % len(words)] + f" {i}" for i in range(prompts)]})
+    policy = build_tiny_causal_lm(tokenizer)
+    common = dict(train_dataset=dataset, eval_dataset=eval_dataset, callbacks=callbacks)
+    if algo == "rloo":
+        args = RLOOConfig(rloo_k=2, response_length=4, **values)
+        return RLOOTrainer(args, tokenizer, policy, None, reward, **common)
+    if algo == "grpo":
+        # beta > 0: a KL term and a reference (TRL 1.16's default beta is 0.0, no reference)
+        args = GRPOConfig(num_generations=2, response_length=4, beta=0.05, **values)
+        return GRPOTrainer(policy, reward, args, processing_class=tokenizer, **common)
+    if algo == "ppo":
+        args = PPOConfig(response_length=4, value_model_init="policy", **values)
+        return PPOTrainer(args=args, processing_class=tokenizer, model=policy, reward_model=reward, **common)
+    config_cls, trainer_cls = (OnlineDPOConfig, OnlineDPOTrainer) if algo == "online_dpo" else (XPOConfig, XPOTrainer)
+    args = config_cls(max_new_tokens=4, **values)
+    return trainer_cls(policy, reward_model=[reward], args=args, processing_class=tokenizer, **common)

@@ -79,3 +79,71 @@ def test_state_round_trip_keeps_one_time_warnings():
     h2 = monitor()
     h2.load_state_dict(h.state_dict())
     assert h2.check({"val/ratio": 3.0}, 2) == []
+
+
+# -- the monitor as a transformers.TrainerCallback in the online trainers ----------------------------
+ONLINE = ["rloo", "grpo", "ppo", "online_dpo", "xpo"]
+
+
+def test_a_monitor_is_a_transformers_callback_checking_on_log(capsys):
+    from transformers import TrainerCallback, TrainerControl, TrainerState
+
+    h = HealthMonitor(kl_threshold=5.0)  # enabled: the warning is printed
+    assert isinstance(h, TrainerCallback) and isinstance(h, HealthMonitor)
+    h.on_log(None, TrainerState(global_step=3), TrainerControl(), logs={"objective/kl": 7.0, "epoch": 0.5})
+    assert h.state_dict()["warned"] == ["kl"]
+    err = capsys.readouterr().err
+    assert "objective/kl = 7 at step 3 exceeds 5.0" in err
+    h.on_log(None, TrainerState(global_step=4), TrainerControl(), logs={"objective/kl": 8.0})
+    assert capsys.readouterr().err == ""  # once per run
+
+
+@pytest.mark.parametrize("algo", ONLINE)
+def test_every_online_trainer_registers_its_monitor_first(tmp_path, tiny_tokenizer, algo):
+    from transformers import TrainerCallback
+
+    from helpers import online_trainer
+
+    user = TrainerCallback()
+    trainer = online_trainer(algo, tmp_path / algo, tiny_tokenizer, callbacks=[user])
+    assert trainer.callback_handler.callbacks == [trainer.run.health, user]
+
+
+def narrow_ratio_band(trainer):
+    """val/ratio is about 1 in training; a band of [0, 0.5] makes the monitor warn at the first log."""
+    trainer.run.health.ratio_low, trainer.run.health.ratio_high = 0.0, 0.5
+
+
+def test_the_monitor_checks_each_training_log_and_resumes_its_one_time_warnings(tmp_path, tiny_tokenizer, capsys):
+    import shutil
+
+    from helpers import online_trainer
+
+    trainer = online_trainer("rloo", tmp_path / "run", tiny_tokenizer, save_steps=1)
+    narrow_ratio_band(trainer)
+    trainer.train()
+    assert trainer.run.health.state_dict()["warned"] == ["ratio"]
+    err = capsys.readouterr().err
+    assert err.count("posttrain health:") == 1 and "val/ratio" in err and "at step 1 left [0.0, 0.5]" in err
+
+    # Resumed from the checkpoint after step 1: the warning was given, and is not given again.
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(tmp_path / "run" / "checkpoint-1", tmp_path / "resumed" / "checkpoint-1")
+    resumed = online_trainer("rloo", tmp_path / "resumed", tiny_tokenizer, resume_from_checkpoint="latest")
+    narrow_ratio_band(resumed)
+    resumed.train()
+    assert resumed.state.global_step == 2 and resumed.run.health.state_dict()["warned"] == ["ratio"]
+    assert "posttrain health:" not in capsys.readouterr().err
+
+
+def test_a_removed_monitor_checks_nothing(tmp_path, tiny_tokenizer, capsys):
+    from helpers import online_trainer
+
+    trainer = online_trainer("rloo", tmp_path / "run", tiny_tokenizer, save_steps=0)
+    narrow_ratio_band(trainer)
+    trainer.remove_callback(HealthMonitor)
+    assert not any(isinstance(cb, HealthMonitor) for cb in trainer.callback_handler.callbacks)
+    trainer.train()
+    assert trainer.state.global_step == 2 and "val/ratio" in trainer.state.log_history[0]
+    assert trainer.run.health.state_dict()["warned"] == []
+    assert "posttrain health:" not in capsys.readouterr().err

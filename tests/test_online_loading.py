@@ -135,3 +135,46 @@ def test_a_stop_token_outside_the_vocabulary_is_refused_before_models_load(tmp_p
     config = RLOOConfig(output_dir=str(tmp_path / "out"), model_name_or_path=str(tiny_policy_dir), stop_token_id=10**6)
     with pytest.raises(ConfigError, match=r"stop_token_id=1000000 is outside the tokenizer's vocabulary"):
         load_parts(config, rewards=[lambda prompts, completions, **kw: [0.0] * len(completions)])
+
+
+def test_a_dataset_without_its_test_split_warns_once_how_to_get_the_sample_tables_back(tmp_path, tiny_tokenizer):
+    """A data file holds only a "train" split: the run trains, draws no sample table, and says so
+    once, naming the split and the flags that bring the tables back."""
+    import json
+    import warnings
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+
+    def config(out, num_sample_generations):
+        return RLOOConfig(
+            output_dir=str(tmp_path / out),
+            dataset_name=str(data),
+            per_device_train_batch_size=4,
+            total_episodes=8,
+            rloo_k=2,
+            response_length=4,
+            report_to="none",
+            save_steps=0,
+            num_sample_generations=num_sample_generations,
+        )
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = RLOOTrainer(config("run", 2), tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, count_e)
+        trainer.train()
+    about_tables = [str(w.message) for w in caught if "sample tables" in str(w.message)]
+    assert about_tables == [
+        f"the dataset {str(data)!r} has no 'test' split (--dataset_test_split test), so this run draws no sample "
+        "tables of completions and cannot evaluate. To get them back, pass --dataset_test_split <split> naming a "
+        "split the dataset has, or eval_dataset= in Python; --num_sample_generations 0 turns the tables, and this "
+        "warning, off."
+    ]
+    assert trainer.eval_dataset is None and trainer.state.global_step == 2
+    assert not (tmp_path / "run" / "samples.jsonl").exists()
+
+    # No tables asked for: nothing to warn about.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        RLOOTrainer(config("quiet", 0), tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, count_e)
+    assert not [w for w in caught if "sample tables" in str(w.message)]

@@ -8,6 +8,9 @@ transformers' own `CallbackHandler`, and fires the events at the points `transfo
 Every trainer (SFT, reward, PPO, RLOO, GRPO, Online DPO, XPO) fires the same events with the same
 state; docs/internals.md ("callbacks.py") says where each fires.
 
+`HealthMonitorCallback` is what `health.HealthMonitor(...)` builds: the health checks as a
+TrainerCallback (on_log), registered by every online trainer.
+
 `LogCompletionsCallback` keeps TRL's constructor and purpose: a table of the policy's (greedy)
 completions on the eval prompts, sent through the run's tracker (console table, samples.jsonl,
 W&B when enabled).
@@ -25,6 +28,7 @@ from transformers.trainer_utils import TrainOutput, speed_metrics
 
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError
+from posttrain.health import HealthMonitor
 
 
 class TrainerEvents:
@@ -182,6 +186,11 @@ class TrainerEvents:
         self.log(metrics)
         self.control = self.handler.on_train_end(self.args, self.state, self.control)
         return TrainOutput(self.state.global_step, float(training_loss), metrics)
+
+
+class HealthMonitorCallback(HealthMonitor, TrainerCallback):
+    """The class of every `health.HealthMonitor(...)`: its checks, from on_log(logs=...), as a
+    `transformers.TrainerCallback` (the other events are TrainerCallback's no-ops)."""
 
 
 class LogCompletionsCallback(TrainerCallback):

@@ -40,6 +40,18 @@ class PolicyAndValue(nn.Module):
         """The causal LM that generates."""
         return self.policy.pretrained_model if self.shared else self.policy
 
+    def checkpoint_modules(self) -> dict[str, nn.Module]:
+        """What a checkpoint saves: the policy and the value model, or the LM and its value head."""
+        if self.shared:
+            return {"policy": self.policy.pretrained_model, "value_head": self.policy.score}
+        return {"policy": self.policy, "value_model": self.critic}
+
+    def final_modules(self) -> tuple[nn.Module, dict[str, nn.Module] | None]:
+        """(policy, extra models) of the final save: the policy at the top of output_dir (plain
+        transformers loads it); the critic in output_dir/value_model, or value_head.safetensors
+        beside the policy for a value head."""
+        return self.policy, None if self.shared else {"value_model": self.critic}
+
     def forward(self, rollout: Rollout, temperature: float, with_entropy: bool = True):
         """(logprobs (B, T), entropy (B, T) | None, values (B, T)) of the completion tokens, 0 off-mask."""
         if not self.shared:

@@ -11,6 +11,16 @@
 - An out-of-memory error is re-raised with the fix TRL's documentation recommends (smaller batches).
 
 Each warning is printed once per run (a one-time rich warning, also returned so callers can log it).
+
+`HealthMonitor()` is a `transformers.TrainerCallback`: the metric checks run from `on_log(logs=...)`,
+so the online trainers register their monitor (`trainer.run.health`) in their callbacks and a user
+can take it out with `trainer.remove_callback(HealthMonitor)` (its warnings stop). The non-finite
+policy is the update loop's, not a metric check: a NaN/inf step is never taken and
+`TrainingDiverged` ends the run after `max_nonfinite` in a row, with or without the callback.
+This module does not import transformers (it is imported where trainers are defined; transformers'
+callback module imports peft): `HealthMonitor(...)` returns an instance of
+`callbacks.HealthMonitorCallback`, a subclass of both, the way `pathlib.Path(...)` returns a
+`PosixPath`, so the import happens when a monitor is built, i.e. where a run is built.
 """
 
 from __future__ import annotations
@@ -34,8 +44,11 @@ OOM_HINT = (
 )
 
 
-@dataclass
+@dataclass(eq=False)
 class HealthMonitor:
+    """The checks above. Instances are `transformers.TrainerCallback`s (see the module docstring);
+    `eq=False`: a callback list removes an instance by identity, never an equal twin."""
+
     ratio_low: float = 0.5
     ratio_high: float = 2.0
     kl_threshold: float = 10.0
@@ -46,6 +59,17 @@ class HealthMonitor:
     _rewards: list[float] = field(default_factory=list)
     nonfinite_in_a_row: int = 0
     nonfinite_total: int = 0
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> HealthMonitor:
+        if cls is HealthMonitor:
+            from posttrain.callbacks import HealthMonitorCallback
+
+            cls = HealthMonitorCallback
+        return super().__new__(cls)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        """transformers' on_log: check the logged metrics at `state.global_step`."""
+        self.check(logs or {}, state.global_step)
 
     def _warn(self, key: str, message: str) -> str | None:
         if key in self._warned:

@@ -1,5 +1,6 @@
 """Forward passes over a `Rollout`: completion log-probs, values, reward-model scores, text reward
-functions, and `RewardSource`, which combines reward models and functions into one score per row.
+functions (`import_reward_function` resolves the command line's `--reward_funcs module:function`), and
+`RewardSource`, which combines reward models and functions into one score per row.
 
 Index conventions (sequence = prompt (P, left-padded) + completion (T, right-padded)):
 - logits at sequence position P−1+t predict completion token t; an index tensor `logits_to_keep`
@@ -14,9 +15,12 @@ Index conventions (sequence = prompt (P, left-padded) + completion (T, right-pad
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
 import numbers
+import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -357,6 +361,27 @@ class RewardFunctionError(ValueError):
 def reward_function_name(func: Callable[..., Any]) -> str:
     """Name used in errors and metrics (`rewards/<name>`): __name__, or the class name for callables."""
     return getattr(func, "__name__", None) or type(func).__name__
+
+
+def import_reward_function(path: str) -> Callable[..., Any]:
+    """Resolve a reward function given by import path, "package.module:function" or
+    "package.module.function" (`--reward_funcs`), to the callable."""
+    # The console script does not put the working directory on sys.path (python -m does); reward
+    # modules next to the user's data are the common case, so look there too.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    module, sep, name = path.partition(":")
+    if not sep:
+        module, _, name = path.rpartition(".")
+    if not module or not name:
+        raise ConfigError(f"reward function {path!r} must be an import path like my_pkg.rewards:length_reward.")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"cannot import reward function {path!r}: {err}") from None
+    if not callable(fn):
+        raise ConfigError(f"reward function {path!r} is not callable.")
+    return fn
 
 
 def _takes_keywords(func: Callable) -> bool:

@@ -1,11 +1,14 @@
 """Datasets in, token ids out.
 
-- `loading`: `load_any_dataset` (files, folders, the hub) and the file / row / field checks that
-  raise `DataError` naming the source, line or row, and field.
+- `loading`: `load_any_dataset` (files, folders, the hub), `load_split` / `has_split` (a config's
+  dataset_name and split), and the file / row / field checks that raise `DataError` naming the
+  source, line or row, and field.
 - `formats`: format detection (`detect_format`, `FORMATS`) and chat templates (`render_chat`,
   `ensure_chat_template`, `SIMPLE_CHAT_TEMPLATE`).
 - `prepare`: tokenization for each trainer: `prepare_prompt_dataset`, `prepare_preference_dataset`,
   `prepare_sft_dataset`.
+- `prompts`: online training's prompts: `prompt_dataset` (prepared with the run's settings) and
+  `PromptStream` (the resumable, per-epoch reshuffled stream of prompt batches).
 - `packing`: best-fit decreasing and wrapped packing (`best_fit_decreasing`, `PACKING_STRATEGIES`).
 - `collators`: `PromptCollator`, `SFTCollator`, `PreferenceCollator` (imported on first use: torch).
 - `helpers`: TRL's public data helpers (`maybe_apply_chat_template`, `unpair_preference_dataset`,
@@ -33,7 +36,7 @@ from posttrain.data.helpers import (
     truncate_dataset,
     unpair_preference_dataset,
 )
-from posttrain.data.loading import DataError, load_any_dataset
+from posttrain.data.loading import DataError, has_split, load_any_dataset, load_split
 from posttrain.data.packing import PACKING_STRATEGIES, best_fit_decreasing
 from posttrain.data.prepare import (
     IGNORE_INDEX,
@@ -41,12 +44,15 @@ from posttrain.data.prepare import (
     prepare_prompt_dataset,
     prepare_sft_dataset,
 )
+from posttrain.data.prompts import PromptStream, prompt_dataset
 
 _COLLATORS = ("PromptCollator", "SFTCollator", "PreferenceCollator")
 
 __all__ = [
     "DataError",
     "load_any_dataset",
+    "load_split",
+    "has_split",
     "FORMATS",
     "SIMPLE_CHAT_TEMPLATE",
     "detect_format",
@@ -56,6 +62,8 @@ __all__ = [
     "prepare_prompt_dataset",
     "prepare_preference_dataset",
     "prepare_sft_dataset",
+    "PromptStream",
+    "prompt_dataset",
     "PACKING_STRATEGIES",
     "best_fit_decreasing",
     *_COLLATORS,

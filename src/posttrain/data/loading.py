@@ -304,6 +304,39 @@ def load_any_dataset(
     return _mark_source(dataset, name)
 
 
+def load_split(config: Any, split: str, required: bool = True) -> Dataset | None:
+    """The `split` of config.dataset_name (a hub name, a saved folder or a data file), loaded with
+    config.dataset_config; None when an optional split (`required=False`) is absent."""
+    from posttrain.configs import ConfigError
+
+    if not config.dataset_name:
+        raise ConfigError("dataset_name is not set: pass --dataset_name (a hub name, a saved folder or a data file).")
+    if not required and not has_split(config.dataset_name, split):
+        return None
+    return load_any_dataset(config.dataset_name, split=split, config_name=config.dataset_config)
+
+
+def has_split(name_or_path: str | os.PathLike, split: str) -> bool:
+    """Whether an optional split (e.g. the test split used for sample tables) exists. A single data
+    file holds only "train"; a saved DatasetDict folder lists its splits; for hub datasets we try to
+    load and treat only a missing split as absent — any other data error still stops the run."""
+    path = os.path.expanduser(str(name_or_path))
+    if os.path.isfile(path):
+        return split.startswith("train")
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        with open(os.path.join(path, "dataset_dict.json")) as f:
+            return split in json.load(f).get("splits", [])
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "dataset_info.json")):
+        return split.startswith("train")
+    try:
+        load_any_dataset(name_or_path, split=split)
+    except DataError as err:
+        if "no split" in str(err):
+            return False
+        raise
+    return True
+
+
 # --------------------------------------------------------------------------------------------
 # Row and field checks (shared by the preparers in prepare.py)
 # --------------------------------------------------------------------------------------------

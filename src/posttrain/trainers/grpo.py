@@ -66,6 +66,7 @@ from torch import nn
 from posttrain import distributed as dist
 from posttrain.advantages import kl_penalty
 from posttrain.configs import ConfigError
+from posttrain.data.prompts import PromptStream
 from posttrain.grpo_losses import grpo_advantages, grpo_policy_loss, high_entropy_mask, truncation_loss_mask
 from posttrain.rollout import Rollout, decode_completions
 from posttrain.scoring import RewardSource, completion_logprobs, reward_function_name
@@ -73,7 +74,6 @@ from posttrain.trainers import online
 from posttrain.trainers.grpo_config import GRPOConfig
 from posttrain.trainers.online import (
     OnlineTrainer,
-    PromptStream,
     default_config,
     load_parts,
     prepare_policy,

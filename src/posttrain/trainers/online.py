@@ -6,7 +6,7 @@ and calls into this module for the plumbing around it:
 - loading the parts of a run from a config or from the Python API (`load_parts`, the one loader
   for the command line and for trainers given paths instead of models);
 - the run's environment (`OnlineRun`): accelerator, derived batch sizes, the resumable prompt
-  stream, sampling settings and stop tokens, metric accumulation, logging, checkpoints;
+  stream (data.prompts), sampling settings and stop tokens, metric accumulation, logging, checkpoints;
 - sampling and scoring a rollout batch (`sample`, `score`, `sample_and_score`) and the
   reference policy (`reference_policy`);
 - batch statistics over all ranks (`OnlineRun.batch_moments`) for whitening and normalization;
@@ -16,7 +16,8 @@ and calls into this module for the plumbing around it:
   after `HealthMonitor.max_nonfinite` skipped steps in a row training stops with `TrainingDiverged`;
 - `OnlineTrainer`: the public surface of every online trainer and the steps around the algorithm
   (`training()`: output-dir guard, OOM advice, resume, begin/end events and the final save;
-  `end_of_update()`: learning-rate schedule, metrics, health, sample table, callbacks, checkpoint);
+  `end_of_update()`: learning-rate schedule, metrics, sample table, callbacks, checkpoint); the
+  health monitor (`OnlineRun.health`) is the first of the trainer's callbacks and checks each log;
 - `run()`: the command-line path (`posttrain rloo|grpo|ppo|online-dpo|xpo`); errors meant for
   people are printed once by cli.main.
 
@@ -28,10 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import importlib
-import json
 import os
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -44,10 +42,18 @@ from torch import nn
 from posttrain import checkpoint as ckpt
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError, OnPolicyConfig
+from posttrain.data.loading import load_split
+from posttrain.data.prompts import PromptStream, prompt_dataset
 from posttrain.health import HealthMonitor, oom_advice
 from posttrain.optim import build_optimizer, build_scheduler, clip_and_step
 from posttrain.rollout import Rollout, SamplingConfig, decode_completions, generate, generation_mode
-from posttrain.scoring import RewardSource, batched_completion_logprobs, completion_logprobs
+from posttrain.scoring import (
+    RewardSource,
+    batched_completion_logprobs,
+    completion_forward,
+    completion_logprobs,
+    import_reward_function,
+)
 from posttrain.tracking import MetricAccumulator, ProgressBar, Tracker
 
 
@@ -107,135 +113,6 @@ def sampling_config(config: OnPolicyConfig, tokenizer: Any, max_new_tokens: int 
 
 
 # ---------------------------------------------------------------------------------------------
-# prompts
-# ---------------------------------------------------------------------------------------------
-class PromptStream:
-    """An endless, reshuffled-per-epoch stream of prompt batches that can be checkpointed.
-
-    Each epoch's order is a permutation drawn from (seed, epoch), so resuming at (epoch, position)
-    reproduces exactly the batches an uninterrupted run would have seen. Partial batches at the end
-    of an epoch are dropped (every rollout batch has the same size). Under data parallelism each
-    rank takes its own contiguous slice of every global batch.
-    """
-
-    def __init__(
-        self,
-        dataset: Any,
-        batch_size: int,
-        collate: Callable[[list[dict]], dict],
-        seed: int,
-        rank: int = 0,
-        world_size: int = 1,
-        shuffle: bool = True,
-    ) -> None:
-        global_batch = batch_size * world_size
-        if len(dataset) < global_batch:
-            raise ConfigError(
-                f"the prompt dataset has {len(dataset)} rows, fewer than one rollout batch needs "
-                f"({global_batch} prompts = {batch_size} per device × {world_size} devices); "
-                "add prompts or lower per_device_train_batch_size / gradient_accumulation_steps."
-            )
-        self.dataset, self.batch_size, self.collate = dataset, batch_size, collate
-        self.seed, self.rank, self.world_size, self.shuffle = seed, rank, world_size, shuffle
-        self.batches_per_epoch = len(dataset) // global_batch
-        self.epoch, self.position = 0, 0
-        self._order = self._permutation()
-
-    def _permutation(self) -> list[int]:
-        if not self.shuffle:
-            return list(range(len(self.dataset)))
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return torch.randperm(len(self.dataset), generator=g).tolist()
-
-    def __iter__(self) -> PromptStream:
-        return self
-
-    def __next__(self) -> dict:
-        if self.position >= self.batches_per_epoch:
-            self.epoch, self.position = self.epoch + 1, 0
-            self._order = self._permutation()
-        global_batch = self.batch_size * self.world_size
-        start = self.position * global_batch + self.rank * self.batch_size
-        rows = [self.dataset[i] for i in self._order[start : start + self.batch_size]]
-        self.position += 1
-        return self.collate(rows)
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._order = self._permutation()
-
-
-def prompt_dataset(config: OnPolicyConfig, tokenizer: Any, dataset: Any, source: str) -> Any:
-    """Tokenize (chat template applied) and validate a prompt dataset; see data.prepare_prompt_dataset."""
-    from posttrain.data import prepare_prompt_dataset
-
-    return prepare_prompt_dataset(
-        dataset, tokenizer, max_prompt_length=config.max_prompt_length, overflow=config.prompt_overflow, source=source
-    )
-
-
-def load_split(config: Any, split: str, required: bool = True) -> Any:
-    """The `split` of config.dataset_name (a hub name, a saved folder or a data file); None when an
-    optional split is absent."""
-    from posttrain.data import load_any_dataset
-
-    if not config.dataset_name:
-        raise ConfigError("dataset_name is not set: pass --dataset_name (a hub name, a saved folder or a data file).")
-    if not required and not has_split(config.dataset_name, split):
-        return None
-    return load_any_dataset(config.dataset_name, split=split, config_name=config.dataset_config)
-
-
-def has_split(name_or_path: str, split: str) -> bool:
-    """Whether an optional split (e.g. the test split used for sample tables) exists. A single data
-    file holds only "train"; a saved DatasetDict folder lists its splits; for hub datasets we try to
-    load and treat only a missing split as absent — any other data error still stops the run."""
-    from posttrain.data import DataError, load_any_dataset
-
-    path = os.path.expanduser(str(name_or_path))
-    if os.path.isfile(path):
-        return split.startswith("train")
-    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
-        with open(os.path.join(path, "dataset_dict.json")) as f:
-            return split in json.load(f).get("splits", [])
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "dataset_info.json")):
-        return split.startswith("train")
-    try:
-        load_any_dataset(name_or_path, split=split)
-    except DataError as err:
-        if "no split" in str(err):
-            return False
-        raise
-    return True
-
-
-# ---------------------------------------------------------------------------------------------
-# reward functions given by import path
-# ---------------------------------------------------------------------------------------------
-def import_callable(path: str) -> Callable:
-    """Resolve "package.module:function" or "package.module.function" to the object."""
-    # The console script does not put the working directory on sys.path (python -m does); reward
-    # modules next to the user's data are the common case, so look there too.
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
-    module, sep, name = path.partition(":")
-    if not sep:
-        module, _, name = path.rpartition(".")
-    if not module or not name:
-        raise ConfigError(f"reward function {path!r} must be an import path like my_pkg.rewards:length_reward.")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"cannot import reward function {path!r}: {err}") from None
-    if not callable(fn):
-        raise ConfigError(f"reward function {path!r} is not callable.")
-    return fn
-
-
-# ---------------------------------------------------------------------------------------------
 # loading the parts of a run: one loader for the command line and the Python API
 # ---------------------------------------------------------------------------------------------
 @dataclass
@@ -264,6 +141,19 @@ def _model_path(model: Any) -> str | None:
     return getattr(getattr(model, "config", None), "_name_or_path", None) or None
 
 
+def warn_no_test_split(config: OnPolicyConfig) -> None:
+    """The dataset has no dataset_test_split: say, once, that the sample tables are off and how to
+    get them back (they are drawn from the eval prompts)."""
+    split = config.dataset_test_split
+    warnings.warn(
+        f"the dataset {config.dataset_name!r} has no {split!r} split (--dataset_test_split {split}), so this run "
+        "draws no sample tables of completions and cannot evaluate. To get them back, pass --dataset_test_split "
+        "<split> naming a split the dataset has, or eval_dataset= in Python; --num_sample_generations 0 turns "
+        "the tables, and this warning, off.",
+        stacklevel=4,
+    )
+
+
 def load_parts(
     config: OnPolicyConfig,
     *,
@@ -286,12 +176,12 @@ def load_parts(
     (config.reward_model_path first, then config.reward_funcs). processing_class None: the
     tokenizer of config.model_name_or_path or of the model. A reward model given by path brings the
     tokenizer saved with it (completions are re-tokenized when it differs); a reward model saved
-    without one shares the policy's. Datasets None: config.dataset_name's train / test split. With
-    the model loaded from the config, `--use_peft` gives the LoRA config. The reference is None
-    (not loaded) when not needed or with PEFT; the trainer then copies the policy or disables the
-    adapter. rewards_from_config False: no reward from the config (e.g. a judge was given).
-    Cheap checks (paths set, reward functions importable, data readable) run before any
-    model loads.
+    without one shares the policy's. Datasets None: config.dataset_name's train / test split (no
+    test split: a warning, and no sample tables). With the model loaded from the config,
+    `--use_peft` gives the LoRA config. The reference is None (not loaded) when not needed or with
+    PEFT; the trainer then copies the policy or disables the adapter. rewards_from_config False: no
+    reward from the config (e.g. a judge was given). Cheap checks (paths set, reward functions
+    importable, data readable) run before any model loads.
     """
     from posttrain.models import ensure_pad_token, load_policy, load_reward_model, load_tokenizer, peft_config_from
 
@@ -305,7 +195,7 @@ def load_parts(
     rewards = as_list(rewards)
     if not rewards and rewards_from_config:
         rewards = ([config.reward_model_path] if config.reward_model_path else []) + [
-            import_callable(path) for path in config.reward_funcs or []
+            import_reward_function(path) for path in config.reward_funcs or []
         ]
         if needs_reward and not rewards:
             raise ConfigError(
@@ -316,6 +206,8 @@ def load_parts(
         train_dataset = load_split(config, config.dataset_train_split)
         if eval_dataset is None:
             eval_dataset = load_split(config, config.dataset_test_split, required=False)
+            if eval_dataset is None and config.num_sample_generations > 0:
+                warn_no_test_split(config)
     common = dict(dtype=config.torch_dtype, trust_remote_code=config.trust_remote_code)
     if processing_class is None:
         path = config.model_name_or_path if from_config else _model_path(model)
@@ -364,9 +256,18 @@ def prepare_policy(
 ) -> tuple[nn.Module, nn.Module | None]:
     """(policy, reference) ready to train: LoRA applied (only the adapter trains), dropout off in both
     (LoRA dropout included), the reference frozen in eval mode. No reference given: a frozen copy of
-    the initial policy, or None with PEFT, meaning "the policy with its adapter disabled"."""
-    from posttrain.models import apply_peft, disable_dropout, is_peft_model
+    the initial policy, or None with PEFT, meaning "the policy with its adapter disabled". A
+    models.CausalLMWithValueHead (PPO's policy with a value head) is prepared through its LM, and a
+    reference given as one is its LM (the reference only scores tokens)."""
+    from posttrain.models import CausalLMWithValueHead, apply_peft, disable_dropout, is_peft_model
 
+    if isinstance(reference, CausalLMWithValueHead):
+        reference = reference.pretrained_model
+    if isinstance(policy, CausalLMWithValueHead):
+        policy.pretrained_model, reference = prepare_policy(
+            policy.pretrained_model, reference, config, peft_config=peft_config, needs_reference=needs_reference
+        )
+        return policy, reference
     if reference is not None and reference is policy:
         raise ConfigError("the reference model is the policy object itself; pass a separate copy (or None to copy it).")
     policy = apply_peft(policy, peft_config)
@@ -430,7 +331,8 @@ class OnlineRun:
     Owns: the accelerator (one per run; gradient accumulation is done here with exact global
     normalization, so accelerate's own loss scaling stays off), derived sizes (validated before any
     forward pass), the prompt stream, the tracker and progress bar, metric accumulation, the health
-    monitor, checkpointing and resume.
+    monitor (`health`: registered as the trainer's first callback by `OnlineTrainer.setup`; its
+    non-finite counters serve `step_if_finite`; its state is checkpointed), checkpointing and resume.
     """
 
     # This train() call's loss tally and the stop request (set in __init__ and by updates(); class
@@ -565,7 +467,6 @@ class OnlineRun:
         values["episode"] = self.progress.episode + self.config.batch_size
         values["epoch"] = self.epoch(values["episode"])
         self.tracker.log(values, step=update + 1)
-        self.health.check(values, update + 1)
         return values
 
     def should_sample(self, update: int) -> bool:
@@ -717,6 +618,29 @@ def reference_logprobs(
     return logprobs
 
 
+@torch.no_grad()
+def reference_full_kl(
+    run: OnlineRun, policy: nn.Module, ref_model: nn.Module | None, rollout: Rollout, temperature: float
+) -> torch.Tensor:
+    """Exact per-token KL(π‖π_ref) over the vocabulary (advantages.full_kl), (B, T), 0 off-mask, in
+    chunks of local_rollout_forward_batch_size rows; π_ref is ref_model or, when it is None, the PEFT
+    policy with its adapter disabled. `policy` is the unwrapped causal LM."""
+    from posttrain.advantages import full_kl
+
+    size, out = run.config.local_rollout_forward_batch_size, []
+    with run.autocast():
+        for start in range(0, len(rollout), size):
+            part = rollout.select(slice(start, start + size))
+            current = completion_forward(policy, part)
+            if ref_model is not None:
+                ref = completion_forward(ref_model, part)
+            else:
+                with policy.disable_adapter():
+                    ref = completion_forward(policy, part)
+            out.append(current.pad(full_kl(current.logits, ref.logits, current.mask, temperature=temperature)))
+    return torch.cat(out)
+
+
 @dataclass
 class Experience:
     """One rollout batch on this rank: row = sample_index · num_prompts + prompt_index."""
@@ -852,6 +776,25 @@ def shuffled_orders(run: OnlineRun, n: int, num_epochs: int) -> list[torch.Tenso
         torch.randperm(n, generator=run.generator, device=run.generator.device).to(run.device)
         for _ in range(num_epochs)
     ]
+
+
+@dataclass
+class UpdateLayout:
+    """How the update cuts one rollout batch of local rows: micro-batches of `micro` rows, `accum`
+    micro-batches per optimizer step, one row permutation per epoch (`orders`; None in the single
+    pass, one epoch of one micro-batch, whose update forward is also the old forward)."""
+
+    micro: int
+    accum: int
+    orders: list[torch.Tensor] | None
+
+
+def update_layout(
+    run: OnlineRun, rows: int, micro: int, accum: int, num_epochs: int, *, allow_single_pass: bool = True
+) -> UpdateLayout:
+    """The layout of `rows` local rows; the permutations are drawn from the run's sampling stream."""
+    single_pass = allow_single_pass and num_epochs == 1 and accum == 1 and rows // micro == 1
+    return UpdateLayout(micro, accum, None if single_pass else shuffled_orders(run, rows, num_epochs))
 
 
 LossFn = Callable[[torch.Tensor, Rollout, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -990,7 +933,8 @@ class OnlineTrainer:
 
         self.events = TrainerEvents(
             config,
-            callbacks,
+            # The health monitor first, as transformers puts its own callbacks before the user's.
+            [self.run.health, *(callbacks or [])],
             model=self.model,
             processing_class=self.processing_class,
             optimizer=self.optimizer,
@@ -1148,9 +1092,9 @@ class OnlineTrainer:
     def end_of_update(self, update: int, extra: dict[str, float] | None = None) -> dict[str, float] | None:
         """After each rollout batch: step the schedule; on_step_end (state.global_step = update + 1);
         then, when due or asked by a callback (control.should_log / should_evaluate / should_save),
-        log (metrics reduced over ranks, health checks, on_log), the sample table, evaluate, and a
-        checkpoint (on_save; never after the last or a stopping rollout batch: the final save
-        follows). Returns the logged metrics (None when this rollout batch logged nothing)."""
+        log (metrics reduced over ranks; on_log, where the health monitor checks them), the sample
+        table, evaluate, and a checkpoint (on_save; never after the last or a stopping rollout batch:
+        the final save follows). Returns the logged metrics (None when this rollout batch logged nothing)."""
         run, events = self.run, self.events
         lr = self.lr_scheduler.get_last_lr()[0]
         if self.schedule_per_update:

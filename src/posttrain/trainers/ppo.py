@@ -64,15 +64,12 @@ from posttrain import distributed as dist
 from posttrain.configs import ConfigError
 from posttrain.critic import PolicyAndValue, attach_critic
 from posttrain.losses import entropy_bonus, ppo_policy_loss, ppo_value_loss
-from posttrain.models import CausalLMWithValueHead
 from posttrain.rollout import Rollout
-from posttrain.scoring import (
-    RewardSource,
-    completion_forward,
-)
+from posttrain.scoring import RewardSource
 from posttrain.trainers import online
 from posttrain.trainers.online import (
     OnlineTrainer,
+    UpdateLayout,
     default_config,
     global_normalizer,
     load_parts,
@@ -81,22 +78,11 @@ from posttrain.trainers.online import (
     prepare_policy,
     sample,
     score,
-    shuffled_orders,
+    update_layout,
 )
 from posttrain.trainers.ppo_config import PPOConfig
 
 __all__ = ["PPOConfig", "PPOTrainer", "PolicyAndValue", "main"]
-
-
-@dataclass
-class Layout:
-    """How one batch of B local rows is cut: micro-batches of `micro` rows, `accum` per optimizer
-    step, one permutation per epoch (None: the single-pass case, whose update forward is also the
-    old forward)."""
-
-    micro: int
-    accum: int
-    orders: list[torch.Tensor] | None
 
 
 @dataclass
@@ -189,19 +175,9 @@ class PPOTrainer(OnlineTrainer):
         model, critic = attach_critic(
             parts.policy, value_model, args, reward_models, parts.reward_tokenizer, parts.tokenizer
         )
-        head = isinstance(model, CausalLMWithValueHead)
-        reference = parts.reference
-        lm, self.ref_model = prepare_policy(
-            model.pretrained_model if head else model,
-            reference.pretrained_model if isinstance(reference, CausalLMWithValueHead) else reference,
-            args,
-            peft_config=parts.peft_config,
-            needs_reference=True,
+        model, self.ref_model = prepare_policy(
+            model, parts.reference, args, peft_config=parts.peft_config, needs_reference=True
         )
-        if head:
-            model.pretrained_model = lm
-        else:
-            model = lm
         wrapper = PolicyAndValue(model, critic, entropy_grad=bool(args.entropy_coef))
         self.wrapped = self.setup(
             args,
@@ -277,28 +253,13 @@ class PPOTrainer(OnlineTrainer):
         return self.train_output
 
     # -- steps 3-5, shared with the classic step() --------------------------------------------------
-    def layout(self, B: int, micro: int, accum: int) -> Layout:
+    def layout(self, B: int, micro: int, accum: int) -> UpdateLayout:
+        """Step 4's cut of B local rows (micro-batches of `micro`, `accum` per optimizer step)."""
         cfg = self.args
-        minibatches = B // (micro * accum)
-        one_pass = cfg.num_ppo_epochs == 1 and minibatches == 1 and accum == 1 and cfg.kl_estimator != "full"
-        return Layout(micro, accum, None if one_pass else shuffled_orders(self.run, B, cfg.num_ppo_epochs))
+        single = cfg.kl_estimator != "full"
+        return update_layout(self.run, B, micro, accum, cfg.num_ppo_epochs, allow_single_pass=single)
 
-    @torch.no_grad()
-    def full_kl(self, rollout: Rollout) -> torch.Tensor:
-        """Exact per-token KL(π‖π_ref) over the vocabulary (kl_estimator="full"), chunked."""
-        lm, out = self.generation_model, []
-        for s in range(0, len(rollout), self.args.local_rollout_forward_batch_size):
-            part = rollout.select(slice(s, s + self.args.local_rollout_forward_batch_size))
-            policy = completion_forward(lm, part)
-            if self.ref_model is not None:
-                ref = completion_forward(self.ref_model, part)
-            else:
-                with lm.disable_adapter():
-                    ref = completion_forward(lm, part)
-            out.append(policy.pad(adv.full_kl(policy.logits, ref.logits, policy.mask, temperature=self.temperature)))
-        return torch.cat(out)
-
-    def advantages(self, rollout: Rollout, scores: torch.Tensor, layout: Layout, loss_mask=None) -> PPOBatch:
+    def advantages(self, rollout: Rollout, scores: torch.Tensor, layout: UpdateLayout, loss_mask=None) -> PPOBatch:
         """Step 3 on one (local) batch; logs the objective/*, returns/*, val/* and tokens/* metrics.
         loss_mask (B, T): the tokens trained on, KL-penalised and counted in the statistics, a subset
         of rollout.completion_mask (step()'s response_masks); default the completion mask. The score
@@ -308,8 +269,9 @@ class PPOTrainer(OnlineTrainer):
         mask = rollout.completion_mask if loss_mask is None else loss_mask & rollout.completion_mask
         self.wrapped.train()
         ref_logprobs = online.reference_logprobs(run, self.generation_model, self.ref_model, rollout, self.temperature)
-        with torch.no_grad(), run.autocast():
-            kl_full = self.full_kl(rollout) if cfg.kl_estimator == "full" else None
+        kl_full = None
+        if cfg.kl_estimator == "full":
+            kl_full = online.reference_full_kl(run, self.generation_model, self.ref_model, rollout, self.temperature)
         first = None
         if layout.orders is None:  # the update's own forward supplies the old logprobs and values
             with run.autocast():
@@ -361,7 +323,7 @@ class PPOTrainer(OnlineTrainer):
         M.add_mean("policy/advantages_mean", advantages, mask)
         return PPOBatch(rollout, mask, old_logprobs, old_values, advantages, returns, kl, first)
 
-    def update(self, b: PPOBatch, layout: Layout) -> bool:
+    def update(self, b: PPOBatch, layout: UpdateLayout) -> bool:
         """Step 4: epochs × minibatches × micro-batches; returns whether early stopping fired."""
         cfg, run = self.args, self.run
         B, step_rows, stop = len(b.rollout), layout.micro * layout.accum, False
@@ -446,10 +408,7 @@ class PPOTrainer(OnlineTrainer):
 
     # -- checkpoints, final save, sample table ------------------------------------------------------
     def checkpoint_models(self) -> dict[str, nn.Module]:
-        w = self.unwrapped
-        if w.shared:
-            return {"policy": w.policy.pretrained_model, "value_head": w.policy.score}
-        return {"policy": w.policy, "value_model": w.critic}
+        return self.unwrapped.checkpoint_modules()
 
     def extra_state(self) -> dict:
         return {"kl_ctl": self.kl_ctl.state_dict(), "running_moments": self.running.state_dict()}
@@ -459,10 +418,7 @@ class PPOTrainer(OnlineTrainer):
         self.running.load_state_dict(state["running_moments"])
 
     def final_models(self) -> tuple[nn.Module, dict[str, nn.Module] | None]:
-        # Policy at the top of output_dir (plain transformers loads it); the critic in
-        # output_dir/value_model, or value_head.safetensors beside the policy for a value head.
-        w = self.unwrapped
-        return w.policy, None if w.shared else {"value_model": w.critic}
+        return self.unwrapped.final_modules()
 
     def table_scores(self, rollout: Rollout, batch: dict) -> torch.Tensor:
         return score(self.run, self.reward, rollout, batch, 1)

@@ -282,9 +282,8 @@ class RewardTrainer(SupervisedTrainerAPI):
 
 def main(config: RewardConfig) -> int:
     """`posttrain reward`: load tokenizer, model and data from the config, train, save. Exit code."""
-    from posttrain.data import DataError
+    from posttrain.data import DataError, load_split
     from posttrain.models import peft_config_from
-    from posttrain.trainers.online import load_split
 
     try:
         check_output_dir(config)

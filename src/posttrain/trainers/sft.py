@@ -303,9 +303,8 @@ def _forward_kwargs(model: nn.Module, router_aux_loss_coef: float) -> dict[str, 
 
 def main(config: SFTConfig) -> int:
     """`posttrain sft`: load tokenizer, model and data from the config, train, save. Exit code."""
-    from posttrain.data import DataError
+    from posttrain.data import DataError, load_split
     from posttrain.models import peft_config_from
-    from posttrain.trainers.online import load_split
 
     try:
         check_output_dir(config)
