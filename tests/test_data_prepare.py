@@ -78,6 +78,19 @@ def test_prompt_dataset_custom_column_and_pretokenized(tok):
     assert out[0]["prompt"] == tok.decode(ids[-2:])
 
 
+def test_prompt_dataset_reads_query_when_there_is_no_prompt(tok):
+    out = prepare_prompt_dataset(Dataset.from_dict({"query": ["Hello world"], "id": [3]}), tok)
+    assert set(out.column_names) == {"id", "input_ids", "prompt"}
+    assert out[0]["prompt"] == "Hello world" and out[0]["input_ids"] == tok("Hello world")["input_ids"]
+    # With a prompt column, query is an extra column (reward functions receive it) and prompt is read.
+    out = prepare_prompt_dataset(Dataset.from_dict({"prompt": ["The sea"], "query": ["Hello world"]}), tok)
+    assert out[0]["prompt"] == "The sea" and out[0]["query"] == "Hello world"
+    # Pre-tokenized data keeps its input_ids.
+    ids = tok("The quick brown fox")["input_ids"]
+    out = prepare_prompt_dataset(Dataset.from_dict({"input_ids": [ids], "query": ["other"]}), tok)
+    assert out[0]["input_ids"] == ids
+
+
 def test_prompt_dataset_overlong_truncate_left_and_drop(tok, caplog):
     long, short = "The quick brown fox jumps over the lazy dog.", "Hi"
     ds = Dataset.from_dict({"prompt": [long, short, long]})

@@ -48,6 +48,7 @@ FILES: dict[str, str | bytes] = {
     "bad_margin.jsonl": '{"chosen": "a", "rejected": "b", "margin": "high"}\n',
     "mixed_pair.jsonl": json.dumps({"prompt": "Q", "chosen": _CHAT_OK[1:], "rejected": _CHAT_OK[1:]}) + "\n",
     "pairs.jsonl": '{"chosen": "The answer is four.", "rejected": "The answer is five."}\n',
+    "prompt_and_query.jsonl": '{"prompt": "Q", "query": "Q", "chosen": " yes", "rejected": " no"}\n',
     "no_columns.jsonl": '{"foo": "a"}\n',
     "messages_string.jsonl": '{"messages": "Hi there"}\n',
     "no_assistant.jsonl": json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n",
@@ -209,6 +210,18 @@ CASES: list[tuple[str, list[str], int, str]] = [
         [*REWARD, "--dataset_name", "{mixed_pair.jsonl}"],
         2,
         "row 1, field 'chosen': mixes a conversational and a plain-text field with 'prompt'",
+    ),
+    (
+        "pair-prompt-and-query",
+        [*REWARD, "--dataset_name", "{prompt_and_query.jsonl}"],
+        2,
+        "field 'query': has both a 'prompt' and a 'query' column",
+    ),
+    (
+        "pair-prompt-column",
+        [*REWARD, "--dataset_name", "{pairs.jsonl}", "--prompt_column", "question"],
+        2,
+        "field 'question': prompt_column='question' is not a column",
     ),
     (
         "pairs-too-long",

@@ -406,3 +406,32 @@ def test_non_finite_loss_skips_the_step(tmp_path, tiny_tokenizer):
     assert trainer.run.progress.optimizer_steps == 0 and trainer.run.health.nonfinite_total == 2
     for k, v in trainer.model.state_dict().items():
         assert torch.equal(v.isnan(), before[k].isnan()) and torch.equal(v.nan_to_num(), before[k].nan_to_num()), k
+
+
+def test_tensorboard_tags_carry_transformers_prefixes(tmp_path, tiny_tokenizer):
+    """TensorBoard gets the names transformers' TensorBoardCallback writes (train/..., eval/...);
+    metrics.jsonl keeps the short names."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = make_config(tmp_path, total_episodes=8, report_to=["tensorboard"], run_name="tb")
+    trainer = OnlineDPOTrainer(
+        build_tiny_causal_lm(tiny_tokenizer),
+        reward_funcs=[lambda prompts, completions, **kw: [float(len(c)) for c in completions]],
+        args=cfg,
+        processing_class=tiny_tokenizer,
+        train_dataset=standard_prompts(),
+        eval_dataset=standard_prompts(4),
+    )
+    trainer.train()
+    trainer.evaluate()
+    trainer.run.tracker.close()
+    events = EventAccumulator(str(tmp_path / "out" / "runs" / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("train/objective/kl", "train/objective/entropy", "train/loss/dpo", "train/lr", "train/episode"):
+        assert tag in tags, tag
+    assert "eval/objective/scores" in tags and "eval/completions/mean_length" in tags
+    assert not any(tag.startswith("objective/") or tag.startswith("eval_") or tag == "lr" for tag in tags)
+    assert [e.step for e in events.Scalars("train/objective/kl")] == [1]
+    record = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "objective/kl" in record and "lr" in record and "train/objective/kl" not in record

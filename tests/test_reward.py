@@ -277,3 +277,55 @@ def test_reward_training_starts_from_a_causal_lm_folder_with_a_new_score_head(tm
 
     saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "run")
     assert saved.config.num_labels == 1
+
+
+def test_query_is_the_prompt_column_of_preference_data(tmp_path, tiny_tokenizer):
+    """{query, chosen, rejected} (DeepSpeed-Chat's reward data) trains exactly as the same pairs
+    under `prompt`, and as under any column named by prompt_column."""
+    rows = [
+        {"prompt": f"Q{i}: where is the sea?", "chosen": f" The sea is blue {i}.", "rejected": f" dog {i}."}
+        for i in range(4)
+    ]
+    as_query = [{"query": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]} for r in rows]
+    as_named = [{"question": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]} for r in rows]
+    implicit = [{"chosen": r["chosen"], "rejected": r["rejected"]} for r in rows]
+
+    runs = {
+        "prompt": make_trainer(tmp_path, tiny_tokenizer, rows, name="prompt"),
+        "query": make_trainer(tmp_path, tiny_tokenizer, as_query, name="query"),
+        "named": make_trainer(tmp_path, tiny_tokenizer, as_named, name="named", prompt_column="question"),
+    }
+    reference = runs["prompt"].train_dataset
+    # The prompt is really prepended: the tokens differ from the same pairs without it.
+    no_prompt = make_trainer(tmp_path, tiny_tokenizer, implicit, name="implicit").train_dataset
+    assert reference["chosen_input_ids"][0] != no_prompt["chosen_input_ids"][0]
+    first = tiny_tokenizer(rows[0]["prompt"] + rows[0]["chosen"])["input_ids"]
+    assert reference["chosen_input_ids"][0][: len(first)] == first
+    for name in ("query", "named"):
+        for column in ("chosen_input_ids", "rejected_input_ids"):
+            assert runs[name].train_dataset[column] == reference[column], (name, column)
+
+    losses = {}
+    for name, trainer in runs.items():
+        trainer.train()
+        losses[name] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses["prompt"]) == 2
+    assert losses["query"] == losses["prompt"] == losses["named"]
+    weights = {name: trainer.model.state_dict() for name, trainer in runs.items()}
+    for key, value in weights["prompt"].items():
+        assert torch.equal(weights["query"][key], value), key
+        assert torch.equal(weights["named"][key], value), key
+
+
+def test_preference_prompt_column_errors(tmp_path, tiny_tokenizer):
+    from posttrain.data import DataError
+
+    both = [{"prompt": "Q?", "query": "Q?", "chosen": " yes", "rejected": " no"}] * 2
+    with pytest.raises(DataError, match="both a 'prompt' and a 'query' column") as err:
+        make_trainer(tmp_path, tiny_tokenizer, both)
+    assert "--prompt_column" in str(err.value)
+    # Naming one of them settles it.
+    trainer = make_trainer(tmp_path, tiny_tokenizer, both, name="named", prompt_column="query")
+    assert len(trainer.train_dataset) == 2
+    with pytest.raises(DataError, match="prompt_column='question' is not a column"):
+        make_trainer(tmp_path, tiny_tokenizer, FORMATS["explicit"], name="missing", prompt_column="question")

@@ -1,10 +1,12 @@
 import json
 import math
+import sys
+import types
 
 import pytest
 import torch
 
-from posttrain.tracking import MetricAccumulator, ProgressBar, Tracker, to_jsonable
+from posttrain.tracking import MetricAccumulator, ProgressBar, Tracker, to_jsonable, tracker_key
 
 
 def test_masked_mean_is_token_weighted_not_mean_of_means():
@@ -197,3 +199,40 @@ def test_console_line_keeps_the_headline_metrics_when_many_are_logged(tmp_path, 
     assert f"(+{CONSOLE_MAX} more in metrics.jsonl)" in " ".join(out.split())
     record = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert record["extra/m3"] == 3.0 and len(record) == CONSOLE_MAX + 3  # everything is still written
+
+
+def test_tracker_key_is_transformers_rewrite_logs():
+    # transformers' integrations (TensorBoardCallback, WandbCallback) write these names.
+    assert tracker_key("loss") == "train/loss"
+    assert tracker_key("objective/kl") == "train/objective/kl"
+    assert tracker_key("lr") == "train/lr"
+    assert tracker_key("eval_loss") == "eval/loss"
+    assert tracker_key("eval_objective/scores") == "eval/objective/scores"
+    assert tracker_key("test_accuracy") == "test/accuracy"
+    assert tracker_key("evaluation") == "train/evaluation"  # only the "eval_" prefix is an eval metric
+
+
+def test_wandb_gets_prefixed_keys_and_jsonl_keeps_short_names(tmp_path, monkeypatch, capsys):
+    logged = []
+
+    class FakeRun:
+        def log(self, values, step=None):
+            logged.append((values, step))
+
+        def finish(self):
+            pass
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kwargs: FakeRun()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    tracker = Tracker(tmp_path, report_to="wandb", config={})
+    tracker.log({"objective/kl": 0.5, "eval_loss": 1.25, "episode": 8}, step=3)
+    tracker.close()
+    assert logged == [({"train/objective/kl": 0.5, "eval/loss": 1.25, "train/episode": 8, "train/global_step": 3}, 3)]
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {
+        "objective/kl": 0.5,
+        "eval_loss": 1.25,
+        "episode": 8,
+        "step": 3,
+    }
+    assert "| objective/kl 0.5" in capsys.readouterr().out

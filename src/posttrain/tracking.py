@@ -7,7 +7,10 @@ one tensor and all-reduced once per logging step, then divided.
 
 `Tracker` writes the reduced numbers to the console (rich), `metrics.jsonl`, TensorBoard and
 Weights & Biases. Only the main process writes; optional backends are imported lazily so that
-`import posttrain` never pulls in tensorboard or wandb (principle 7).
+`import posttrain` never pulls in tensorboard or wandb (principle 7). The console and
+`metrics.jsonl` keep the short names (`objective/kl`, `eval_loss`); TensorBoard and W&B get the
+names transformers' integrations write (`train/objective/kl`, `eval/loss`: `tracker_key`), so
+dashboards built for TRL runs read posttrain runs unchanged.
 """
 
 from __future__ import annotations
@@ -226,6 +229,16 @@ def _import_sink(name: str) -> Any:
         ) from err
 
 
+def tracker_key(name: str) -> str:
+    """The TensorBoard / W&B name of a metric, as transformers' `rewrite_logs` writes it for its
+    TensorBoardCallback and WandbCallback: `eval_x` -> `eval/x`, `test_x` -> `test/x`, anything
+    else -> `train/x` (so `objective/kl` -> `train/objective/kl`, `lr` -> `train/lr`)."""
+    for prefix in ("eval", "test"):
+        if name.startswith(prefix + "_"):
+            return f"{prefix}/{name[len(prefix) + 1 :]}"
+    return f"train/{name}"
+
+
 def _format_number(value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
@@ -332,7 +345,9 @@ class Tracker:
         return self._wandb_run
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Record one logging step; keys are written exactly as given, plus "step"."""
+        """Record one logging step: console and metrics.jsonl get the keys exactly as given (plus
+        "step" in metrics.jsonl); TensorBoard and W&B get them as `tracker_key` writes them, and W&B
+        also `train/global_step` (the x-axis transformers' WandbCallback defines)."""
         if not self.is_main:
             return
         values = {k: _scalar(v) for k, v in metrics.items()}
@@ -356,11 +371,12 @@ class Tracker:
         if writer is not None:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    writer.add_scalar(key, value, global_step=step)
+                    writer.add_scalar(tracker_key(key), value, global_step=step)
             writer.flush()
         run = self._wb()
         if run is not None:
-            run.log(values, step=step)
+            prefixed = {tracker_key(k): v for k, v in values.items()}
+            run.log({**prefixed, "train/global_step": int(step)}, step=step)
 
     def log_table(self, name: str, rows: list[Mapping[str, Any]], step: int) -> None:
         """Print sample rows (e.g. prompt / completion / score) as a rich table, like TRL's

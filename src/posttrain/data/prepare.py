@@ -129,11 +129,14 @@ def prepare_prompt_dataset(
     *,
     max_prompt_length: int | None = None,
     overflow: str = "truncate_left",
-    prompt_column: str = "prompt",
+    prompt_column: str | None = None,
     source: str | None = None,
 ) -> Dataset:
     """Tokenize prompts for generation: adds `input_ids` and sets `prompt` to the text after the
     chat template; other columns are kept (reward functions receive them).
+
+    The prompts are read from `prompt_column`; None reads `prompt`, or `query` (the name of
+    DeepSpeed-Chat-style and older TRL data) when the dataset has neither `prompt` nor `input_ids`.
 
     Conversational prompts get the chat template with the generation prompt. A dataset with only
     `input_ids` (pre-tokenized, as TRL's PPO takes) is validated and decoded into `prompt`.
@@ -144,7 +147,11 @@ def prepare_prompt_dataset(
         raise ValueError(f"overflow must be 'truncate_left' or 'drop', got {overflow!r}")
     source = _source_of(dataset, source)
     _require_rows(dataset, source)
-    tokenized = prompt_column not in dataset.column_names and "input_ids" in dataset.column_names
+    columns = dataset.column_names
+    if prompt_column is None:
+        fallback = "query" in columns and "prompt" not in columns and "input_ids" not in columns
+        prompt_column = "query" if fallback else "prompt"
+    tokenized = prompt_column not in columns and "input_ids" in columns
     if not tokenized:
         _require_columns(dataset, [prompt_column], source, "prompts")
     # A stored mask would go stale after truncation; the collator builds it from lengths.
@@ -220,14 +227,18 @@ def prepare_preference_dataset(
     max_length: int | None,
     overflow: str = "drop",
     *,
+    prompt_column: str | None = None,
     source: str | None = None,
 ) -> Dataset:
     """Tokenize preference pairs for reward modelling → `chosen_input_ids`, `rejected_input_ids`
     (+ `margin` when the dataset has one).
 
-    An explicit `prompt` is prepended to both answers; conversations are rendered with the chat
-    template (which closes the assistant turn itself); standard text gets EOS appended when it does
-    not end with one, so the score is read on EOS as at inference. Pre-tokenized
+    An explicit prompt is prepended to both answers. It is read from `prompt_column`, or, when that
+    is None, from `prompt` or `query` (`{"query", "chosen", "rejected"}` is the DeepSpeed-Chat
+    layout of reward data); a dataset with both is refused rather than one being silently
+    dropped. Without either the prompt is implicit (inside chosen and rejected). Conversations are
+    rendered with the chat template (which closes the assistant turn itself); standard text gets
+    EOS appended when it does not end with one, so the score is read on EOS as at inference. Pre-tokenized
     `chosen_input_ids`/`rejected_input_ids` (or `chosen_ids`/`rejected_ids`) pass through.
     Pairs where either side exceeds `max_length` are dropped ("drop", like TRL) or cut to their
     first `max_length` tokens ("truncate"); pairs whose two sides tokenize identically (ties) are
@@ -248,7 +259,8 @@ def prepare_preference_dataset(
     )
     if pretokenized is None:
         _require_columns(dataset, ["chosen", "rejected"], source, "preference pairs")
-    has_prompt = "prompt" in columns and pretokenized is None
+    prompt_field = None if pretokenized is not None else _preference_prompt_column(columns, prompt_column, source)
+    has_prompt = prompt_field is not None
     has_margin = "margin" in columns
     eos_id = tokenizer.eos_token_id
 
@@ -262,17 +274,19 @@ def prepare_preference_dataset(
         else:
             for row_in_batch, row in enumerate(indices):
                 prompt = (
-                    _as_text_or_messages(batch["prompt"][row_in_batch], source, row, "prompt") if has_prompt else None
+                    _as_text_or_messages(batch[prompt_field][row_in_batch], source, row, prompt_field)
+                    if has_prompt
+                    else None
                 )
                 for key, field in (("chosen_input_ids", "chosen"), ("rejected_input_ids", "rejected")):
                     answer = _as_text_or_messages(batch[field][row_in_batch], source, row, field)
                     if prompt is not None and isinstance(prompt, list) != isinstance(answer, list):
                         raise DataError(
-                            "mixes a conversational and a plain-text field with 'prompt'",
+                            f"mixes a conversational and a plain-text field with '{prompt_field}'",
                             source=source,
                             row=row,
                             field=field,
-                            fix="make prompt, chosen and rejected all strings or all conversations",
+                            fix=f"make {prompt_field}, chosen and rejected all strings or all conversations",
                         )
                     if isinstance(answer, list):
                         text = render_chat((prompt or []) + answer, tokenizer)
@@ -306,6 +320,28 @@ def prepare_preference_dataset(
             fix="raise max_length or use overflow='truncate'",
         ),
     )
+
+
+def _preference_prompt_column(columns: list[str], prompt_column: str | None, source: str) -> str | None:
+    """The column holding the explicit prompt of preference pairs, or None for an implicit prompt."""
+    if prompt_column is not None:
+        if prompt_column not in columns:
+            raise DataError(
+                f"prompt_column={prompt_column!r} is not a column; available columns: {columns}",
+                source=source,
+                field=prompt_column,
+                fix="pass the name of the column holding the prompts, or leave prompt_column unset",
+            )
+        return prompt_column
+    found = [c for c in ("prompt", "query") if c in columns]
+    if len(found) == 2:
+        raise DataError(
+            "has both a 'prompt' and a 'query' column; either could be the prompt of the pairs",
+            source=source,
+            field="query",
+            fix="pass prompt_column (--prompt_column prompt or query), or remove the other column",
+        )
+    return found[0] if found else None
 
 
 def _drop_ties(out: Any, total: int, source: str) -> Any:

@@ -78,7 +78,8 @@ class RewardTrainer(SupervisedTrainerAPI):
     model: an `AutoModelForSequenceClassification` with num_labels=1, or its path / hub name (a
     causal LM path gets a fresh score head). peft_config: a peft.LoraConfig to train LoRA adapters
     plus the score head only (task type SEQ_CLS is enforced). Datasets: preference pairs, `chosen` / `rejected`
-    with an implicit prompt (recommended) or an explicit `prompt` column, plain text or
+    with an implicit prompt (recommended) or an explicit `prompt` / `query` column (or the column
+    named by args.prompt_column), plain text or
     conversations, optional `margin`; or pre-tokenized `chosen_input_ids` / `rejected_input_ids`.
     """
 
@@ -134,6 +135,7 @@ class RewardTrainer(SupervisedTrainerAPI):
                 self.processing_class,
                 self.args.max_length,
                 overflow=self.args.max_length_overflow,
+                prompt_column=self.args.prompt_column,
                 source=source,
             )
         if dist.is_main(self.accelerator) and len(prepared) < len(dataset):

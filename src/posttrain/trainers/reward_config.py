@@ -15,7 +15,8 @@ OVERFLOW_POLICIES = ("drop", "truncate")
 
 @dataclass
 class RewardConfig(SupervisedConfig):
-    """Bradley–Terry reward model on preference pairs (`chosen`, `rejected`, optional `prompt`, `margin`).
+    """Bradley–Terry reward model on preference pairs (`chosen`, `rejected`, optional `prompt` or
+    `query`, optional `margin`).
 
     `max_length_overflow` makes TRL's silent behaviour explicit: TRL drops every pair whose chosen
     or rejected sequence exceeds max_length; posttrain does the same by default ("drop") and prints
@@ -36,6 +37,12 @@ class RewardConfig(SupervisedConfig):
     center_rewards_coefficient: float | None = flag(
         "Weight of the auxiliary loss mean((r_chosen + r_rejected)^2) that centres rewards at 0 "
         "(Eisenstein et al. 2023; 0.01 recommended). None: off.",
+        default=None,
+    )
+    prompt_column: str | None = flag(
+        "Column holding the prompt of each pair (prepended to chosen and rejected). Default: 'prompt', or "
+        "'query' ({query, chosen, rejected} data, as DeepSpeed-Chat writes it); neither: the prompt is "
+        "implicit, inside chosen and rejected.",
         default=None,
     )
     num_print_samples: int = flag(
