@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import struct
 
 import pytest
 import torch
@@ -419,11 +420,33 @@ def test_non_finite_loss_skips_the_step(tmp_path, tiny_tokenizer):
         assert torch.equal(v.isnan(), before[k].isnan()) and torch.equal(v.nan_to_num(), before[k].nan_to_num()), k
 
 
+def tensorboard_scalars(folder) -> dict[str, list[int]]:
+    """{tag: [steps]} of the scalars in a TensorBoard folder, read with tensorboard's EventAccumulator;
+    on the oldest stack (tensorboard 2.15, whose readers need numpy < 2) the TFRecord framing (u64
+    length, u32 crc, data, u32 crc) is read here and each record parsed as tensorboard's Event proto."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except AttributeError:  # tensorboard 2.15 + numpy 2: np.string_ at import
+        from tensorboard.compat.proto.event_pb2 import Event
+
+        scalars: dict[str, list[int]] = {}
+        for path in sorted(folder.glob("events.out.tfevents.*")):
+            data, pos = path.read_bytes(), 0
+            while pos < len(data):
+                (length,) = struct.unpack("<Q", data[pos : pos + 8])
+                event = Event.FromString(data[pos + 12 : pos + 12 + length])
+                pos += 12 + length + 4
+                for value in event.summary.value:
+                    scalars.setdefault(value.tag, []).append(event.step)
+        return scalars
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
 def test_tensorboard_tags_carry_transformers_prefixes(tmp_path, tiny_tokenizer):
     """TensorBoard gets the names transformers' TensorBoardCallback writes (train/..., eval/...);
     metrics.jsonl keeps the short names."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     cfg = make_config(tmp_path, total_episodes=8, report_to=["tensorboard"], run_name="tb")
     trainer = OnlineDPOTrainer(
         build_tiny_causal_lm(tiny_tokenizer),
@@ -436,14 +459,13 @@ def test_tensorboard_tags_carry_transformers_prefixes(tmp_path, tiny_tokenizer):
     trainer.train()
     trainer.evaluate()
     trainer.run.tracker.close()
-    events = EventAccumulator(str(tmp_path / "out" / "runs" / "tb"))
-    events.Reload()
-    tags = set(events.Tags()["scalars"])
+    scalars = tensorboard_scalars(tmp_path / "out" / "runs" / "tb")
+    tags = set(scalars)
     for tag in ("train/objective/kl", "train/objective/entropy", "train/loss/dpo", "train/lr", "train/episode"):
         assert tag in tags, tag
     assert "eval/objective/scores" in tags and "eval/completions/mean_length" in tags
     assert not any(tag.startswith("objective/") or tag.startswith("eval_") or tag == "lr" for tag in tags)
-    assert [e.step for e in events.Scalars("train/objective/kl")] == [1]
+    assert scalars["train/objective/kl"] == [1]
     record = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
     assert "objective/kl" in record and "lr" in record and "train/objective/kl" not in record
 
