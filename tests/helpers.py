@@ -87,5 +87,7 @@ def online_trainer(algo, out, tokenizer, callbacks=None, prompts=4, reward=lengt
         args = PPOConfig(response_length=4, value_model_init="policy", **values)
         return PPOTrainer(args=args, processing_class=tokenizer, model=policy, reward_model=reward, **common)
     config_cls, trainer_cls = (OnlineDPOConfig, OnlineDPOTrainer) if algo == "online_dpo" else (XPOConfig, XPOTrainer)
+    # Online DPO / XPO count per_device_train_batch_size in prompts (TRL): 2 prompts = 4 completions.
+    values["per_device_train_batch_size"] = overrides.get("per_device_train_batch_size", 2)
     args = config_cls(max_new_tokens=4, **values)
     return trainer_cls(policy, reward_model=[reward], args=args, processing_class=tokenizer, **common)

@@ -365,8 +365,8 @@ def test_log_completions_callback_in_online_dpo_training(tmp_path, tiny_tokenize
         reward_funcs=[lambda prompts, completions, **kw: [float(len(c)) for c in completions]],
         args=OnlineDPOConfig(
             output_dir=str(tmp_path / "odpo"),
-            per_device_train_batch_size=4,
-            total_episodes=8,
+            per_device_train_batch_size=4,  # prompts, 2 completions each
+            total_episodes=16,
             max_new_tokens=4,
             logging_steps=1,
             report_to="none",
@@ -416,7 +416,8 @@ def test_online_trainers_fire_every_event_with_the_transformers_state(tmp_path, 
     assert isinstance(state, TrainerState) and isinstance(trainer.control, TrainerControl)
     # One rollout batch is one step: 8 episodes of 4 completions; 2 batches make one pass over the prompts.
     assert (state.max_steps, state.num_train_epochs, state.logging_steps, state.save_steps) == (2, 1.0, 1, 1)
-    assert state.train_batch_size == 4 and state.is_world_process_zero
+    # per_device_train_batch_size, as transformers' state holds it (prompts for Online DPO / XPO)
+    assert state.train_batch_size == (2 if algo in ("online_dpo", "xpo") else 4) and state.is_world_process_zero
     # What TRL code reads on the trainer object.
     assert trainer.args.output_dir == str(tmp_path / algo) and trainer.processing_class is not None
     assert trainer.accelerator is trainer.run.accelerator and len(trainer.train_dataset) == prompts_per_pass(algo)

@@ -138,6 +138,19 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("prompt-overflow", [*RLOO, "--prompt_overflow", "cut"], 2, "prompt_overflow='cut' must be"),
     ("total-episodes-0", [*RLOO, "--total_episodes", "0"], 2, "total_episodes=0 must be >= 1."),
     ("rloo-k-1", [*RLOO, "--rloo_k", "1"], 2, "rloo_k=1: RLOO needs at least 2 completions per prompt"),
+    # -- win-rate evaluation (judge) --------------------------------------------------------------
+    (
+        "judge-and-judge-model",
+        ["judge", "--model_name_or_path", "{policy}", "--judge", "random", "--judge_model", "gpt-4o-mini"],
+        2,
+        "--judge random and --judge_model gpt-4o-mini both name the judge",
+    ),
+    (
+        "judge-http-flags",
+        ["judge", "--model_name_or_path", "{policy}", "--judge", "random", "--timeout", "10"],
+        2,
+        "--timeout apply to HTTP judges (openai, http:<url>#<model>, --judge_model) only",
+    ),
     # -- data files -------------------------------------------------------------------------------
     ("no-dataset", SFT, 2, "dataset_name is not set: pass --dataset_name"),
     ("data-missing", [*SFT, "--dataset_name", "{tmp}/nope.jsonl"], 2, "nope.jsonl: no such file or folder"),

@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from posttrain.configs import ConfigError
 from posttrain.judges import (
     DEFAULT_PAIRWISE_SYSTEM_PROMPT,
     AllTrueJudge,
@@ -42,6 +43,8 @@ KEY_ENV = "POSTTRAIN_TEST_JUDGE_KEY"
 # A template the test server can parse back into (prompt, response0, response1).
 TEMPLATE = "PROMPT<{prompt}>R0<{response0}>R1<{response1}>"
 TEMPLATE_RE = re.compile(r"PROMPT<(.*)>R0<(.*)>R1<(.*)>", re.S)
+# The same three fields out of the default (TRL) prompt, which `posttrain judge` sends.
+DEFAULT_RE = re.compile(r'"instruction": """(.*?)""",.*?"output": """(.*?)""".*?"output": """(.*?)"""', re.S)
 
 
 # --------------------------------------------------------------------------------------------
@@ -57,6 +60,7 @@ class ScriptedServer:
     rate429   HTTP 429 (Retry-After: 0) on the first request, then like good
     fail500   always HTTP 500
     sleep     holds the request (until teardown) so the client times out
+    slow      answers like good after 0.2 s (requests overlap: `max_in_flight` counts them)
     malformed 200 with a body that is not JSON
     chatty    200 with a reply that holds no 0/1
     auth401   HTTP 401
@@ -66,6 +70,7 @@ class ScriptedServer:
         self.lock = threading.Lock()
         self.requests: list[dict] = []  # {"prompt", "r0", "r1", "auth", "payload", "path"}
         self.counts: Counter[str] = Counter()
+        self.in_flight = self.max_in_flight = 0
         self.release = threading.Event()
         server = self
 
@@ -75,7 +80,18 @@ class ScriptedServer:
 
             def do_POST(self):
                 payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                prompt, r0, r1 = TEMPLATE_RE.fullmatch(payload["messages"][0]["content"]).groups()
+                content = payload["messages"][0]["content"]
+                prompt, r0, r1 = (TEMPLATE_RE.fullmatch(content) or DEFAULT_RE.search(content)).groups()
+                with server.lock:
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                try:
+                    self._answer(payload, prompt, r0, r1)
+                finally:
+                    with server.lock:
+                        server.in_flight -= 1
+
+            def _answer(self, payload, prompt, r0, r1):
                 with server.lock:
                     server.requests.append(
                         {
@@ -101,6 +117,9 @@ class ScriptedServer:
                     self._send(429, b'{"error": "slow down"}', {"Retry-After": "0"})
                 elif mode == "sleep":
                     server.release.wait(timeout=3.0)
+                    self._reply(answer)
+                elif mode == "slow":
+                    time.sleep(0.2)
                     self._reply(answer)
                 elif mode == "malformed":
                     self._send(200, b'{"choices": [ not json')
@@ -685,3 +704,152 @@ def test_win_rate_edge_cases():
     with pytest.raises(ValueError, match="judgement 1 is 2"):
         win_rate([0, 2])
     assert "70.0%" in str(win_rate([0] * 7 + [1] * 3))
+
+
+# --------------------------------------------------------------------------------------------
+# `posttrain judge`: --judge_model, the HTTP flags and the progress display
+# --------------------------------------------------------------------------------------------
+def judge_files(tmp_path, mode, n):
+    """Prompts "<mode>|i", model completions that are GOOD and bad references, as jsonl files."""
+    rows = [{"prompt": f"{mode}|{i}", "completion": f"GOOD {i}"} for i in range(n)]
+    model_file = tmp_path / f"{mode}-model.jsonl"
+    model_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ref_file = tmp_path / f"{mode}-ref.jsonl"
+    ref_file.write_text("".join(json.dumps({"completion": f"bad {i}"}) + "\n" for i in range(n)))
+    return ["--completions_file", str(model_file), "--reference_file", str(ref_file)]
+
+
+def test_judge_flags_parse_like_judge_tldr(monkeypatch):
+    from posttrain.cli import parse_config
+    from posttrain.evaluate import build_judge
+    from posttrain.judges.spec import HF_ROUTER_URL
+
+    # judge_tldr.py's command as written: trl-lib/tldr's validation split against its references.
+    config = parse_config(
+        "judge", ["--model_name_or_path", "m", "--judge_model", "gpt-4o-mini", "--num_examples", "1000"]
+    )
+    assert (config.judge_model, config.judge, config.num_examples) == ("gpt-4o-mini", None, 1000)
+    assert (config.dataset_name, config.dataset_split, config.reference_column) == (
+        "trl-lib/tldr",
+        "validation",
+        "completion",
+    )
+    assert (config.temperature, config.max_new_tokens) == (0.0, 200)  # judge_tldr.py: greedy, 200 tokens
+
+    monkeypatch.setenv("OPENAI_API_KEY", SECRET)
+    argv = ["--model_name_or_path", "m", "--judge_model", "gpt-4o-mini", "--timeout", "2.5"]
+    config = parse_config("judge", [*argv, "--max_retries", "5", "--max_concurrency", "3"])
+    judge = build_judge(config)
+    assert isinstance(judge, OpenAIPairwiseJudge) and judge.model == "gpt-4o-mini"
+    assert (judge.timeout, judge.max_retries, judge.max_concurrency) == (2.5, 5, 3)
+
+    # A name without "gpt" is a model hosted by Hugging Face (TRL: HfPairwiseJudge), keyed by $HF_TOKEN.
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    config = parse_config(
+        "judge", ["--model_name_or_path", "m", "--judge_model", "meta-llama/Meta-Llama-3-70B-Instruct"]
+    )
+    with pytest.raises(ConfigError, match=r"--judge_model meta-llama/Meta-Llama-3-70B-Instruct: .*\$HF_TOKEN"):
+        build_judge(config)
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    judge = build_judge(config)
+    assert (judge.base_url, judge.model, judge.api_key_env) == (
+        HF_ROUTER_URL,
+        "meta-llama/Meta-Llama-3-70B-Instruct",
+        "HF_TOKEN",
+    )
+    assert (judge.timeout, judge.max_retries, judge.max_concurrency) == (30.0, 3, 8)  # the judge's defaults
+
+    # The http spec takes the flags too; the defaults stay with the judge when they are not given.
+    config = parse_config(
+        "judge",
+        [
+            "--model_name_or_path",
+            "m",
+            "--dataset_name",
+            "d",
+            "--reference_column",
+            "c",
+            "--judge",
+            "http:http://127.0.0.1:9/v1#m",
+            "--max_concurrency",
+            "2",
+        ],
+    )
+    judge = build_judge(config)
+    assert (judge.max_concurrency, judge.timeout, config.dataset_split) == (2, 30.0, "test")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--judge", "random", "--judge_model", "gpt-4o-mini"], "both name the judge"),
+        (["--judge", "random", "--timeout", "3"], "--timeout apply to HTTP judges"),
+        (["--judge_model", "gpt-4o-mini", "--max_concurrency", "0"], "max_concurrency=0 must be >= 1"),
+        (["--judge_model", "gpt-4o-mini", "--timeout", "0"], "timeout=0.0 must be > 0"),
+        (["--judge_model", "gpt-4o-mini", "--max_retries", "-1"], "max_retries=-1 must be >= 0"),
+        ([], "judge is not set: pass --judge .* or --judge_model"),
+    ],
+)
+def test_judge_flag_errors(argv, message, capsys):
+    from posttrain.cli import parse_config
+
+    with pytest.raises(SystemExit) as refused:
+        parse_config("judge", ["--model_name_or_path", "m", *argv])
+    assert refused.value.code == 2 and re.search(message, capsys.readouterr().err)
+
+
+def test_judge_command_honours_timeout_and_retries(server, tmp_path, capsys):
+    from posttrain.cli import main
+
+    argv = ["judge", *judge_files(tmp_path, "sleep", 2), "--judge", f"http:{server.url}#judge-model"]
+    start = time.monotonic()
+    code = main([*argv, "--timeout", "0.2", "--max_retries", "2", "--output_file", str(tmp_path / "out.jsonl")])
+    # Every request times out after 0.2 s and is tried 1 + 2 times (with up to 1.5 s of backoff); then the
+    # pair is a failure. The server would hold each request 3 s: without the timeout this takes 9 s.
+    assert code == 1 and time.monotonic() - start < 6
+    assert server.counts["sleep|0"] == server.counts["sleep|1"] == 3
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["winner"] for r in rows] == ["failure", "failure"]
+    assert "every judgement failed" in capsys.readouterr().out
+
+
+def test_judge_command_bounds_concurrency_and_shows_progress(server, tmp_path, capsys):
+    from posttrain.cli import main
+
+    argv = ["judge", *judge_files(tmp_path, "slow", 6), "--judge", f"http:{server.url}#judge-model"]
+    assert main([*argv, "--max_concurrency", "2"]) == 0
+    captured = capsys.readouterr()
+    # 6 requests of 0.2 s each, at most 2 at a time (and 2 were in flight together).
+    assert server.max_in_flight == 2 and len(server.requests) == 6
+    assert "Model win rate: 100.00%" in captured.out  # the default (TRL) prompt; the server picked GOOD
+    assert "judging" in captured.err and "6/6" in captured.err  # the progress bar, on stderr
+    # Without the flag, the judge's default (8) lets all 6 run at once.
+    server.max_in_flight = 0
+    assert main(argv) == 0 and server.max_in_flight > 2
+
+
+def test_progress_hook_counts_every_pair_once(server):
+    settled = []
+    judge = make_judge(server, max_requests=4, progress=settled.append, max_concurrency=3)
+    prompts, pairs, expected = good_pairs(6)
+    assert judge.judge(prompts, pairs, shuffle_order=False) == expected[:4] + [-1, -1]
+    assert sum(settled) == 6 and settled.count(1) == 4 and 2 in settled  # 4 answers, 2 past the cap at once
+    assert pickle.loads(pickle.dumps(judge)).progress is None  # a display stays with its process
+
+
+def test_local_judges_show_progress_in_chunks():
+    from posttrain.evaluate import judge_with_progress
+
+    calls = []
+
+    class Counting(BasePairwiseJudge):
+        def judge_pairs(self, prompts, pairs):
+            calls.append(len(pairs))
+            return [0] * len(pairs)
+
+    prompts, pairs = [f"p{i}" for i in range(10)], [["a", "b"]] * 10
+    assert judge_with_progress(RandomPairwiseJudge(3), prompts, pairs, chunk_size=4) == RandomPairwiseJudge(3).judge(
+        prompts, pairs
+    )  # same answers as one call: flips and draws go pair by pair
+    judge_with_progress(Counting(), prompts, pairs, chunk_size=4)
+    assert calls == [4, 4, 2]

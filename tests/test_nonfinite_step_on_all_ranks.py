@@ -80,12 +80,14 @@ def build(algo: str, out: str):
         return PPOTrainer(
             args=cfg, processing_class=tok, model=policy, reward_model=count_e, train_dataset=data
         ), policy
+    # Online DPO / XPO count per_device_train_batch_size in prompts (2 completions each), as TRL.
+    pairs = {**common, "per_device_train_batch_size": 1}
     if algo == "online_dpo":
-        cfg = OnlineDPOConfig(**common)
+        cfg = OnlineDPOConfig(**pairs)
         return OnlineDPOTrainer(
             policy, reward_funcs=count_e, args=cfg, processing_class=tok, train_dataset=data
         ), policy
-    cfg = XPOConfig(**common)
+    cfg = XPOConfig(**pairs)
     return XPOTrainer(policy, reward_model=count_e, args=cfg, processing_class=tok, train_dataset=data), policy
 
 

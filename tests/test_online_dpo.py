@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import struct
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def shorter(prompt, completion) -> float:
 def make_config(tmp_path, **overrides) -> OnlineDPOConfig:
     values = dict(
         output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
+        per_device_train_batch_size=2,  # prompts: 4 completions per micro-batch
         gradient_accumulation_steps=2,
         total_episodes=16,
         max_new_tokens=6,
@@ -93,16 +94,27 @@ def test_config_aliases_schedules_and_errors():
     assert [schedule_value([0.1, 0.2], e) for e in range(3)] == [0.1, 0.2, 0.2]
 
 
-def test_odd_micro_batch_rejected(tmp_path, tiny_tokenizer):
+def test_per_device_train_batch_size_counts_prompts(tmp_path, tiny_tokenizer):
+    """An odd per_device_train_batch_size is fine: it counts prompts (TRL), each sampled twice."""
     cfg = make_config(tmp_path, per_device_train_batch_size=3, gradient_accumulation_steps=2, total_episodes=12)
-    with pytest.raises(ConfigError, match="per_device_train_batch_size=3"):
-        OnlineDPOTrainer(
-            build_tiny_causal_lm(tiny_tokenizer),
-            judge=CallableJudge(shorter),
-            args=cfg,
-            processing_class=tiny_tokenizer,
-            train_dataset=standard_prompts(),
-        )
+    trainer = OnlineDPOTrainer(
+        build_tiny_causal_lm(tiny_tokenizer),
+        judge=CallableJudge(shorter),
+        args=cfg,
+        processing_class=tiny_tokenizer,
+        train_dataset=standard_prompts(),
+    )
+    # 3 prompts x GA 2 = 6 prompts = 12 completions per rollout batch; total_episodes=12 -> 1 batch.
+    assert (cfg.local_mini_batch_size, cfg.batch_size, cfg.num_total_batches) == (12, 12, 1)
+    assert trainer.run.prompts.batch_size == 6
+    trainer.train()
+    assert trainer.run.progress.optimizer_steps == 1 and trainer.state.log_history[0]["episode"] == 12
+    with pytest.raises(
+        ConfigError, match=r"batch_size = 12 completions = 2 per prompt × per_device_train_batch_size 3"
+    ):
+        make_config(
+            tmp_path, per_device_train_batch_size=3, gradient_accumulation_steps=2, total_episodes=8
+        ).derive_sizes(1, 16)
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,7 +222,7 @@ def test_first_update_policy_equals_reference(tmp_path, tiny_tokenizer, loss_typ
     model = build_tiny_causal_lm(tiny_tokenizer)
     before = params(model)
     cfg = make_config(
-        tmp_path, loss_type=loss_type, total_episodes=8, gradient_accumulation_steps=1, per_device_train_batch_size=8
+        tmp_path, loss_type=loss_type, total_episodes=8, gradient_accumulation_steps=1, per_device_train_batch_size=4
     )
     trainer = OnlineDPOTrainer(
         model,
@@ -236,7 +248,7 @@ def test_judge_raises_win_rate_against_initial_policy(tmp_path, tiny_tokenizer):
     initial = copy.deepcopy(model)
     cfg = make_config(
         tmp_path,
-        per_device_train_batch_size=16,
+        per_device_train_batch_size=8,
         gradient_accumulation_steps=1,
         total_episodes=16 * 20,
         max_new_tokens=8,
@@ -269,7 +281,7 @@ def test_conversational_prompts_and_judge_failures(tmp_path, tiny_tokenizer):
         return [-1 if i % 2 == 0 else 0 for i in range(len(pairs))] if len(calls) == 1 else [-1] * len(pairs)
 
     model = build_tiny_causal_lm(tiny_tokenizer)
-    cfg = make_config(tmp_path, total_episodes=16, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    cfg = make_config(tmp_path, total_episodes=16, per_device_train_batch_size=2, gradient_accumulation_steps=2)
     trainer = OnlineDPOTrainer(
         model,
         judge=CallableJudge(flaky, mode="pairwise"),
@@ -370,7 +382,7 @@ def test_cli_online_dpo(tmp_path, tiny_policy_dir):
             "--output_dir",
             str(out),
             "--per_device_train_batch_size",
-            "4",
+            "2",
             "--total_episodes",
             "8",
             "--max_new_tokens",
@@ -391,7 +403,7 @@ def test_cli_online_dpo(tmp_path, tiny_policy_dir):
 
 def test_non_finite_loss_skips_the_step(tmp_path, tiny_tokenizer):
     model = build_tiny_causal_lm(tiny_tokenizer)
-    cfg = make_config(tmp_path, total_episodes=16, per_device_train_batch_size=8, gradient_accumulation_steps=1)
+    cfg = make_config(tmp_path, total_episodes=16, per_device_train_batch_size=4, gradient_accumulation_steps=1)
     trainer = OnlineDPOTrainer(
         model,
         judge=CallableJudge(shorter),
@@ -408,11 +420,33 @@ def test_non_finite_loss_skips_the_step(tmp_path, tiny_tokenizer):
         assert torch.equal(v.isnan(), before[k].isnan()) and torch.equal(v.nan_to_num(), before[k].nan_to_num()), k
 
 
+def tensorboard_scalars(folder) -> dict[str, list[int]]:
+    """{tag: [steps]} of the scalars in a TensorBoard folder, read with tensorboard's EventAccumulator;
+    on the oldest stack (tensorboard 2.15, whose readers need numpy < 2) the TFRecord framing (u64
+    length, u32 crc, data, u32 crc) is read here and each record parsed as tensorboard's Event proto."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except AttributeError:  # tensorboard 2.15 + numpy 2: np.string_ at import
+        from tensorboard.compat.proto.event_pb2 import Event
+
+        scalars: dict[str, list[int]] = {}
+        for path in sorted(folder.glob("events.out.tfevents.*")):
+            data, pos = path.read_bytes(), 0
+            while pos < len(data):
+                (length,) = struct.unpack("<Q", data[pos : pos + 8])
+                event = Event.FromString(data[pos + 12 : pos + 12 + length])
+                pos += 12 + length + 4
+                for value in event.summary.value:
+                    scalars.setdefault(value.tag, []).append(event.step)
+        return scalars
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
 def test_tensorboard_tags_carry_transformers_prefixes(tmp_path, tiny_tokenizer):
     """TensorBoard gets the names transformers' TensorBoardCallback writes (train/..., eval/...);
     metrics.jsonl keeps the short names."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     cfg = make_config(tmp_path, total_episodes=8, report_to=["tensorboard"], run_name="tb")
     trainer = OnlineDPOTrainer(
         build_tiny_causal_lm(tiny_tokenizer),
@@ -425,13 +459,82 @@ def test_tensorboard_tags_carry_transformers_prefixes(tmp_path, tiny_tokenizer):
     trainer.train()
     trainer.evaluate()
     trainer.run.tracker.close()
-    events = EventAccumulator(str(tmp_path / "out" / "runs" / "tb"))
-    events.Reload()
-    tags = set(events.Tags()["scalars"])
+    scalars = tensorboard_scalars(tmp_path / "out" / "runs" / "tb")
+    tags = set(scalars)
     for tag in ("train/objective/kl", "train/objective/entropy", "train/loss/dpo", "train/lr", "train/episode"):
         assert tag in tags, tag
     assert "eval/objective/scores" in tags and "eval/completions/mean_length" in tags
     assert not any(tag.startswith("objective/") or tag.startswith("eval_") or tag == "lr" for tag in tags)
-    assert [e.step for e in events.Scalars("train/objective/kl")] == [1]
+    assert scalars["train/objective/kl"] == [1]
     record = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
     assert "objective/kl" in record and "lr" in record and "train/objective/kl" not in record
+
+
+def trl_max_steps(prompts: int, per_device: int, grad_accum: int, world: int, epochs: float) -> int:
+    """transformers.Trainer's count, under TRL's OnlineDPOTrainer / XPOTrainer: the dataloader has
+    ceil(P / (per_device · W)) batches per process; an epoch makes ceil(len / GA) optimizer steps;
+    max_steps = ceil(epochs · steps per epoch)."""
+    return math.ceil(epochs * max(math.ceil(math.ceil(prompts / (per_device * world)) / grad_accum), 1))
+
+
+# (prompts, per_device_train_batch_size, gradient_accumulation_steps, processes, num_train_epochs, TRL's
+# max_steps worked out by hand)
+STEP_CASES = [
+    (32, 4, 1, 1, 1.0, 8),  # 8 batches of 4 prompts -> 8 steps, each on 4 prompts x 2 completions
+    (32, 4, 1, 1, 3.0, 24),  # the default num_train_epochs: 3 x 8
+    (10, 2, 2, 1, 1.5, 5),  # 5 batches; ceil(5 / 2) = 3 steps per epoch (the last accumulates 1); ceil(4.5) = 5
+    (36, 4, 4, 1, 2.5, 8),  # 9 batches -> 3 steps per epoch; ceil(7.5) = 8 (floor(9 / 4) would say 2 per epoch)
+    (30, 2, 2, 2, 1.0, 4),  # 2 processes: ceil(30 / 4) = 8 batches each -> 4 steps
+    (10, 4, 1, 2, 2.0, 4),  # 2 processes: ceil(10 / 8) = 2 batches each -> 2 per epoch; 4 (not ceil(20 / 8) = 3)
+]
+
+
+@pytest.mark.parametrize(("prompts", "per_device", "grad_accum", "world", "epochs", "expected"), STEP_CASES)
+def test_step_count_is_trls(prompts, per_device, grad_accum, world, epochs, expected):
+    from posttrain.trainers.xpo_config import XPOConfig
+
+    assert trl_max_steps(prompts, per_device, grad_accum, world, epochs) == expected
+    for cls in (OnlineDPOConfig, XPOConfig):
+        cfg = cls(
+            per_device_train_batch_size=per_device, gradient_accumulation_steps=grad_accum, num_train_epochs=epochs
+        )
+        cfg.derive_sizes(world, prompts)
+        # One optimizer step (num_mini_batches = 1) per rollout batch of per_device x GA prompts per process.
+        assert cfg.num_total_batches == expected, cls.__name__
+        assert cfg.batch_size == 2 * per_device * grad_accum * world  # completions per rollout batch
+        assert cfg.total_episodes == expected * cfg.batch_size
+    # num_mini_batches (posttrain's; TRL has 1) splits a rollout batch into that many optimizer steps.
+    cfg = OnlineDPOConfig(per_device_train_batch_size=per_device, num_mini_batches=2, num_train_epochs=epochs)
+    assert cfg.derive_sizes(world, prompts).num_total_batches == math.ceil(
+        trl_max_steps(prompts, per_device, 1, world, epochs) / 2
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompts", "per_device", "grad_accum", "epochs", "expected"), [(32, 4, 1, 1.0, 8), (10, 2, 2, 1.5, 5)]
+)
+def test_training_runs_trls_steps_and_lr_schedule(
+    tmp_path, tiny_tokenizer, prompts, per_device, grad_accum, epochs, expected
+):
+    """The same command runs TRL's number of optimizer steps; the linear schedule spans them (lr 0 at the end)."""
+    cfg = make_config(
+        tmp_path,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=grad_accum,
+        num_train_epochs=epochs,
+        total_episodes=None,
+        max_new_tokens=2,
+        logging_steps=100,
+    )
+    trainer = OnlineDPOTrainer(
+        build_tiny_causal_lm(tiny_tokenizer),
+        reward_funcs=[lambda prompts, completions, **kw: [float(len(c)) for c in completions]],
+        args=cfg,
+        processing_class=tiny_tokenizer,
+        train_dataset=standard_prompts(prompts),
+    )
+    assert trainer.state.max_steps == expected
+    trainer.train()
+    assert trainer.state.global_step == expected == trainer.run.progress.optimizer_steps
+    assert trainer.run.progress.episode == expected * 2 * per_device * grad_accum
+    assert trainer.lr_scheduler.last_epoch == expected and trainer.lr_scheduler.get_last_lr() == [0.0]

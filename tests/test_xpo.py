@@ -62,7 +62,7 @@ def prompts(conversational: bool = False, n: int = 8) -> Dataset:
 def make_config(tmp_path, **overrides) -> XPOConfig:
     values = dict(
         output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
+        per_device_train_batch_size=2,  # prompts: 4 completions per micro-batch
         gradient_accumulation_steps=2,
         total_episodes=16,
         max_new_tokens=6,
@@ -90,7 +90,7 @@ def test_reward_model_run_logs_every_seed_metric(tmp_path, tiny_tokenizer, conve
     model = build_tiny_causal_lm(tiny_tokenizer)
     before = copy.deepcopy(model.state_dict())
     cfg = make_config(
-        tmp_path, alpha=0.5, total_episodes=8, gradient_accumulation_steps=1, per_device_train_batch_size=8
+        tmp_path, alpha=0.5, total_episodes=8, gradient_accumulation_steps=1, per_device_train_batch_size=4
     )
     trainer = XPOTrainer(
         model=model,
@@ -123,7 +123,7 @@ def test_peft_reference_is_the_base_model(tmp_path, tiny_tokenizer):
     frozen_base = copy.deepcopy(base)
     # Random (non-zero) LoRA weights, so the adapter changes the model from the first step.
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    cfg = make_config(tmp_path, total_episodes=8, gradient_accumulation_steps=1, per_device_train_batch_size=8)
+    cfg = make_config(tmp_path, total_episodes=8, gradient_accumulation_steps=1, per_device_train_batch_size=4)
     trainer = XPOTrainer(
         model=base,
         judge=CallableJudge(lambda prompt, completion: -len(completion)),
@@ -211,7 +211,7 @@ def test_quickstart_script_with_local_models(tmp_path, monkeypatch, tiny_policy_
         "--output_dir",
         str(out),
         "--total_episodes",
-        "8",
+        "16",  # one rollout batch: the default per_device_train_batch_size 8 prompts x 2 completions
         "--max_new_tokens",
         "4",
     ]
@@ -219,7 +219,7 @@ def test_quickstart_script_with_local_models(tmp_path, monkeypatch, tiny_policy_
     monkeypatch.setattr(sys, "argv", argv)
     runpy.run_path(str(EXAMPLE), run_name="__main__")
     log = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    assert log["episode"] == 8 and "loss/xpo" in log
+    assert log["episode"] == 16 and "loss/xpo" in log
     assert ("judge/failures" in log) == (feedback == "judge") and ("objective/model_scores" in log) == (
         feedback != "judge"
     )
@@ -266,12 +266,13 @@ def test_cli_xpo_with_reward_model_path(tmp_path, tiny_policy_dir, tiny_reward_m
 
 @pytest.mark.multiproc
 def test_two_processes_cli(tmp_path, tiny_policy_dir, tiny_reward_model_dir):
-    """DDP on CPU (gloo): no_sync micro-batches, global pair normalizer, metrics reduced across ranks."""
+    """DDP on CPU (gloo): no_sync micro-batches, global pair normalizer, metrics reduced across ranks;
+    the number of steps is TRL's for 2 processes."""
     import os
     import subprocess
 
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in WORDS))
+    data.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in WORDS[:6]))
     out = tmp_path / "run"
     # `accelerate launch --cpu --num_processes 2` starts ONE process with accelerate 1.15 (its simple
     # launcher); torchrun with ACCELERATE_USE_CPU gives a real 2-rank gloo group.
@@ -292,11 +293,11 @@ def test_two_processes_cli(tmp_path, tiny_policy_dir, tiny_reward_model_dir):
             "--output_dir",
             str(out),
             "--per_device_train_batch_size",
-            "2",
+            "1",
             "--gradient_accumulation_steps",
             "2",
-            "--total_episodes",
-            "16",
+            "--num_train_epochs",
+            "2",
             "--max_new_tokens",
             "4",
             "--logging_steps",
@@ -309,6 +310,10 @@ def test_two_processes_cli(tmp_path, tiny_policy_dir, tiny_reward_model_dir):
         timeout=180,
     )
     logs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [log["episode"] for log in logs] == [8, 16]  # 2 ranks × 2 × 2 completions per rollout batch
+    # TRL (transformers.Trainer) on 2 processes: ceil(6 prompts / (1 × 2)) = 3 batches per process, ceil(3 / GA 2)
+    # = 2 optimizer steps per epoch, 4 in 2 epochs (6 x 2 x 2 completions / 8 per step would make 3).
+    # Each step: 2 ranks × (1 prompt × GA 2) × 2 completions = 8 completions.
+    assert [log["step"] for log in logs] == [1, 2, 3, 4]
+    assert [log["episode"] for log in logs] == [8, 16, 24, 32]
     assert all(math.isfinite(v) for log in logs for v in log.values() if isinstance(v, float))
     assert (out / "model.safetensors").is_file()

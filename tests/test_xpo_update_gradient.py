@@ -40,7 +40,7 @@ def prompts(n: int = 8) -> Dataset:
 def config(cls, tmp_path, **overrides):
     values = dict(
         output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=8,
+        per_device_train_batch_size=4,  # prompts
         gradient_accumulation_steps=1,
         total_episodes=8,
         max_new_tokens=6,
@@ -72,7 +72,7 @@ def test_update_is_minus_gradient_of_mean_over_valid_pairs(tmp_path, tiny_tokeni
     cfg = config(
         cfg_cls,
         tmp_path,
-        per_device_train_batch_size=2,
+        per_device_train_batch_size=1,  # one prompt = one pair per micro-batch
         gradient_accumulation_steps=4,
         beta=0.2,
         loss_type=loss_type,

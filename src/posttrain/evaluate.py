@@ -10,11 +10,16 @@ judge failures (-1 answers, left out of the rate), and the pieces are interchang
 - references: a dataset column (--reference_column), a .jsonl file (--reference_file), or another
   model's generations (--reference_model, same settings);
 - judge: any spec of judges.judge_from_spec (pair_rm, openai[:model], http:<url>#<model>,
-  reward_model:<path>, python:<module>:<function>, random[:seed]).
+  reward_model:<path>, python:<module>:<function>, random[:seed]), or, as judge_tldr.py takes it,
+  a judge LLM by name (--judge_model: a "gpt" name is an OpenAI model, any other a model hosted by
+  Hugging Face; judges.judge_from_model_name). HTTP judges take --timeout, --max_retries and
+  --max_concurrency. A progress bar counts the pairs judged.
 
     posttrain judge --model_name_or_path out/ppo --judge openai:gpt-4o-mini \\
         --dataset_name trl-lib/tldr --dataset_split validation --reference_column completion \\
         --num_examples 1000 --output_file judged.jsonl
+    # judge_tldr.py's command, as written: trl-lib/tldr's validation split against its "completion"
+    posttrain judge --model_name_or_path out/ppo --judge_model gpt-4o-mini --num_examples 1000
 
 The judge sees the pair (model, reference) and its answer 0 means the model won; judges flip pair
 order internally against position bias (judges.BasePairwiseJudge).
@@ -29,6 +34,10 @@ from typing import Any
 
 from posttrain.configs import ConfigError, flag
 
+# judge_tldr.py's data: with --judge_model and no prompts given, the model is judged on these.
+TLDR_DATASET, TLDR_SPLIT, TLDR_REFERENCE = "trl-lib/tldr", "validation", "completion"
+DEFAULT_SPLIT = "test"
+
 
 @dataclass
 class JudgeConfig:
@@ -40,11 +49,31 @@ class JudgeConfig:
         "python:<module>:<function>, random[:seed].",
         default=None,
     )
+    judge_model: str | None = flag(
+        "Judge LLM by name, as TRL's judge_tldr.py takes it (instead of --judge): a name containing 'gpt' is "
+        "an OpenAI model ($OPENAI_API_KEY), any other a model hosted by Hugging Face "
+        "(https://router.huggingface.co/v1, $HF_TOKEN). Without --dataset_name / --completions_file the "
+        f"prompts are {TLDR_DATASET}'s {TLDR_SPLIT} split and the references its {TLDR_REFERENCE!r} column, "
+        "as in judge_tldr.py.",
+        default=None,
+    )
+    timeout: float | None = flag(
+        "HTTP judges (openai, http, --judge_model): seconds per socket operation of a request (default 30).",
+        default=None,
+    )
+    max_retries: int | None = flag(
+        "HTTP judges: retries of a request after HTTP 429 / 5xx, a timeout or a connection error (default 3).",
+        default=None,
+    )
+    max_concurrency: int | None = flag("HTTP judges: requests in flight at once (default 8).", default=None)
     dataset_name: str | None = flag(
         "Prompt set: hub name, saved folder, or .jsonl/.json/.parquet/.csv file.", default=None
     )
     dataset_config: str | None = flag("Configuration name of a hub dataset.", default=None)
-    dataset_split: str = flag("Split to evaluate on.", default="test")
+    dataset_split: str | None = flag(
+        f"Split to evaluate on (default {DEFAULT_SPLIT!r}; {TLDR_SPLIT!r} for judge_tldr.py's {TLDR_DATASET}).",
+        default=None,
+    )
     prompt_column: str = flag("Column holding the prompts (text or chat messages).", default="prompt")
     reference_column: str | None = flag("Column holding the reference completions.", default=None)
     reference_file: str | None = flag(
@@ -68,8 +97,37 @@ class JudgeConfig:
     trust_remote_code: bool = flag("Allow model code from the hub.", default=False)
 
     def __post_init__(self) -> None:
-        if not self.judge:
-            raise ConfigError("judge is not set: pass --judge (e.g. openai:gpt-4o-mini, reward_model:<path>, random).")
+        if not self.judge and not self.judge_model:
+            raise ConfigError(
+                "judge is not set: pass --judge (e.g. openai:gpt-4o-mini, reward_model:<path>, random) "
+                "or --judge_model (e.g. gpt-4o-mini)."
+            )
+        if self.judge and self.judge_model:
+            raise ConfigError(
+                f"--judge {self.judge} and --judge_model {self.judge_model} both name the judge; give one of them."
+            )
+        http_flags = [
+            f"--{name}" for name in ("timeout", "max_retries", "max_concurrency") if getattr(self, name) is not None
+        ]
+        if http_flags and self.judge:
+            from posttrain.judges.spec import is_http_spec
+
+            if not is_http_spec(self.judge):
+                raise ConfigError(
+                    f"{', '.join(http_flags)} apply to HTTP judges (openai, http:<url>#<model>, --judge_model) only, "
+                    f"not to --judge {self.judge}; drop them."
+                )
+        for name, low in (("timeout", 0.0), ("max_retries", 0), ("max_concurrency", 1)):
+            value = getattr(self, name)
+            if value is not None and (value <= low if name == "timeout" else value < low):
+                raise ConfigError(f"{name}={value} must be {'>' if name == 'timeout' else '>='} {low}.")
+        if self.judge_model and self.dataset_name is None and self.completions_file is None:
+            # judge_tldr.py's data (its command line names no dataset).
+            self.dataset_name = TLDR_DATASET
+            self.dataset_split = self.dataset_split or TLDR_SPLIT
+            if not (self.reference_column or self.reference_file or self.reference_model):
+                self.reference_column = TLDR_REFERENCE
+        self.dataset_split = self.dataset_split or DEFAULT_SPLIT
         if (self.model_name_or_path is None) == (self.completions_file is None):
             raise ConfigError("give exactly one of --model_name_or_path (generate) and --completions_file (read).")
         sources = [s for s in ("reference_column", "reference_file", "reference_model") if getattr(self, s)]
@@ -184,10 +242,58 @@ def _model_completions(path: str, prompts: list[Any], config: JudgeConfig) -> li
     )
 
 
-def evaluate(config: JudgeConfig, judge: Any = None) -> tuple[Any, list[dict]]:
-    """(WinRate, per-example rows). `judge` overrides config.judge (a judge object)."""
-    from posttrain.judges import judge_from_spec, win_rate
+def build_judge(config: JudgeConfig) -> Any:
+    """The judge of config.judge / config.judge_model, with the HTTP options given; a spec that
+    cannot be built (unknown form, missing API key, ...) is a ConfigError, raised before any model loads."""
+    from posttrain.judges import judge_from_model_name, judge_from_spec
 
+    options: dict[str, Any] = {
+        name: getattr(config, name)
+        for name in ("timeout", "max_retries", "max_concurrency")
+        if getattr(config, name) is not None
+    }
+    try:
+        if config.judge_model:
+            return judge_from_model_name(config.judge_model, seed=config.seed, **options)
+        # Seed the judge's order flips, except where the spec carries its own seed (random:<seed>)
+        # or names user code whose constructor may not take one (python:...).
+        seeded = not (config.judge.startswith("python:") or config.judge.startswith("random:"))
+        return judge_from_spec(config.judge, **({"seed": config.seed} if seeded else {}), **options)
+    except ValueError as err:
+        flag_name = "--judge_model" if config.judge_model else "--judge"
+        raise ConfigError(f"{flag_name} {config.judge_model or config.judge}: {err}.") from None
+
+
+def judge_with_progress(judge: Any, prompts: list[Any], pairs: list[list[Any]], chunk_size: int = 64) -> list[int]:
+    """judge.judge(prompts, pairs) with a progress bar (tqdm, on stderr) counting the pairs judged.
+
+    An HTTP judge reports each answer as it arrives (its `progress` hook) within one call, so its
+    concurrency and its one warning line per call are kept; any other judge is asked `chunk_size`
+    pairs at a time, which gives the same answers (flips and random draws go pair by pair)."""
+    from tqdm.auto import tqdm
+
+    from posttrain.judges import HTTPPairwiseJudge
+
+    with tqdm(total=len(pairs), desc="judging", unit="pair") as bar:
+        if isinstance(judge, HTTPPairwiseJudge):
+            previous, judge.progress = judge.progress, bar.update
+            try:
+                return list(judge.judge(prompts, pairs))
+            finally:
+                judge.progress = previous
+        answers: list[int] = []
+        for start in range(0, len(pairs), chunk_size):
+            answers.extend(judge.judge(prompts[start : start + chunk_size], pairs[start : start + chunk_size]))
+            bar.update(min(chunk_size, len(pairs) - start))
+        return answers
+
+
+def evaluate(config: JudgeConfig, judge: Any = None) -> tuple[Any, list[dict]]:
+    """(WinRate, per-example rows). `judge` overrides config.judge / judge_model (a judge object)."""
+    from posttrain.judges import win_rate
+
+    if judge is None:
+        judge = build_judge(config)
     n = config.num_examples
     dataset = None
     if config.dataset_name:
@@ -227,12 +333,7 @@ def evaluate(config: JudgeConfig, judge: Any = None) -> tuple[Any, list[dict]]:
     else:
         references = _model_completions(config.reference_model, prompts, config)
 
-    if judge is None:
-        # Seed the judge's order flips, except where the spec carries its own seed (random:<seed>)
-        # or names user code whose constructor may not take one (python:...).
-        seeded = not (config.judge.startswith("python:") or config.judge.startswith("random:"))
-        judge = judge_from_spec(config.judge, **({"seed": config.seed} if seeded else {}))
-    judgements = judge.judge(prompts, [[c, r] for c, r in zip(completions, references)])
+    judgements = judge_with_progress(judge, prompts, [[c, r] for c, r in zip(completions, references)])
     names = {0: "model", 1: "reference", -1: "failure"}
     rows = [
         {"prompt": p, "completion": c, "reference": r, "winner": names[j]}
@@ -250,7 +351,7 @@ def main(config: JudgeConfig) -> int:
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
     model = config.model_name_or_path or config.completions_file
-    print(f"Model: {model}  judge: {config.judge}  examples: {len(rows)}")
+    print(f"Model: {model}  judge: {config.judge or config.judge_model}  examples: {len(rows)}")
     if result.n == 0:
         print(f"Model win rate: undefined (every judgement failed); judge failures: {result.failures}")
         return 1

@@ -6,7 +6,7 @@
   `AllTrueJudge` and the `Random*Judge` helpers for tests and smoke runs.
 - `http`: `HTTPPairwiseJudge` / `OpenAIPairwiseJudge`, an OpenAI-compatible `/chat/completions`
   client (standard library only).
-- `spec`: `judge_from_spec`, a judge from a CLI string.
+- `spec`: `judge_from_spec`, a judge from a CLI string; `judge_from_model_name`, a judge LLM by name.
 - `winrate`: `win_rate`, judgements summarised with a Wilson interval.
 
 Every public name is importable from `posttrain.judges`. Importing it is light: torch,
@@ -26,7 +26,7 @@ from posttrain.judges.local import (
     RandomRankJudge,
     RewardModelJudge,
 )
-from posttrain.judges.spec import judge_from_spec
+from posttrain.judges.spec import judge_from_model_name, judge_from_spec
 from posttrain.judges.winrate import WinRate, win_rate
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "RandomRankJudge",
     "RewardModelJudge",
     "WinRate",
+    "judge_from_model_name",
     "judge_from_spec",
     "win_rate",
 ]

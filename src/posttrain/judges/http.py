@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from posttrain.judges.base import BasePairwiseJudge, _as_text
@@ -115,6 +115,10 @@ class HTTPPairwiseJudge(BasePairwiseJudge):
     The API key is read from the environment variable `api_key_env` (None: send no key, fine for
     local servers) and sent as `Authorization: Bearer ...`; it never appears in repr(), logs or
     exception messages.
+
+    `progress`, when set (a callable, e.g. a tqdm bar's `update`), is called with the number of
+    pairs settled each time a pair gets its answer or its failure, from the calling thread, so a
+    progress display advances while a `judge()` call runs (`posttrain judge` shows one).
     """
 
     def __init__(
@@ -133,6 +137,7 @@ class HTTPPairwiseJudge(BasePairwiseJudge):
         max_tokens: int | None = 1,
         temperature: float | None = 0.0,
         seed: int | None = None,
+        progress: Callable[[int], Any] | None = None,
     ):
         super().__init__(seed)
         if not base_url.startswith(("http://", "https://")):
@@ -167,6 +172,7 @@ class HTTPPairwiseJudge(BasePairwiseJudge):
         self.max_requests = max_requests
         self.max_tokens = max_tokens
         self.temperature = temperature
+        self.progress = progress
         self.num_requests = 0
         self.num_failures = 0
         self._cap_warned = False
@@ -186,9 +192,11 @@ class HTTPPairwiseJudge(BasePairwiseJudge):
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled judges (e.g. sent to worker processes) re-read the key from their environment.
+        # A progress display belongs to the process that shows it.
         state = self.__dict__.copy()
         for key in ("_api_key", "_lock", "_opener"):
             state.pop(key)
+        state["progress"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -223,15 +231,20 @@ class HTTPPairwiseJudge(BasePairwiseJudge):
             )
         answers = [-1] * n
         reasons: Counter[str] = Counter()
+        if allowed < n and self.progress is not None:
+            self.progress(n - allowed)  # past the cap: settled as -1 without a request
         if allowed:
             workers = min(self.max_concurrency, allowed)
             pool_options = {"max_workers": workers, "thread_name_prefix": "posttrain-judge"}
             with concurrent.futures.ThreadPoolExecutor(**pool_options) as pool:
-                outcomes = list(pool.map(self._ask, prompts[:allowed], pairs[:allowed]))
-            for i, (answer, reason) in enumerate(outcomes):
-                answers[i] = answer
-                if reason is not None:
-                    reasons[reason] += 1
+                futures = {pool.submit(self._ask, prompts[i], pairs[i]): i for i in range(allowed)}
+                for future in concurrent.futures.as_completed(futures):
+                    answer, reason = future.result()
+                    answers[futures[future]] = answer
+                    if reason is not None:
+                        reasons[reason] += 1
+                    if self.progress is not None:
+                        self.progress(1)
         failed = sum(reasons.values())
         if failed:
             with self._lock:

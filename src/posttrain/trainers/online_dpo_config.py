@@ -1,11 +1,30 @@
 """Configuration of Online DPO (`posttrain online-dpo`, `OnlineDPOTrainer`).
 
 Fields, meanings and defaults follow TRL's `OnlineDPOConfig` on top of the shared
-`OnPolicyConfig`. Deliberate differences, each for a reason:
+`OnPolicyConfig`.
 
-- `per_device_train_batch_size` counts completions, as in every posttrain online trainer (and
-  TRL's GRPO / RLOO): each prompt yields 2 completions, so 8 means 4 prompts per micro-batch.
-  TRL's Online DPO counted prompts; double the number to port a TRL command line exactly.
+Batch sizes are TRL's: `per_device_train_batch_size` counts PROMPTS, each sampled twice (the
+pair that is ranked), so a micro-batch holds 2 × per_device_train_batch_size completions. TRL's
+`OnlineDPOTrainer` / `XPOTrainer` run on transformers' Trainer, so the same command makes the same
+number of optimizer steps here (`derive_sizes`), with P prompts, W processes, GA =
+gradient_accumulation_steps:
+
+    steps per epoch = max(1, ceil(ceil(P / (per_device_train_batch_size · W)) / GA))
+    max_steps       = ceil(num_train_epochs · steps per epoch)   (or --max_steps when > 0)
+
+e.g. 32 prompts, per_device_train_batch_size 4, one process: 8 steps per epoch, each on 4 prompts ×
+2 completions. The learning-rate schedule (and warmup_ratio) spans max_steps optimizer steps, as
+TRL's. One rollout batch = per_device_train_batch_size · GA · num_mini_batches prompts per process
+and makes num_mini_batches optimizer steps (num_mini_batches is posttrain's, 1 = TRL); the run
+makes ceil(max_steps / num_mini_batches) rollout batches, so `trainer.state.max_steps` and
+`global_step` equal TRL's with num_mini_batches = 1. Every step draws full batches (a prompt
+stream reshuffled each pass), where transformers' last step of an epoch may be shorter.
+`total_episodes`, when given, counts completions (2 per prompt) and sets the run length instead.
+`episode` (logged) counts completions generated so far, as TRL's RLOO / PPO count theirs; TRL's
+Online DPO logs no `episode`, only `epoch`.
+
+Deliberate differences, each for a reason:
+
 - `max_new_tokens` and `response_length` (the OnPolicyConfig name) are aliases; giving both with
   different values is an error rather than a silent choice.
 - `gradient_checkpointing` and `bf16` default to off (CPU-first); TRL's base config turns both on.
@@ -15,6 +34,7 @@ Fields, meanings and defaults follow TRL's `OnlineDPOConfig` on top of the share
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from posttrain.configs import ConfigError, OnPolicyConfig, flag, refuse_unsupported
@@ -108,3 +128,41 @@ class OnlineDPOConfig(OnPolicyConfig):
     def samples_per_prompt(self) -> int:
         """Two completions per prompt: the pair that is ranked."""
         return 2
+
+    def derive_sizes(self, world_size: int = 1, dataset_size: int | None = None) -> OnlineDPOConfig:
+        """TRL's step count (module docstring). The derived sizes keep OnPolicyConfig's meaning
+        (completions), with per_device_train_batch_size counted in prompts:
+          local_mini_batch_size = 2 · per_device_train_batch_size · GA   (completions per optimizer step and process)
+          local_batch_size      = local_mini_batch_size · num_mini_batches
+          batch_size            = local_batch_size · world_size          (completions per rollout batch)
+          num_total_batches     = ceil(total_episodes / batch_size)      (rollout batches)
+        """
+        k = self.samples_per_prompt
+        prompts_per_step = self.per_device_train_batch_size * world_size
+        self.world_size = world_size
+        self.micro_batch_size = k * prompts_per_step
+        self.local_mini_batch_size = k * self.per_device_train_batch_size * self.gradient_accumulation_steps
+        self.local_batch_size = self.local_mini_batch_size * self.num_mini_batches
+        self.batch_size = self.local_batch_size * world_size
+        self.mini_batch_size = self.local_mini_batch_size * world_size
+        if self.max_steps > 0:
+            self.total_episodes = math.ceil(self.max_steps / self.num_mini_batches) * self.batch_size
+        elif self.total_episodes is None:
+            if dataset_size is None:
+                raise ConfigError("total_episodes is not set and the dataset size is unknown; pass --total_episodes.")
+            # transformers.Trainer: len(dataloader) = ceil(P / (per_device_train_batch_size · W)) per
+            # process; an epoch makes ceil(len / GA) optimizer steps (the last one may accumulate less).
+            dataloader_len = math.ceil(dataset_size / prompts_per_step)
+            steps_per_epoch = max(math.ceil(dataloader_len / self.gradient_accumulation_steps), 1)
+            max_steps = math.ceil(self.num_train_epochs * steps_per_epoch)
+            self.total_episodes = math.ceil(max_steps / self.num_mini_batches) * self.batch_size
+        if self.total_episodes < self.batch_size:
+            raise ConfigError(
+                f"total_episodes ({self.total_episodes}) is smaller than one rollout batch "
+                f"(batch_size = {self.batch_size} completions = {k} per prompt × per_device_train_batch_size "
+                f"{self.per_device_train_batch_size} × gradient_accumulation_steps {self.gradient_accumulation_steps} "
+                f"× num_mini_batches {self.num_mini_batches} × world_size {world_size}); "
+                "raise total_episodes or lower the batch size."
+            )
+        self.num_total_batches = math.ceil(self.total_episodes / self.batch_size)
+        return self

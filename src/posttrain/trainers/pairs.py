@@ -147,7 +147,6 @@ def setup_pair_trainer(
 ) -> None:
     """The start of Online DPO and XPO alike: parts and judge, policy and reference, the skeleton's
     setup, and the feedback (reward models / functions or the judge) on the run's device."""
-    check_pairs_fit(args)
     parts, judge = load_pair_parts(args, judge=judge, rewards=rewards, **given)
     policy, trainer.ref_model = prepare_policy(
         parts.policy, parts.reference, args, peft_config=parts.peft_config, needs_reference=True
@@ -172,14 +171,6 @@ def setup_pair_trainer(
         judge=judge,
         reward_tokenizer=parts.reward_tokenizer,
     )
-
-
-def check_pairs_fit(config: Any) -> None:
-    if config.per_device_train_batch_size % 2:
-        raise ConfigError(
-            f"per_device_train_batch_size={config.per_device_train_batch_size} counts completions and must be even: "
-            "each micro-batch holds whole pairs (2 completions per prompt)."
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,7 +243,7 @@ def train_on_pairs(
     """
     config, acc = run.config, run.accelerator
     num_pairs = len(rollout) // 2
-    pairs_per_micro = config.per_device_train_batch_size // 2
+    pairs_per_micro = config.per_device_train_batch_size  # counted in prompts, as TRL (online_dpo_config)
     pairs_per_mini = config.local_mini_batch_size // 2
     policy_logps = torch.zeros(len(rollout), device=run.device)
     model.train()

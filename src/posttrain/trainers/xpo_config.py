@@ -1,8 +1,9 @@
 """Configuration of XPO (`posttrain xpo`, `XPOTrainer`): OnlineDPOConfig plus `alpha`.
 
 As in TRL's `XPOConfig` (Xie et al. 2024, arXiv:2405.21046). Each prompt yields one completion from the policy
-and one from the reference model; both count as episodes, so `per_device_train_batch_size` (which
-counts completions, see online_dpo_config) of 8 means 4 prompts per micro-batch.
+and one from the reference model; `per_device_train_batch_size` counts prompts, as TRL's, so 4 means
+4 pairs (8 completions, both counted as episodes) per micro-batch, and the number of optimizer steps
+and the learning-rate schedule are TRL's (see online_dpo_config, `OnlineDPOConfig.derive_sizes`).
 """
 
 from __future__ import annotations
