@@ -13,6 +13,7 @@ torch loads.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -327,6 +328,38 @@ class TrainingConfig:
             raise ConfigError(f"lora_dropout={self.lora_dropout} must be within [0, 1).")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"save_total_limit={self.save_total_limit} must be >= 1 or None.")
+        self._check_optimization_fields()
+
+    def _check_optimization_fields(self) -> None:
+        """optim / optim_args, compile, data-loader and log-level fields: refused here, before any model loads."""
+        if self.optim not in OPTIMIZERS:
+            raise ConfigError(f"optim={self.optim!r} is not a known optimizer; choose one of {list(OPTIMIZERS)}.")
+        if self.optim in BNB_OPTIMIZERS and importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError(f"optim={self.optim!r} needs bitsandbytes: pip install bitsandbytes")
+        for part in (self.optim_args or "").replace(" ", "").split(","):
+            if part and ("=" not in part or part.startswith("=")):
+                raise ConfigError(f'optim_args={self.optim_args!r}: {part!r} is not key=value; write "a=1,b=2".')
+        for name in ("log_level", "log_level_replica"):
+            if getattr(self, name) not in LOG_LEVELS:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {list(LOG_LEVELS)}.")
+        if self.torch_compile_mode not in COMPILE_MODES:
+            raise ConfigError(f"torch_compile_mode={self.torch_compile_mode!r} must be one of {list(COMPILE_MODES)}.")
+        if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
+            self.torch_compile = True  # as transformers: naming a backend or mode turns compiling on
+        if self.torch_compile and self.torch_compile_backend is None:
+            self.torch_compile_backend = "inductor"
+        if self.dataloader_num_workers < 0:
+            raise ConfigError(f"dataloader_num_workers={self.dataloader_num_workers} must be >= 0.")
+        if self.dataloader_num_workers == 0 and self.dataloader_prefetch_factor is not None:
+            raise ConfigError(
+                "dataloader_prefetch_factor needs worker processes: set dataloader_num_workers > 0 or drop it."
+            )
+        if self.dataloader_prefetch_factor is not None and self.dataloader_prefetch_factor < 1:
+            raise ConfigError(f"dataloader_prefetch_factor={self.dataloader_prefetch_factor} must be >= 1.")
+        if self.dataloader_num_workers == 0 and self.dataloader_persistent_workers:
+            raise ConfigError(
+                "dataloader_persistent_workers needs worker processes: set dataloader_num_workers > 0 or drop it."
+            )
 
     def _resolve_aliases(self) -> None:
         """transformers' deprecated names: each sets its new name (both given and different: ConfigError)."""
@@ -581,6 +614,25 @@ class OnPolicyConfig(TrainingConfig):
         return max(1, self.num_total_batches // self.num_sample_generations)
 
 
+# optim names (transformers' OptimizerNames that posttrain builds; see posttrain.optim).
+BNB_OPTIMIZERS = (
+    "adamw_bnb_8bit",
+    "adamw_8bit",
+    "paged_adamw_8bit",
+    "paged_adamw_32bit",
+    "lion_8bit",
+    "lion_32bit",
+    "paged_lion_8bit",
+    "paged_lion_32bit",
+    "rmsprop_bnb",
+    "rmsprop_bnb_8bit",
+    "rmsprop_bnb_32bit",
+)
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop", *BNB_OPTIMIZERS)
+# log_level / log_level_replica values (transformers' names; "passive" leaves the level as it is).
+LOG_LEVELS = ("passive", "debug", "detail", "info", "warning", "error", "critical")
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
 # transformers.TrainingArguments fields posttrain accepts at their default but cannot honour otherwise:
 # a different value is a ConfigError naming the field and this reason (nothing is silently ignored).
 UNSUPPORTED_FIELDS: dict[str, str] = {
@@ -632,28 +684,10 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "load_best_model_at_end": "not implemented yet",
     "metric_for_best_model": "not implemented yet",
     "greater_is_better": "not implemented yet",
-    "lr_scheduler_kwargs": "not implemented yet",
-    "optim": "not implemented yet",
-    "optim_args": "not implemented yet",
-    "gradient_checkpointing_kwargs": "not implemented yet",
-    "torch_compile": "not implemented yet",
-    "torch_compile_backend": "not implemented yet",
-    "torch_compile_mode": "not implemented yet",
-    "dataloader_num_workers": "not implemented yet",
-    "dataloader_prefetch_factor": "not implemented yet",
-    "dataloader_pin_memory": "not implemented yet",
-    "dataloader_persistent_workers": "not implemented yet",
-    "dataloader_drop_last": "not implemented yet",
-    "data_seed": "not implemented yet",
-    "full_determinism": "not implemented yet",
-    "disable_tqdm": "not implemented yet",
     "use_cpu": "not implemented yet",
     "tf32": "not implemented yet",
     "torch_empty_cache_steps": "not implemented yet",
     "neftune_noise_alpha": "not implemented yet",
-    "log_level": "not implemented yet",
-    "log_level_replica": "not implemented yet",
-    "log_on_each_node": "not implemented yet",
     "ddp_backend": "not implemented yet",
     "ddp_timeout": "not implemented yet",
     "ddp_find_unused_parameters": "not implemented yet",
@@ -691,10 +725,13 @@ DERIVED_SIZES = frozenset(
 )
 
 # Fields that apply to SFT and reward training but not to the online trainers.
+ONLINE_PROMPTS = "online trainers draw their prompt batches in the training process (no DataLoader workers)"
 ONLINE_UNSUPPORTED_FIELDS: dict[str, str] = {
     "load_best_model_at_end": "online trainers have no held-out loss to pick a checkpoint by",
     "neftune_noise_alpha": "NEFTune applies to supervised fine-tuning only",
-    "model_init_kwargs": "not implemented yet",
+    "dataloader_num_workers": ONLINE_PROMPTS,
+    "dataloader_prefetch_factor": ONLINE_PROMPTS,
+    "dataloader_persistent_workers": ONLINE_PROMPTS,
 }
 
 
