@@ -14,7 +14,7 @@ from posttrain.configs import BNB_OPTIMIZERS, ConfigError
 
 def parse_optim_args(text: str | None) -> dict[str, Any]:
     """`optim_args` ("key=value,key=value", spaces ignored, as transformers splits it) as keyword
-    arguments: true/false become bools, none None, numbers int or float, anything else stays text."""
+    arguments: true/false (yes/no) become bools, none None, numbers int or float, anything else stays text."""
     out: dict[str, Any] = {}
     if not text:
         return out
@@ -26,8 +26,8 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
             raise ConfigError(f'optim_args={text!r}: {part!r} is not key=value; write "key=value,key=value".')
         lowered = raw.lower()
         value: Any
-        if lowered in ("true", "false"):
-            value = lowered == "true"
+        if lowered in ("true", "false", "yes", "no"):
+            value = lowered in ("true", "yes")
         elif lowered == "none":
             value = None
         else:
