@@ -407,6 +407,29 @@ def test_data_seed_changes_the_data_order_only(tmp_path, tiny_tokenizer):
         orders[data_seed] = (list(trainer.run.prompts._order), trainer.run.generator.get_state())
     assert orders[5][0] != orders[None][0]
     assert torch.equal(orders[5][1], orders[None][1])  # the sampling stream follows seed
+    from posttrain.trainers.grpo import GRPOTrainer
+    from posttrain.trainers.grpo_config import GRPOConfig
+
+    grpo_orders = []
+    for data_seed in (None, 5):
+        args = GRPOConfig(
+            output_dir=str(tmp_path / "g"), per_device_train_batch_size=4, num_generations=2, total_episodes=8,
+            report_to=["none"], num_sample_generations=0, save_steps=0, seed=0, data_seed=data_seed,
+        )  # fmt: skip
+        trainer = GRPOTrainer(
+            build_tiny_causal_lm(tiny_tokenizer), e_fraction, args, prompts(), processing_class=tiny_tokenizer
+        )
+        grpo_orders.append(list(trainer.run.prompts._order))
+    assert grpo_orders[1] != grpo_orders[0] and sorted(grpo_orders[1]) == list(range(16))
+    # SFT's shuffle_dataset (one shuffle before preparation) follows data_seed too.
+    firsts = []
+    for data_seed in (0, 1):
+        trainer = sft_trainer(
+            tmp_path, tiny_tokenizer, n=8, name=f"shuffle{data_seed}", seed=0, data_seed=data_seed,
+            shuffle_dataset=True,
+        )  # fmt: skip
+        firsts.append([trainer.train_dataset[i]["input_ids"] for i in range(8)])
+    assert firsts[0] != firsts[1]
 
 
 def test_full_determinism(tmp_path, tiny_tokenizer, monkeypatch):
