@@ -13,6 +13,7 @@ torch loads.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -46,7 +47,7 @@ class TrainingConfig:
     dataset_config: str | None = flag("Configuration name of a hub dataset.", default=None)
     dataset_train_split: str = flag("Split used for training.", default="train")
     dataset_test_split: str = flag("Split used for evaluation and sample generations.", default="test")
-    learning_rate: float = flag("Initial AdamW learning rate.", default=5e-5)
+    learning_rate: float = flag("Initial learning rate of the optimizer (optim).", default=5e-5)
     per_device_train_batch_size: int = flag("Batch size per device per micro-step.", default=8)
     per_device_eval_batch_size: int = flag("Batch size per device for evaluation.", default=8)
     gradient_accumulation_steps: int = flag("Micro-steps accumulated before each optimizer step.", default=1)
@@ -64,7 +65,7 @@ class TrainingConfig:
     )
     warmup_ratio: float = flag("Fraction of total steps used for linear warmup.", default=0.0)
     warmup_steps: int = flag("Warmup steps (overrides warmup_ratio when > 0).", default=0)
-    weight_decay: float = flag("AdamW weight decay.", default=0.0)
+    weight_decay: float = flag("Weight decay of the optimizer (optim), on every parameter.", default=0.0)
     adam_beta1: float = flag("AdamW beta1.", default=0.9)
     adam_beta2: float = flag("AdamW beta2.", default=0.999)
     adam_epsilon: float = flag("AdamW epsilon.", default=1e-8)
@@ -159,38 +160,82 @@ class TrainingConfig:
         "Whether a larger metric_for_best_model is better (default: False for losses, True otherwise).", default=None
     )
     lr_scheduler_kwargs: dict[str, Any] | str | None = flag(
-        "Extra keyword arguments of the learning-rate schedule, as JSON on the command line "
-        "(e.g. '{\"num_cycles\": 2}').",
+        "Extra keyword arguments of the learning-rate schedule (transformers.get_scheduler's "
+        "scheduler_specific_kwargs), as JSON on the command line, e.g. '{\"num_cycles\": 2}' for "
+        "cosine_with_restarts or '{\"min_lr\": 1e-6}' for cosine_with_min_lr. Refused for constant schedules.",
         default_factory=dict,
     )
     optim: str = flag(
-        "Optimizer: adamw_torch, adamw_torch_fused, adafactor, sgd, or a bitsandbytes optimizer "
-        "(adamw_bnb_8bit, paged_adamw_8bit, ...) when bitsandbytes is installed.",
+        "Optimizer: adamw_torch, adamw_torch_fused, adafactor (transformers' Adafactor with an external lr), "
+        "sgd, adagrad, rmsprop, or with bitsandbytes installed adamw_bnb_8bit, adamw_8bit, paged_adamw_8bit, "
+        "paged_adamw_32bit, lion_8bit, lion_32bit, paged_lion_8bit, paged_lion_32bit, rmsprop_bnb, "
+        "rmsprop_bnb_8bit, rmsprop_bnb_32bit. All take learning_rate and weight_decay; the Adam ones "
+        "adam_beta1/2 and adam_epsilon; Lion the betas.",
         default="adamw_torch",
     )
-    optim_args: str | None = flag('Extra optimizer arguments as "key=value,key=value".', default=None)
+    optim_args: str | None = flag(
+        'Extra optimizer keyword arguments as "key=value,key=value" (e.g. "momentum=0.9,nesterov=true" for sgd); '
+        "numbers and true/false are converted, and they override the values above. An argument the optimizer "
+        "does not take is an error.",
+        default=None,
+    )
     adafactor: bool = flag("Deprecated alias of optim=adafactor.", default=False)
     optim_target_modules: list[str] | str | None = flag(
         "Modules for GaLore-style optimizers (not supported by posttrain).", default=None
     )
     gradient_checkpointing_kwargs: dict[str, Any] | str | None = flag(
-        "Keyword arguments of gradient_checkpointing_enable, as JSON (e.g. '{\"use_reentrant\": false}').",
+        "Keyword arguments of gradient_checkpointing_enable, as JSON (e.g. '{\"use_reentrant\": true}'); "
+        'given keys replace posttrain\'s default {"use_reentrant": false} (works with frozen inputs and LoRA).',
         default=None,
     )
-    torch_compile: bool = flag("Compile the trained model with torch.compile.", default=False)
-    torch_compile_backend: str | None = flag("torch.compile backend (default inductor).", default=None)
-    torch_compile_mode: str | None = flag("torch.compile mode (default, reduce-overhead, max-autotune).", default=None)
-    torchdynamo: str | None = flag("Deprecated alias of torch_compile_backend.", default=None)
-    dataloader_num_workers: int = flag("Worker processes of the training data loader (0: main process).", default=0)
-    dataloader_prefetch_factor: int | None = flag("Batches each worker loads ahead.", default=None)
-    dataloader_pin_memory: bool = flag("Pin data-loader memory (faster host-to-GPU copies).", default=True)
-    dataloader_persistent_workers: bool = flag("Keep data-loader workers alive between epochs.", default=False)
-    dataloader_drop_last: bool = flag("Drop the last incomplete training batch.", default=False)
-    data_seed: int | None = flag("Seed of the data order only (default: seed).", default=None)
-    full_determinism: bool = flag(
-        "Deterministic algorithms everywhere (torch.use_deterministic_algorithms); slower.", default=False
+    torch_compile: bool = flag(
+        "Compile the trained model's forward with torch.compile (in place: saved weights keep their names). "
+        "Online trainers generate with the uncompiled forward (decoding changes shapes every token).",
+        default=False,
     )
-    disable_tqdm: bool | None = flag("Hide progress bars.", default=None)
+    torch_compile_backend: str | None = flag(
+        "torch.compile backend (default inductor); setting it turns torch_compile on.", default=None
+    )
+    torch_compile_mode: str | None = flag(
+        "torch.compile mode: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs; setting it turns "
+        "torch_compile on.",
+        default=None,
+    )
+    torchdynamo: str | None = flag("Deprecated alias of torch_compile_backend.", default=None)
+    dataloader_num_workers: int = flag(
+        "SFT / reward: worker processes that collate the training batches (0: the main process). Online "
+        "trainers draw prompt batches in-process and refuse > 0.",
+        default=0,
+    )
+    dataloader_prefetch_factor: int | None = flag(
+        "SFT / reward: optimizer steps' batches each worker prepares ahead (needs dataloader_num_workers > 0).",
+        default=None,
+    )
+    dataloader_pin_memory: bool = flag(
+        "SFT / reward: pin the training batches' memory for faster host-to-GPU copies (CUDA only). Online "
+        "trainers' prompt batches are never pinned.",
+        default=True,
+    )
+    dataloader_persistent_workers: bool = flag(
+        "SFT / reward: keep the data-loader workers alive from one epoch to the next (needs "
+        "dataloader_num_workers > 0).",
+        default=False,
+    )
+    dataloader_drop_last: bool = flag(
+        "SFT / reward: each epoch ends at its last complete batch (fewer steps per epoch). Online trainers always "
+        "drop an epoch's incomplete prompt batch.",
+        default=False,
+    )
+    data_seed: int | None = flag(
+        "Seed of the data order only (SFT / reward example order, online prompt order); default: seed. Model "
+        "initialisation, dropout and sampling follow seed.",
+        default=None,
+    )
+    full_determinism: bool = flag(
+        "transformers.enable_full_determinism(seed): deterministic algorithms, cuDNN / cuBLAS settings; slower.",
+        default=False,
+    )
+    disable_tqdm: bool | None = flag("Hide progress bars (None: shown on the main process).", default=None)
     use_cpu: bool = flag("Train on the CPU even when a GPU is available.", default=False)
     no_cuda: bool = flag("Deprecated alias of use_cpu.", default=False)
     use_mps_device: bool = flag("Deprecated: Apple MPS is used automatically when available.", default=False)
@@ -206,11 +251,14 @@ class TrainingConfig:
     )
     prediction_loss_only: bool = flag("Evaluation returns only the loss (posttrain's does).", default=False)
     log_level: str = flag(
-        "Log level of the main process: debug, info, warning, error, critical or passive (leave as set).",
+        "transformers' and posttrain's log level on the main process: debug, detail, info, warning, error, critical "
+        "or passive (leave as set).",
         default="passive",
     )
-    log_level_replica: str = flag("Log level of the other processes.", default="warning")
-    log_on_each_node: bool = flag("Multi-node: log from each node's main process, not only the first.", default=True)
+    log_level_replica: str = flag("Log level of the other processes (same choices).", default="warning")
+    log_on_each_node: bool = flag(
+        "Multi-node: each node's main process logs at log_level (False: only the first node's).", default=True
+    )
     local_rank: int = flag("Set by the launcher (torchrun / accelerate); read from the environment.", default=-1)
     ddp_backend: str | None = flag("torch.distributed backend: nccl, gloo, mpi, ccl, hccl, ...", default=None)
     ddp_timeout: int = flag("Seconds a collective waits before the process group times out.", default=1800)
@@ -276,7 +324,8 @@ class TrainingConfig:
         default=True,
     )
     model_init_kwargs: dict[str, Any] | str | None = flag(
-        "Extra keyword arguments for from_pretrained, as JSON on the command line "
+        "Extra keyword arguments for from_pretrained of every model loaded from a path (online trainers: policy, "
+        "reference, reward and value models), as JSON on the command line "
         '(e.g. \'{"attn_implementation": "sdpa"}\').',
         default=None,
     )
@@ -327,6 +376,38 @@ class TrainingConfig:
             raise ConfigError(f"lora_dropout={self.lora_dropout} must be within [0, 1).")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"save_total_limit={self.save_total_limit} must be >= 1 or None.")
+        self._check_optimization_fields()
+
+    def _check_optimization_fields(self) -> None:
+        """optim / optim_args, compile, data-loader and log-level fields: refused here, before any model loads."""
+        if self.optim not in OPTIMIZERS:
+            raise ConfigError(f"optim={self.optim!r} is not a known optimizer; choose one of {list(OPTIMIZERS)}.")
+        if self.optim in BNB_OPTIMIZERS and importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError(f"optim={self.optim!r} needs bitsandbytes: pip install bitsandbytes")
+        for part in (self.optim_args or "").replace(" ", "").split(","):
+            if part and ("=" not in part or part.startswith("=")):
+                raise ConfigError(f'optim_args={self.optim_args!r}: {part!r} is not key=value; write "a=1,b=2".')
+        for name in ("log_level", "log_level_replica"):
+            if getattr(self, name) not in LOG_LEVELS:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {list(LOG_LEVELS)}.")
+        if self.torch_compile_mode not in COMPILE_MODES:
+            raise ConfigError(f"torch_compile_mode={self.torch_compile_mode!r} must be one of {list(COMPILE_MODES)}.")
+        if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
+            self.torch_compile = True  # as transformers: naming a backend or mode turns compiling on
+        if self.torch_compile and self.torch_compile_backend is None:
+            self.torch_compile_backend = "inductor"
+        if self.dataloader_num_workers < 0:
+            raise ConfigError(f"dataloader_num_workers={self.dataloader_num_workers} must be >= 0.")
+        if self.dataloader_num_workers == 0 and self.dataloader_prefetch_factor is not None:
+            raise ConfigError(
+                "dataloader_prefetch_factor needs worker processes: set dataloader_num_workers > 0 or drop it."
+            )
+        if self.dataloader_prefetch_factor is not None and self.dataloader_prefetch_factor < 1:
+            raise ConfigError(f"dataloader_prefetch_factor={self.dataloader_prefetch_factor} must be >= 1.")
+        if self.dataloader_num_workers == 0 and self.dataloader_persistent_workers:
+            raise ConfigError(
+                "dataloader_persistent_workers needs worker processes: set dataloader_num_workers > 0 or drop it."
+            )
 
     def _resolve_aliases(self) -> None:
         """transformers' deprecated names: each sets its new name (both given and different: ConfigError)."""
@@ -400,7 +481,7 @@ class OnPolicyConfig(TrainingConfig):
     per_device_train_batch_size × gradient_accumulation_steps completions per device.
     """
 
-    learning_rate: float = flag("Initial AdamW learning rate.", default=3e-6)
+    learning_rate: float = flag("Initial learning rate of the optimizer (optim).", default=3e-6)
     logging_steps: int = flag("Log metrics every N rollout batches.", default=1)
     num_mini_batches: int = flag("Minibatches (optimizer steps) per rollout batch and epoch.", default=1)
     total_episodes: int | None = flag(
@@ -581,6 +662,25 @@ class OnPolicyConfig(TrainingConfig):
         return max(1, self.num_total_batches // self.num_sample_generations)
 
 
+# optim names (transformers' OptimizerNames that posttrain builds; see posttrain.optim).
+BNB_OPTIMIZERS = (
+    "adamw_bnb_8bit",
+    "adamw_8bit",
+    "paged_adamw_8bit",
+    "paged_adamw_32bit",
+    "lion_8bit",
+    "lion_32bit",
+    "paged_lion_8bit",
+    "paged_lion_32bit",
+    "rmsprop_bnb",
+    "rmsprop_bnb_8bit",
+    "rmsprop_bnb_32bit",
+)
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop", *BNB_OPTIMIZERS)
+# log_level / log_level_replica values (transformers' names; "passive" leaves the level as it is).
+LOG_LEVELS = ("passive", "debug", "detail", "info", "warning", "error", "critical")
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
 # transformers.TrainingArguments fields posttrain accepts at their default but cannot honour otherwise:
 # a different value is a ConfigError naming the field and this reason (nothing is silently ignored).
 UNSUPPORTED_FIELDS: dict[str, str] = {
@@ -632,28 +732,10 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "load_best_model_at_end": "not implemented yet",
     "metric_for_best_model": "not implemented yet",
     "greater_is_better": "not implemented yet",
-    "lr_scheduler_kwargs": "not implemented yet",
-    "optim": "not implemented yet",
-    "optim_args": "not implemented yet",
-    "gradient_checkpointing_kwargs": "not implemented yet",
-    "torch_compile": "not implemented yet",
-    "torch_compile_backend": "not implemented yet",
-    "torch_compile_mode": "not implemented yet",
-    "dataloader_num_workers": "not implemented yet",
-    "dataloader_prefetch_factor": "not implemented yet",
-    "dataloader_pin_memory": "not implemented yet",
-    "dataloader_persistent_workers": "not implemented yet",
-    "dataloader_drop_last": "not implemented yet",
-    "data_seed": "not implemented yet",
-    "full_determinism": "not implemented yet",
-    "disable_tqdm": "not implemented yet",
     "use_cpu": "not implemented yet",
     "tf32": "not implemented yet",
     "torch_empty_cache_steps": "not implemented yet",
     "neftune_noise_alpha": "not implemented yet",
-    "log_level": "not implemented yet",
-    "log_level_replica": "not implemented yet",
-    "log_on_each_node": "not implemented yet",
     "ddp_backend": "not implemented yet",
     "ddp_timeout": "not implemented yet",
     "ddp_find_unused_parameters": "not implemented yet",
@@ -691,10 +773,13 @@ DERIVED_SIZES = frozenset(
 )
 
 # Fields that apply to SFT and reward training but not to the online trainers.
+ONLINE_PROMPTS = "online trainers draw their prompt batches in the training process (no DataLoader workers)"
 ONLINE_UNSUPPORTED_FIELDS: dict[str, str] = {
     "load_best_model_at_end": "online trainers have no held-out loss to pick a checkpoint by",
     "neftune_noise_alpha": "NEFTune applies to supervised fine-tuning only",
-    "model_init_kwargs": "not implemented yet",
+    "dataloader_num_workers": ONLINE_PROMPTS,
+    "dataloader_prefetch_factor": ONLINE_PROMPTS,
+    "dataloader_persistent_workers": ONLINE_PROMPTS,
 }
 
 

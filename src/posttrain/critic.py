@@ -110,7 +110,7 @@ def attach_critic(
     CausalLMWithValueHead, critic None), a copy of the reward model, or a copy of the policy's trunk
     under a new head (default: "head" for a value-head policy, else "reward" with a reward model,
     else "policy"). Dropout is switched off in a separate critic when config.disable_dropout."""
-    from posttrain.models import CausalLMWithValueHead, disable_dropout, load_value_model
+    from posttrain.models import CausalLMWithValueHead, disable_dropout, load_value_model, model_init_kwargs
 
     init = config.value_model_init or (
         "head" if isinstance(policy, CausalLMWithValueHead) else "reward" if reward_models else "policy"
@@ -118,7 +118,7 @@ def attach_critic(
     if value_model is None and config.value_model_path:
         # The critic is trained, so a causal LM (TRL's examples pass the SFT model) gets a fresh value head.
         value_model = load_value_model(
-            config.value_model_path, dtype=config.torch_dtype, tokenizer=tokenizer, allow_new_head=True
+            config.value_model_path, **model_init_kwargs(config), tokenizer=tokenizer, allow_new_head=True
         )
     critic = build_critic(init, policy, value_model, reward_models, reward_tokenizer, tokenizer)
     if init == "head" and not isinstance(policy, CausalLMWithValueHead):

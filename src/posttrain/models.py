@@ -13,8 +13,10 @@ Tiny offline tokenizers and models for tests, the demo and the benchmarks live i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -260,13 +262,68 @@ def _sync_vocab(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | Non
         model.config.eos_token_id = tokenizer.eos_token_id
 
 
-def _finish(model: PreTrainedModel, *, dropout_off: bool, gradient_checkpointing: bool) -> PreTrainedModel:
+def enable_gradient_checkpointing(model: nn.Module, kwargs: dict[str, Any] | None = None) -> None:
+    """`model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)` with the config's
+    `gradient_checkpointing_kwargs` over posttrain's default {"use_reentrant": False} (non-reentrant
+    checkpointing works with inputs that do not require grad, i.e. frozen embeddings and LoRA, and
+    with torch.compile). With use_reentrant=True the input embeddings are made to require grad, as
+    TRL does, so checkpointed blocks still receive gradients."""
+    settings = {"use_reentrant": False, **(kwargs or {})}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=settings)
+    if settings["use_reentrant"] and hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
+
+
+def model_init_kwargs(config: Any) -> dict[str, Any]:
+    """The loaders' keyword arguments from a config: dtype (torch_dtype, or model_init_kwargs'
+    dtype / torch_dtype), trust_remote_code, and the rest of model_init_kwargs for `from_pretrained`."""
+    extra = dict(getattr(config, "model_init_kwargs", None) or {})
+    dtype = extra.pop("dtype", extra.pop("torch_dtype", config.torch_dtype))
+    trust = extra.pop("trust_remote_code", config.trust_remote_code)
+    return {"dtype": dtype, "trust_remote_code": trust, **extra}
+
+
+def compile_for_training(model: nn.Module, config: Any) -> nn.Module:
+    """With config.torch_compile, compile `model`'s forward in place (`nn.Module.compile` with
+    torch_compile_backend / torch_compile_mode): its parameters and state_dict keep their names, so
+    checkpoints and the final save hold plain weights. Generation runs the module uncompiled (see
+    `uncompiled`). Returns `model`."""
+    if getattr(config, "torch_compile", False):
+        model.compile(backend=config.torch_compile_backend or "inductor", mode=config.torch_compile_mode)
+    return model
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether `compile_for_training` compiled this module's forward."""
+    return getattr(model, "_compiled_call_impl", None) is not None
+
+
+@contextlib.contextmanager
+def uncompiled(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` running its plain forward inside the block: token-by-token decoding changes the input
+    shapes every step, which a compiled forward would recompile for (or fall back from) each time."""
+    compiled = getattr(model, "_compiled_call_impl", None)
+    if compiled is None:
+        yield model
+        return
+    model._compiled_call_impl = None
+    try:
+        yield model
+    finally:
+        model._compiled_call_impl = compiled
+
+
+def _finish(
+    model: PreTrainedModel,
+    *,
+    dropout_off: bool,
+    gradient_checkpointing: bool,
+    gradient_checkpointing_kwargs: dict[str, Any] | None = None,
+) -> PreTrainedModel:
     if dropout_off:
         disable_dropout(model)
     if gradient_checkpointing:
-        # Non-reentrant checkpointing works with inputs that do not require grad (frozen
-        # embeddings, LoRA) and with torch.compile.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_gradient_checkpointing(model, gradient_checkpointing_kwargs)
         model.config.use_cache = False
     return model
 
@@ -281,18 +338,30 @@ def load_policy(
     tokenizer: PreTrainedTokenizerBase | None = None,
     attn_implementation: str | None = None,
     revision: str | None = None,
+    gradient_checkpointing_kwargs: dict[str, Any] | None = None,
+    **model_init_kwargs: Any,
 ) -> PreTrainedModel:
-    """Load a causal LM (hub name or folder). With `tokenizer`, pad/eos ids go into the config."""
+    """Load a causal LM (hub name or folder). With `tokenizer`, pad/eos ids go into the config.
+    `model_init_kwargs` (e.g. the config's model_init_kwargs) go to `from_pretrained` as they are."""
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {**dtype_kwargs(resolve_dtype(dtype)), "trust_remote_code": trust_remote_code}
+    kwargs: dict[str, Any] = {
+        **dtype_kwargs(resolve_dtype(dtype)),
+        "trust_remote_code": trust_remote_code,
+        **model_init_kwargs,
+    }
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     if revision is not None:
         kwargs["revision"] = revision
     model = _from_pretrained(AutoModelForCausalLM, path, "model", **kwargs)
     _sync_vocab(model, tokenizer)
-    return _finish(model, dropout_off=disable_dropout, gradient_checkpointing=gradient_checkpointing)
+    return _finish(
+        model,
+        dropout_off=disable_dropout,
+        gradient_checkpointing=gradient_checkpointing,
+        gradient_checkpointing_kwargs=gradient_checkpointing_kwargs,
+    )
 
 
 SCALAR_MODEL_ROLES = ("reward", "value")
@@ -335,6 +404,8 @@ def load_scalar_model(
     attn_implementation: str | None = None,
     revision: str | None = None,
     allow_new_head: bool = False,
+    gradient_checkpointing_kwargs: dict[str, Any] | None = None,
+    **model_init_kwargs: Any,
 ) -> PreTrainedModel:
     """Load a model that outputs one score per sequence: `AutoModelForSequenceClassification(num_labels=1)`.
 
@@ -357,6 +428,7 @@ def load_scalar_model(
     kwargs: dict[str, Any] = {
         **dtype_kwargs(resolve_dtype(dtype)),
         "trust_remote_code": trust_remote_code,
+        **model_init_kwargs,
         "num_labels": 1,
     }
     if attn_implementation is not None:
@@ -387,7 +459,12 @@ def load_scalar_model(
         model.config.pad_token_id = pad_token_id
     if model.config.pad_token_id is None:
         raise ValueError(f"{what} {path}: could not determine pad_token_id; pass tokenizer= or pad_token_id=")
-    return _finish(model, dropout_off=disable_dropout, gradient_checkpointing=gradient_checkpointing)
+    return _finish(
+        model,
+        dropout_off=disable_dropout,
+        gradient_checkpointing=gradient_checkpointing,
+        gradient_checkpointing_kwargs=gradient_checkpointing_kwargs,
+    )
 
 
 def load_reward_model(path: str | os.PathLike, *args: Any, **kwargs: Any) -> PreTrainedModel:

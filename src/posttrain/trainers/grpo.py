@@ -64,6 +64,7 @@ import torch
 from torch import nn
 
 from posttrain import distributed as dist
+from posttrain import runtime
 from posttrain.advantages import kl_penalty
 from posttrain.configs import ConfigError
 from posttrain.data.prompts import PromptStream
@@ -183,7 +184,9 @@ class GRPOTrainer(OnlineTrainer):
         # pairs (`rank_rows`), so a group may span ranks. Same permutation and checkpoint state as
         # the per-rank stream it replaces.
         run = self.run
-        run.prompts = PromptStream(run.train_dataset, args.global_prompts_per_rollout, run.collate, args.seed)
+        run.prompts = PromptStream(
+            run.train_dataset, args.global_prompts_per_rollout, run.collate, runtime.data_seed(args)
+        )
         world, rank = run.world_size, dist.process_index(run.accelerator)
         self.layout = [rank_rows(args.global_prompts_per_rollout, args.num_generations, world, r) for r in range(world)]
         self.prompt_index, self.sample_index = (t.to(run.device) for t in self.layout[rank])

@@ -41,10 +41,12 @@ from torch import nn
 
 from posttrain import checkpoint as ckpt
 from posttrain import distributed as dist
+from posttrain import runtime
 from posttrain.configs import ConfigError, OnPolicyConfig
 from posttrain.data.loading import load_split
 from posttrain.data.prompts import PromptStream, prompt_dataset
 from posttrain.health import HealthMonitor, oom_advice
+from posttrain.models import compile_for_training, model_init_kwargs, uncompiled
 from posttrain.optim import build_optimizer, build_scheduler, clip_and_step
 from posttrain.rollout import Rollout, SamplingConfig, decode_completions, generate, generation_mode
 from posttrain.scoring import (
@@ -208,7 +210,7 @@ def load_parts(
             eval_dataset = load_split(config, config.dataset_test_split, required=False)
             if eval_dataset is None and config.num_sample_generations > 0:
                 warn_no_test_split(config)
-    common = dict(dtype=config.torch_dtype, trust_remote_code=config.trust_remote_code)
+    common = model_init_kwargs(config)
     if processing_class is None:
         path = config.model_name_or_path if from_config else _model_path(model)
         if not path:
@@ -225,6 +227,7 @@ def load_parts(
         return load_policy(
             m,
             gradient_checkpointing=config.gradient_checkpointing,
+            gradient_checkpointing_kwargs=config.gradient_checkpointing_kwargs,
             disable_dropout=config.disable_dropout,
             tokenizer=tokenizer,
             **common,
@@ -259,7 +262,13 @@ def prepare_policy(
     the initial policy, or None with PEFT, meaning "the policy with its adapter disabled". A
     models.CausalLMWithValueHead (PPO's policy with a value head) is prepared through its LM, and a
     reference given as one is its LM (the reference only scores tokens)."""
-    from posttrain.models import CausalLMWithValueHead, apply_peft, disable_dropout, is_peft_model
+    from posttrain.models import (
+        CausalLMWithValueHead,
+        apply_peft,
+        disable_dropout,
+        enable_gradient_checkpointing,
+        is_peft_model,
+    )
 
     if isinstance(reference, CausalLMWithValueHead):
         reference = reference.pretrained_model
@@ -278,7 +287,7 @@ def prepare_policy(
             if model is not None:
                 disable_dropout(model)
     if config.gradient_checkpointing and not getattr(policy, "is_gradient_checkpointing", True):
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_gradient_checkpointing(policy, config.gradient_checkpointing_kwargs)
     if reference is not None:
         reference.eval().requires_grad_(False)
     return policy, reference
@@ -352,7 +361,8 @@ class OnlineRun:
         self.config = config
         self.tokenizer = tokenizer
         self.accelerator = accelerator or dist.build_accelerator(mixed_precision=config.mixed_precision)
-        dist.set_seed(config.seed)
+        runtime.apply_log_levels(config, self.accelerator)
+        runtime.seed_run(config)
         self.world_size = dist.world_size(self.accelerator)
         self.device = dist.device(self.accelerator)
         self.is_main = dist.is_main(self.accelerator)
@@ -373,7 +383,7 @@ class OnlineRun:
             self.train_dataset,
             config.prompts_per_rollout,
             self.collate,
-            config.seed,
+            runtime.data_seed(config),
             rank=dist.process_index(self.accelerator),
             world_size=self.world_size,
         )
@@ -407,7 +417,9 @@ class OnlineRun:
         """Yield rollout-batch indices from the resumed position to num_total_batches − 1, or until
         `stop_requested` (a callback's control.should_training_stop, set by end_of_update)."""
         total = self.config.num_total_batches
-        self.progress_bar = ProgressBar(self.config.total_episodes, disable=not self.is_main)
+        self.progress_bar = ProgressBar(
+            self.config.total_episodes, disable=not self.is_main or bool(self.config.disable_tqdm)
+        )
         self.progress_bar.update(self.progress.episode)
         self.episodes_at_start = self.progress.episode
         self.start_time = time.time()
@@ -558,7 +570,8 @@ def sample(
     reference), in generation mode, with the run's sampling settings and sampling stream."""
     config = run.config
     with (
-        dist.unwrap_for_generation(model, run.accelerator, config.ds3_gather_for_generation) as m,
+        dist.unwrap_for_generation(model, run.accelerator, config.ds3_gather_for_generation) as wrapped,
+        uncompiled(wrapped) as m,  # torch_compile compiles training forwards only
         generation_mode(m),
         run.autocast(),
     ):
@@ -925,6 +938,7 @@ class OnlineTrainer:
         self.data_collator = self.run.collate
         optimizer, scheduler = optimizers
         optimizer = optimizer or build_optimizer(model.parameters(), config)
+        compile_for_training(model, config)
         steps = config.num_total_batches * (1 if self.schedule_per_update else config.num_mini_batches)
         self.lr_scheduler = scheduler or build_scheduler(optimizer, config, num_training_steps=steps)
         self.wrapped, self.optimizer = self.run.accelerator.prepare(model, optimizer)

@@ -41,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from posttrain import checkpoint as ckpt
 from posttrain import distributed as dist
+from posttrain import runtime
 from posttrain.configs import ConfigError
 from posttrain.data.collators import SFTCollator
 from posttrain.health import oom_advice
@@ -149,7 +150,7 @@ class SFTTrainer(SupervisedTrainerAPI):
         ):
             return dataset
         if self.args.shuffle_dataset and source == "train_dataset":
-            dataset = dataset.shuffle(seed=self.args.seed)
+            dataset = dataset.shuffle(seed=runtime.data_seed(self.args))
         with dist.main_process_first(self.accelerator):
             return prepare_sft_dataset(
                 dataset,

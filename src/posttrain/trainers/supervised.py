@@ -31,8 +31,10 @@ from torch import nn
 
 from posttrain import checkpoint as ckpt
 from posttrain import distributed as dist
+from posttrain import runtime
 from posttrain.configs import ConfigError, TrainingConfig
 from posttrain.distributed import no_sync_unless_last
+from posttrain.models import compile_for_training, enable_gradient_checkpointing
 from posttrain.optim import build_optimizer, build_scheduler
 from posttrain.tracking import MetricAccumulator, ProgressBar, Tracker
 
@@ -58,7 +60,8 @@ class BatchPlan:
     optimizer step takes `gradient_accumulation_steps` consecutive micro-batches (the last step of
     an epoch may take fewer, and the epoch's last micro-batch may be smaller: exact loss
     normalization makes both harmless). Batch 1 × accumulation 4 and batch 4 × accumulation 1
-    therefore train step s on exactly the same examples.
+    therefore train step s on exactly the same examples. With `drop_last` an epoch ends at its last
+    complete micro-batch instead.
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class BatchPlan:
         world_size: int = 1,
         rank: int = 0,
         shuffle: bool = True,
+        drop_last: bool = False,
     ) -> None:
         if num_examples < 1:
             raise ConfigError("the training set is empty after preparation; check the data and max_length.")
@@ -82,7 +86,16 @@ class BatchPlan:
         self.seed, self.world_size, self.rank, self.shuffle = seed, world_size, rank, shuffle
         self.padded = math.ceil(num_examples / world_size) * world_size
         self.global_micro = per_device_batch_size * world_size
-        self.micro_per_epoch = math.ceil(self.padded / self.global_micro)
+        # drop_last (dataloader_drop_last): the epoch's last, incomplete micro-batch is not trained on.
+        self.micro_per_epoch = (
+            (self.padded // self.global_micro) if drop_last else math.ceil(self.padded / self.global_micro)
+        )
+        if self.micro_per_epoch < 1:
+            raise ConfigError(
+                f"dataloader_drop_last=True drops every batch: the training set has {num_examples} examples, fewer "
+                f"than one batch of {self.global_micro} (per_device_train_batch_size {per_device_batch_size} × "
+                f"{world_size} processes); lower the batch size or set dataloader_drop_last=False."
+            )
         self.steps_per_epoch = math.ceil(self.micro_per_epoch / gradient_accumulation_steps)
         if max_steps > 0:
             self.total_steps = max_steps
@@ -130,6 +143,57 @@ def eval_shards(num_examples: int, batch_size: int, accelerator: Any) -> Iterato
     for start in range(0, len(mine), batch_size):
         part = mine[start : start + batch_size]
         yield [i % num_examples for i in part], torch.tensor([i < num_examples for i in part])
+
+
+class StepBatches(torch.utils.data.Dataset):
+    """Item s: the collated micro-batches of optimizer step s, which DataLoader workers
+    (dataloader_num_workers) may build ahead of the training loop."""
+
+    def __init__(self, plan: BatchPlan, dataset: Any, collate: Callable[[list[dict]], dict]) -> None:
+        self.plan, self.dataset, self.collate = plan, dataset, collate
+
+    def __len__(self) -> int:
+        return self.plan.total_steps
+
+    def __getitem__(self, step: int) -> list[dict]:
+        return [self.collate(rows(self.dataset, idx)) for idx in self.plan.micro_batches(step)]
+
+
+class StepRange(torch.utils.data.Sampler):
+    """The steps the loader's next pass yields (one epoch's remaining steps), set before each pass."""
+
+    def __init__(self) -> None:
+        self.steps: range = range(0)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.steps)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
+
+
+def step_loader(config: TrainingConfig, steps: StepBatches, sampler: StepRange, pin: bool) -> Any:
+    """The training DataLoader: one item per optimizer step, in order, with the config's
+    dataloader_num_workers, dataloader_prefetch_factor, dataloader_persistent_workers and (on CUDA)
+    dataloader_pin_memory."""
+    workers = config.dataloader_num_workers
+    return torch.utils.data.DataLoader(
+        steps,
+        batch_size=None,
+        sampler=sampler,
+        collate_fn=_as_is,
+        num_workers=workers,
+        pin_memory=pin,
+        prefetch_factor=config.dataloader_prefetch_factor if workers > 0 else None,
+        persistent_workers=config.dataloader_persistent_workers and workers > 0,
+        # Its own generator: each pass draws a worker base seed, which must not shift the global
+        # torch stream (dropout) that an exact resume restores.
+        generator=torch.Generator().manual_seed(runtime.data_seed(config)),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,19 +254,21 @@ class SupervisedRun:
         self.device = dist.device(self.accelerator)
         self.is_main = dist.is_main(self.accelerator)
         self.activation_offloading = activation_offloading
-        # Seeds dropout and anything else drawn from the global generators; a resume then
-        # overwrites these states with the checkpoint's.
-        dist.set_seed(config.seed)
+        runtime.apply_log_levels(config, self.accelerator)
+        # Seeds dropout and anything else drawn from the global generators (full_determinism: also
+        # deterministic algorithms); a resume then overwrites these states with the checkpoint's.
+        runtime.seed_run(config)
         self.train_dataset = train_dataset
         self.plan = BatchPlan(
             len(train_dataset),
             config.per_device_train_batch_size,
             config.gradient_accumulation_steps,
-            seed=config.seed,
+            seed=runtime.data_seed(config),
             num_train_epochs=config.num_train_epochs,
             max_steps=config.max_steps,
             world_size=self.world_size,
             rank=dist.process_index(self.accelerator),
+            drop_last=config.dataloader_drop_last,
         )
         self.global_step = 0
         self.num_tokens = 0.0  # input tokens seen, all ranks (TRL's num_tokens)
@@ -216,7 +282,8 @@ class SupervisedRun:
 
         model.to(self.device)
         if config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_gradient_checkpointing(model, config.gradient_checkpointing_kwargs)
+        compile_for_training(model, config)
         optimizer = build_optimizer(model.parameters(), config)
         scheduler = build_scheduler(optimizer, config, self.plan.total_steps)
         resume_path = ckpt.resolve_checkpoint(config.output_dir, config.resume_from_checkpoint)
@@ -273,17 +340,29 @@ class SupervisedRun:
         """
         self.loss_total, self.samples_seen, self.steps_run = 0.0, 0, 0
         self.events.train_begin()
-        progress = ProgressBar(self.plan.total_steps, disable=not self.is_main, desc="steps")
+        plan, control = self.plan, self.events.control
+        sampler = StepRange()
+        pin = bool(self.config.dataloader_pin_memory) and self.device.type == "cuda"
+        loader = step_loader(self.config, StepBatches(plan, self.train_dataset, collate), sampler, pin)
+        progress = ProgressBar(
+            plan.total_steps, disable=not self.is_main or bool(self.config.disable_tqdm), desc="steps"
+        )
         progress.update(self.global_step)
         try:
-            while self.global_step < self.plan.total_steps and not self.events.control.should_training_stop:
-                indices = self.plan.micro_batches(self.global_step)
-                self.samples_seen += sum(len(idx) for idx in indices)
-                batches = [collate(rows(self.train_dataset, idx)) for idx in indices]
-                yield [self.to_device(b) for b in batches]
-                progress.update(1)
-                if self.last_logged is not None:
-                    progress.set_postfix({k: v for k, v in self.last_logged.items() if k in ("loss", "lr")})
+            while self.global_step < plan.total_steps and not control.should_training_stop:
+                # One loader pass per epoch (persistent workers then outlive it), from the current step.
+                epoch_end = (self.global_step // plan.steps_per_epoch + 1) * plan.steps_per_epoch
+                sampler.steps = range(self.global_step, min(epoch_end, plan.total_steps))
+                for step, batches in zip(sampler.steps, loader):
+                    if step != self.global_step:
+                        raise RuntimeError("each step's batches must be followed by end_step() before the next.")
+                    self.samples_seen += sum(len(idx) for idx in plan.micro_batches(step))
+                    yield [self.to_device(b) for b in batches]
+                    progress.update(1)
+                    if self.last_logged is not None:
+                        progress.set_postfix({k: v for k, v in self.last_logged.items() if k in ("loss", "lr")})
+                    if control.should_training_stop:
+                        break
         finally:
             progress.close()
 
