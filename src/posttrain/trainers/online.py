@@ -1198,8 +1198,10 @@ class OnlineTrainer:
         improved = False
         if run.eval_dataset is not None and (run.cadence.eval_due(step) or eval_now):
             improved = events.update_best(self.evaluate())
+        # save_strategy "best" saves every new best, the last rollout batch's included (it is then the
+        # checkpoint state.best_model_checkpoint names); other saves skip the last batch (the final save follows).
         save_best = self.args.save_strategy == "best" and improved
-        if (run.should_save(update) or save_now or save_best) and not events.control.should_training_stop:
+        if (run.should_save(update) or save_now) and not events.control.should_training_stop or save_best:
             best_step = events.state.best_global_step
             if best_step == step:
                 events.state.best_model_checkpoint = os.path.join(self.args.output_dir, f"checkpoint-{step}")
