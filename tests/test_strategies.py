@@ -545,3 +545,22 @@ def test_rloo_step_ratios_and_save_strategy_best(tmp_path, tiny_tokenizer):
     assert checkpoints(tmp_path / "rloo") == ["checkpoint-1", "checkpoint-2", "checkpoint-4"]
     assert trainer.state.best_metric == 4.0 and trainer.state.best_global_step == 4
     assert trainer.state.best_model_checkpoint == str(tmp_path / "rloo" / "checkpoint-4")
+
+
+def test_command_line_takes_strategies_and_ratios():
+    from posttrain.cli import parse_config
+
+    config = parse_config(
+        "sft",
+        ["--logging_steps", "0.1", "--save_steps", "0.5", "--eval_strategy", "epoch", "--save_strategy", "epoch"]
+        + ["--load_best_model_at_end", "--metric_for_best_model", "eval_accuracy", "--logging_first_step"],
+    )
+    assert (config.logging_steps, config.save_steps, config.eval_strategy) == (0.1, 0.5, "epoch")
+    assert config.load_best_model_at_end and config.greater_is_better and config.logging_first_step
+    online = parse_config("rloo", ["--logging_steps", "0.25", "--save_strategy", "no", "--eval_steps", "2"])
+    assert (online.logging_steps, online.save_strategy, online.eval_strategy, online.eval_steps) == (
+        0.25,
+        "no",
+        "steps",
+        2,
+    )
