@@ -94,7 +94,7 @@ def controlled_metric(trainer, values):
 
 def test_strategy_settings_are_checked_and_derived_as_transformers_does(tmp_path):
     # eval_steps alone keeps evaluating every eval_steps (posttrain's behaviour before eval_strategy existed).
-    assert SFTConfig(eval_steps=5).eval_strategy == "steps"
+    assert SFTConfig(eval_steps=5).eval_strategy == "steps" and SFTConfig(eval_steps=0).eval_strategy == "no"
     # eval_strategy "steps" without eval_steps falls back to logging_steps (transformers).
     assert SFTConfig(eval_strategy="steps", logging_steps=7).eval_steps == 7
     # Whole floats become ints; ratios stay ratios.
@@ -437,6 +437,35 @@ def test_neftune_changes_training_only_and_is_removed(tmp_path, tiny_tokenizer):
     # The first step trained on noised embeddings, so its loss differs.
     first = [[e["loss"] for e in t.state.log_history if "loss" in e][0] for t in (noisy, plain)]
     assert first[0] != first[1]
+
+
+def test_neftune_in_reward_training(tmp_path, tiny_tokenizer):
+    pairs = [{"chosen": f"Q: {w}? A: The sea is blue.", "rejected": f"Q: {w}? A: dog."} for w in SENTENCES]
+    losses, hooks = [], []
+
+    class Hooked(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            hooks.append(len(model.get_input_embeddings()._forward_hooks))
+
+    for alpha in (None, 5.0):
+        trainer = RewardTrainer(
+            build_tiny_reward_model(tiny_tokenizer),
+            args=RewardConfig(
+                output_dir=str(tmp_path / f"rm-{alpha}"),
+                max_steps=1,
+                per_device_train_batch_size=4,
+                report_to="none",
+                neftune_noise_alpha=alpha,
+            ),
+            train_dataset=Dataset.from_list(pairs),
+            processing_class=copy.deepcopy(tiny_tokenizer),
+            callbacks=[Hooked()],
+        )
+        trainer.train()
+        losses.append(trainer.state.log_history[0]["loss"])
+        assert len(trainer.model.get_input_embeddings()._forward_hooks) == 0
+    # The hook is present while training with alpha only, and the noised step's loss differs.
+    assert hooks == [0, 1] and losses[0] != losses[1]
 
 
 def test_logging_dir_holds_the_tensorboard_events(tmp_path, tiny_tokenizer):

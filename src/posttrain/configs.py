@@ -383,15 +383,15 @@ class TrainingConfig:
             if value not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {', '.join(allowed)}.")
             setattr(self, name, value)
-        if self.eval_steps is not None and self.eval_strategy == "no":
+        if self.eval_steps and self.eval_strategy == "no":
             # transformers would ignore eval_steps here; posttrain has always evaluated every eval_steps.
             self.eval_strategy = "steps"
         if self.eval_strategy == "steps" and not self.eval_steps:
             self.eval_steps = self.logging_steps  # transformers' fallback
         for name, minimum in (("logging_steps", 1), ("save_steps", 0), ("eval_steps", 1)):
             value = getattr(self, name)
-            if value is None:
-                continue
+            if value is None or (name == "eval_steps" and self.eval_strategy != "steps"):
+                continue  # transformers checks eval_steps only where it is used
             if value != int(value) and value > 1:
                 raise ConfigError(f"{name}={value!r} must be an integer when above 1 (a value in (0, 1) is a ratio).")
             value = int(value) if value == int(value) else float(value)
