@@ -19,7 +19,10 @@ W&B when enabled).
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState
@@ -29,6 +32,58 @@ from transformers.trainer_utils import TrainOutput, speed_metrics
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError
 from posttrain.health import HealthMonitor
+
+
+def resolve_steps(value: float | None, max_steps: int) -> int | None:
+    """logging_steps / eval_steps / save_steps as a whole number of steps: a value in (0, 1) is a ratio
+    of max_steps, rounded up (transformers' TrainerState.compute_steps)."""
+    if value is None:
+        return None
+    return math.ceil(max_steps * value) if 0 < value < 1 else int(value)
+
+
+class Cadence:
+    """When a run logs, evaluates and saves, from the config's strategies (transformers'
+    DefaultFlowCallback, step by step).
+
+    `epoch_of(step)` gives the fractional epochs done after `step` steps; a step ends an epoch when
+    the whole part grows ("epoch" strategies). What this does not decide, the trainer does: a
+    callback's control requests, the last step (which logs unless logging_strategy is "no", and in
+    SFT / reward training evaluates), and save_strategy "best" (after an evaluation that improved
+    the best metric).
+    """
+
+    def __init__(self, config: Any, max_steps: int, epoch_of: Callable[[int], float]) -> None:
+        self.config = config
+        self.max_steps = max_steps
+        self.epoch_of = epoch_of
+        self.logging_steps = resolve_steps(config.logging_steps, max_steps)
+        self.eval_steps = resolve_steps(getattr(config, "eval_steps", None), max_steps)
+        self.save_steps = resolve_steps(config.save_steps, max_steps)
+
+    def epoch_end(self, step: int) -> bool:
+        # A small tolerance: epochs of the online trainers are episodes / dataset size, a float.
+        return step >= 1 and math.floor(self.epoch_of(step) + 1e-9) > math.floor(self.epoch_of(step - 1) + 1e-9)
+
+    def log_due(self, step: int) -> bool:
+        strategy = self.config.logging_strategy
+        if step == 1 and self.config.logging_first_step:
+            return True
+        if strategy == "steps":
+            return step % self.logging_steps == 0
+        return strategy == "epoch" and self.epoch_end(step)
+
+    def eval_due(self, step: int) -> bool:
+        strategy, delay = self.config.eval_strategy, self.config.eval_delay or 0
+        if strategy == "steps":
+            return step % self.eval_steps == 0 and delay <= step
+        return strategy == "epoch" and self.epoch_end(step) and delay <= self.epoch_of(step) + 1e-9
+
+    def save_due(self, step: int) -> bool:
+        strategy = self.config.save_strategy
+        if strategy == "steps":
+            return bool(self.save_steps) and step % self.save_steps == 0
+        return strategy == "epoch" and self.epoch_end(step)
 
 
 class TrainerEvents:
@@ -91,14 +146,14 @@ class TrainerEvents:
         num_train_epochs: float,
     ) -> None:
         self.args = config
-        eval_steps = getattr(config, "eval_steps", None)
+        eval_steps = resolve_steps(getattr(config, "eval_steps", None), max_steps)
         self.state = TrainerState(
             epoch=0.0,
             max_steps=max_steps,
-            logging_steps=config.logging_steps,
+            logging_steps=resolve_steps(config.logging_steps, max_steps),
             # No eval_steps means evaluation at the end only, i.e. every max_steps steps.
             eval_steps=eval_steps or max_steps,
-            save_steps=config.save_steps,
+            save_steps=resolve_steps(config.save_steps, max_steps),
             train_batch_size=train_batch_size,
             num_train_epochs=num_train_epochs,
             is_world_process_zero=dist.is_main(accelerator),
@@ -116,6 +171,7 @@ class TrainerEvents:
             handler_logger.disabled = disabled
         self._start_time: float | None = None
         self._start_step = 0
+        self._start_tokens = 0
 
     # -- the callback list, as on transformers.Trainer ------------------------------------------
     @property
@@ -137,6 +193,7 @@ class TrainerEvents:
     # -- events ------------------------------------------------------------------------------------
     def train_begin(self) -> None:
         self._start_time, self._start_step = time.time(), self.state.global_step
+        self._start_tokens = self.state.num_input_tokens_seen
         self.control = self.handler.on_train_begin(self.args, self.state, self.control)
 
     def step_end(self, global_step: int, epoch: float) -> bool:
@@ -152,6 +209,14 @@ class TrainerEvents:
         """Append `{**logs, "epoch": state.epoch, "step": state.global_step}` to state.log_history
         and call on_log(logs=...) with the logs and their epoch; returns the appended entry."""
         logs = {**logs, "epoch": self.state.epoch}
+        if getattr(self.args, "include_num_input_tokens_seen", False):
+            # As transformers.Trainer.log: the input tokens so far, and (not in the summary, which has
+            # its own speeds) this train() call's token rate.
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
+            if self._start_time is not None and "train_runtime" not in logs:
+                seen = self.state.num_input_tokens_seen - self._start_tokens
+                logs.update(speed_metrics("train", self._start_time, num_tokens=seen))
+                logs.pop("train_runtime", None)
         entry = {**logs, "step": self.state.global_step}
         self.state.log_history.append(entry)
         self.control = self.handler.on_log(self.args, self.state, self.control, logs)
@@ -168,6 +233,82 @@ class TrainerEvents:
         """Call on_save; fire it after a checkpoint has been written."""
         self.control = self.handler.on_save(self.args, self.state, self.control)
 
+    # -- the best checkpoint (metric_for_best_model), as transformers.Trainer tracks it -------------
+    def update_best(self, metrics: dict[str, float]) -> bool:
+        """Compare an evaluation's `metric_for_best_model` (the "eval_" prefix added when missing) with
+        state.best_metric; on improvement record it and the step (state.best_global_step). True when
+        it improved; False when no metric_for_best_model is set."""
+        name = getattr(self.args, "metric_for_best_model", None)
+        if name is None:
+            return False
+        key = name if name.startswith("eval_") else f"eval_{name}"
+        if key not in metrics:
+            raise ConfigError(
+                f"metric_for_best_model={name!r}: the evaluation has no {key!r}; it reports "
+                f"{sorted(metrics)}. Set --metric_for_best_model to one of them."
+            )
+        value, best = float(metrics[key]), self.state.best_metric
+        greater = bool(self.args.greater_is_better)
+        if best is None or (value > best if greater else value < best):
+            self.state.best_metric = value
+            if self.args.save_strategy in ("steps", "epoch", "best"):
+                self.state.best_global_step = self.state.global_step
+            return True
+        return False
+
+    def note_checkpoint(self, output_dir: str | Path) -> None:
+        """After a checkpoint is written: point state.best_model_checkpoint at the best step's
+        checkpoint when it exists (transformers checks the same folder)."""
+        best_step = getattr(self.state, "best_global_step", None)
+        if best_step:
+            folder = Path(output_dir) / f"checkpoint-{best_step}"
+            if folder.is_dir():
+                self.state.best_model_checkpoint = str(folder)
+
+    # -- what a checkpoint keeps of the callback state ---------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The best-model fields and the states of stateful callbacks (transformers.ExportableState:
+        one `state()` per callback, a list for several of one class), for a checkpoint."""
+        from transformers.trainer_callback import ExportableState
+
+        stateful: dict[str, Any] = {}
+        for callback in self.handler.callbacks:
+            if isinstance(callback, ExportableState):
+                name = type(callback).__name__
+                if name in stateful:
+                    previous = stateful[name]
+                    stateful[name] = [*(previous if isinstance(previous, list) else [previous]), callback.state()]
+                else:
+                    stateful[name] = callback.state()
+        return {
+            "best_metric": self.state.best_metric,
+            "best_global_step": getattr(self.state, "best_global_step", None),
+            "best_model_checkpoint": self.state.best_model_checkpoint,
+            "stateful_callbacks": stateful,
+        }
+
+    def restore_checkpoint_state(self, saved: dict[str, Any]) -> None:
+        """Restore what `checkpoint_state` wrote: the best-model fields always (a best checkpoint
+        that no longer exists is forgotten, as transformers does), and, with
+        restore_callback_states_from_checkpoint, every stateful callback whose class is among this
+        run's callbacks is rebuilt from its saved args and attributes (transformers'
+        `_load_callback_state`)."""
+        self.state.best_metric = saved.get("best_metric")
+        if hasattr(self.state, "best_global_step"):
+            self.state.best_global_step = saved.get("best_global_step")
+        best = saved.get("best_model_checkpoint")
+        self.state.best_model_checkpoint = best if best is not None and Path(best).is_dir() else None
+        if not getattr(self.args, "restore_callback_states_from_checkpoint", False):
+            return
+        for name, data in (saved.get("stateful_callbacks") or {}).items():
+            present = [cb for cb in self.handler.callbacks if type(cb).__name__ == name]
+            for callback, entry in zip(present, data if isinstance(data, list) else [data]):
+                restored = type(callback)(**entry.get("args", {}))
+                for attribute, value in entry.get("attributes", {}).items():
+                    setattr(restored, attribute, value)
+                index = self.handler.callbacks.index(callback)
+                self.handler.callbacks[index] = restored
+
     def train_end(self, training_loss: float, num_samples: int, total_flos: float = 0.0) -> TrainOutput:
         """Log the end-of-training summary, call on_train_end and return the TrainOutput.
 
@@ -176,8 +317,15 @@ class TrainerEvents:
         of training (transformers' estimate, 6 · tokens · parameters).
         """
         start = self._start_time if self._start_time is not None else time.time()
+        tokens = None
+        if getattr(self.args, "include_tokens_per_second", False):
+            tokens = self.state.num_input_tokens_seen - self._start_tokens
         metrics = speed_metrics(
-            "train", start, num_samples=num_samples, num_steps=self.state.global_step - self._start_step
+            "train",
+            start,
+            num_samples=num_samples,
+            num_steps=self.state.global_step - self._start_step,
+            num_tokens=tokens,
         )
         self.state.total_flos = float(total_flos)
         metrics["total_flos"] = self.state.total_flos

@@ -328,6 +328,15 @@ def is_complete(path: str | os.PathLike) -> bool:
     return (Path(path) / COMPLETE_MARKER).is_file()
 
 
+def is_model_only(path: str | os.PathLike) -> bool:
+    """True for a checkpoint written with save_only_model (weights only: not resumable)."""
+    marker = Path(path) / COMPLETE_MARKER
+    try:
+        return bool(json.loads(marker.read_text(encoding="utf-8")).get("model_only"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     """Complete checkpoints in `output_dir`, oldest first (temp and unfinished dirs skipped)."""
     root = Path(output_dir)
@@ -395,11 +404,22 @@ def resolve_checkpoint(
 # Save / load
 
 
-def _rotate(output_dir: Path, save_total_limit: int, keep: Path) -> None:
-    checkpoints = [c for c in list_checkpoints(output_dir) if c != keep]
-    excess = len(checkpoints) + 1 - save_total_limit
+def _rotate(output_dir: Path, save_total_limit: int, keep: Path, best: Path | None = None) -> None:
+    """Delete the oldest checkpoints beyond save_total_limit, never `keep` (the newest) nor `best`
+    (with save_total_limit=1 both then remain, as in transformers' rotate_checkpoints)."""
+    kept = {keep} | ({best} if best is not None and best.is_dir() else set())
+    checkpoints = [c for c in list_checkpoints(output_dir) if c not in kept]
+    excess = len(checkpoints) + len(kept) - save_total_limit
     for old in checkpoints[: max(excess, 0)]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def is_writer(accelerator: Accelerator | None, on_each_node: bool = False) -> bool:
+    """Whether this process writes checkpoint files: the main process, or with save_on_each_node
+    (nodes without a shared disk) the main process of every node."""
+    if on_each_node and accelerator is not None:
+        return bool(accelerator.is_local_main_process)
+    return distributed.is_main(accelerator)
 
 
 def save_checkpoint(
@@ -414,13 +434,20 @@ def save_checkpoint(
     trainer_state: Mapping[str, Any] | None = None,
     save_total_limit: int | None = None,
     accelerator: Accelerator | None = None,
+    best: str | os.PathLike | None = None,
+    model_only: bool = False,
+    on_each_node: bool = False,
 ) -> Path:
     """Atomically write `output_dir/checkpoint-<step>` and return its path.
 
     Call on every rank: weights are gathered collectively, each rank saves its RNG state, and
     the main process writes the rest. The optimizer state saved is the main process's, which is
     the full state under DDP (sharded ZeRO / FSDP optimizer states are not handled here).
-    `save_total_limit` keeps only that many newest checkpoints (None: keep all).
+    `save_total_limit` keeps only that many newest checkpoints (None: keep all), and never deletes
+    `best` (the best model's checkpoint). `model_only` (save_only_model) writes the weights, the
+    tokenizer, the config and the trainer state but no optimizer, scheduler or RNG state; such a
+    checkpoint cannot be resumed from. `on_each_node` (save_on_each_node): every node's main process
+    writes its own copy, for nodes that share no disk.
     """
     if save_total_limit is not None and save_total_limit < 1:
         raise ValueError(f"save_total_limit={save_total_limit} must be >= 1 or None.")
@@ -428,21 +455,31 @@ def save_checkpoint(
         if not key or "/" in key or key.startswith(".") or key == "tokenizer":
             raise ValueError(f"model name {key!r} cannot be used as a checkpoint folder name.")
     output_dir = Path(output_dir)
-    main = distributed.is_main(accelerator)
+    main = is_writer(accelerator, on_each_node)
     final = output_dir / f"{CHECKPOINT_PREFIX}{step}"
 
     tmp_name = None
     previous = latest_checkpoint(output_dir) if main else None
+    # With save_on_each_node every node's main process creates a temp dir of the name the first
+    # process drew (broadcast), on its own disk.
+    token = distributed.broadcast_object(os.urandom(6).hex(), accelerator) if on_each_node else None
     if main:
         try:
             output_dir.mkdir(parents=True, exist_ok=True)
             _remove_tmp_dirs(output_dir)
-            tmp_name = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{CHECKPOINT_PREFIX}{step}-", dir=output_dir)
+            if token is not None:
+                tmp_name = f"{TMP_PREFIX}{CHECKPOINT_PREFIX}{step}-{token}"
+                (output_dir / tmp_name).mkdir()
+            else:
+                tmp_name = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{CHECKPOINT_PREFIX}{step}-", dir=output_dir)).name
         except OSError as err:
             raise (_save_failed(err.errno, final.name, output_dir, previous) or err) from err
-        tmp_name = Path(tmp_name).name
-    # The other ranks write their RNG state into the same temp dir, so they need its name.
-    tmp = output_dir / distributed.broadcast_object(tmp_name, accelerator)
+    if token is not None:
+        tmp = output_dir / f"{TMP_PREFIX}{CHECKPOINT_PREFIX}{step}-{token}"
+        distributed.wait_for_everyone(accelerator)  # the node's temp dir exists before its ranks write
+    else:
+        # The other ranks write their RNG state into the same temp dir, so they need its name.
+        tmp = output_dir / distributed.broadcast_object(tmp_name, accelerator)
     try:
         for key, model in models.items():
             state_dict = _state_dict_for_saving(model, accelerator)
@@ -453,21 +490,23 @@ def save_checkpoint(
                 tokenizer.save_pretrained(tmp / "tokenizer")
             if config is not None:
                 _write_json(tmp / CONFIG_NAME, config_to_dict(config))
-            if optimizer is not None:
+            if optimizer is not None and not model_only:
                 torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-            if scheduler is not None:
+            if scheduler is not None and not model_only:
                 torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             _save_trainer_state(tmp, {"step": step, **dict(trainer_state or {})})
-        rank = distributed.process_index(accelerator)
-        torch.save(_rng_state(), tmp / f"rng_state_{rank}.pt")
+        if not model_only:
+            rank = distributed.process_index(accelerator)
+            torch.save(_rng_state(), tmp / f"rng_state_{rank}.pt")
         distributed.wait_for_everyone(accelerator)
         if main:
-            _write_json(tmp / COMPLETE_MARKER, {"step": step, "models": list(models)})
+            marker = {"step": step, "models": list(models), **({"model_only": True} if model_only else {})}
+            _write_json(tmp / COMPLETE_MARKER, marker)
             _fsync_tree(tmp)
             _replace_dir(tmp, final)
             _fsync_path(output_dir)
             if save_total_limit is not None:
-                _rotate(output_dir, save_total_limit, keep=final)
+                _rotate(output_dir, save_total_limit, keep=final, best=Path(best) if best else None)
     except Exception as err:
         failure = _save_failed(_write_errno(err, output_dir), final.name, output_dir, previous)
         if main:
@@ -506,6 +545,13 @@ def load_checkpoint(
             f"{path} is not a complete posttrain checkpoint (no {COMPLETE_MARKER}); "
             "use resolve_checkpoint to find the newest complete one."
         )
+    if (optimizer is not None or scheduler is not None) and is_model_only(path):
+        raise CheckpointError(
+            f"{path} was saved with save_only_model=True: it holds the model weights but no optimizer, "
+            "scheduler or RNG state, so training cannot resume from it. Start a new run from its weights "
+            f"(--model_name_or_path {path / next(iter(models), 'model')}), or resume from a checkpoint saved "
+            "without --save_only_model."
+        )
     for key, model in models.items():
         _load_model(model, path / key, map_location, accelerator)
     for name, target in (("optimizer.pt", optimizer), ("scheduler.pt", scheduler)):
@@ -534,16 +580,18 @@ def save_final(
     config: Any = None,
     extra_models: Mapping[str, nn.Module] | None = None,
     accelerator: Accelerator | None = None,
+    on_each_node: bool = False,
 ) -> Path:
     """Save the trained model at the top of `output_dir` (loadable with plain
     `AutoModel*.from_pretrained(output_dir)`), its tokenizer, `posttrain_config.json`, and
     `extra_models` (e.g. {"value_model": critic}) in subfolders.
 
     Files are written to a temp dir first and then moved in, config.json last, so a crash
-    mid-save never leaves weights next to a config describing something else.
+    mid-save never leaves weights next to a config describing something else. `on_each_node`
+    (save_on_each_node): every node's main process writes, for nodes that share no disk.
     """
     output_dir = Path(output_dir)
-    main = distributed.is_main(accelerator)
+    main = is_writer(accelerator, on_each_node)
     all_models = {"": model, **dict(extra_models or {})}
     state_dicts = {key: _state_dict_for_saving(m, accelerator) for key, m in all_models.items()}
     if main:

@@ -83,11 +83,21 @@ class TrainingConfig:
     trust_remote_code: bool = flag("Allow model code from the hub.", default=False)
     gradient_checkpointing: bool = flag("Recompute activations in backward to save memory.", default=False)
     disable_dropout: bool = flag("Turn off dropout in every model (needed for exact PPO ratios).", default=True)
-    logging_steps: int = flag(
-        "Log metrics every N optimizer steps (online trainers: every N rollout batches).", default=10
+    logging_steps: float = flag(
+        'With logging_strategy="steps": log metrics every N optimizer steps (online trainers: every N rollout '
+        "batches); a value in (0, 1) is a ratio of the total steps, rounded up (as transformers).",
+        default=10,
     )
-    eval_steps: int | None = flag("Evaluate every N steps (None: only at the end).", default=None)
-    save_steps: int = flag("Save a resumable checkpoint every N steps (0: never during training).", default=500)
+    eval_steps: float | None = flag(
+        'With eval_strategy="steps": evaluate every N steps (None: logging_steps); a value in (0, 1) is a ratio '
+        'of the total steps. Setting it while eval_strategy is "no" selects "steps".',
+        default=None,
+    )
+    save_steps: float = flag(
+        'With save_strategy="steps": save a resumable checkpoint every N steps (0: never during training); a '
+        "value in (0, 1) is a ratio of the total steps.",
+        default=500,
+    )
     save_total_limit: int | None = flag("Keep at most this many checkpoints (oldest deleted).", default=None)
     report_to: list[str] | None = flag(
         "Metric sinks besides console and metrics.jsonl: none, tensorboard, wandb, all (None: none, as in "
@@ -129,35 +139,59 @@ class TrainingConfig:
     do_predict: bool = flag(
         "Not used by the trainers (as in transformers): a switch for your own scripts.", default=False
     )
-    eval_strategy: str = flag('When to evaluate: "no", "steps" (every eval_steps) or "epoch".', default="no")
-    eval_delay: float | None = flag("Steps (or epochs) to wait before the first evaluation.", default=0)
+    eval_strategy: str = flag(
+        'When to evaluate the eval dataset during training: "no", "steps" (every eval_steps) or "epoch" (at the '
+        "end of each pass over the training data). SFT and reward training also evaluate once after the last step.",
+        default="no",
+    )
+    eval_delay: float | None = flag(
+        "Steps (eval_strategy steps) or epochs (eval_strategy epoch) to wait before the first evaluation.", default=0
+    )
     eval_on_start: bool = flag("Evaluate once before the first training step (a sanity check).", default=False)
-    logging_strategy: str = flag('When to log: "no", "steps" (every logging_steps) or "epoch".', default="steps")
-    logging_first_step: bool = flag("Also log the first step.", default=False)
+    logging_strategy: str = flag(
+        'When to log training metrics: "no", "steps" (every logging_steps) or "epoch" (at the end of each pass); '
+        'besides, the last step logs unless "no".',
+        default="steps",
+    )
+    logging_first_step: bool = flag("Also log after the first step.", default=False)
     logging_dir: str | None = flag(
-        "TensorBoard log folder (default: <output_dir>/runs/<date>_<host>, as transformers).", default=None
+        "TensorBoard log folder (with report_to tensorboard; default: <output_dir>/runs/<run_name or start time>).",
+        default=None,
     )
     logging_nan_inf_filter: bool = flag(
         "Keep non-finite losses out of the logged averages (posttrain always does: a non-finite step is skipped "
         "on every rank); False is refused.",
         default=True,
     )
-    save_strategy: str = flag('When to save checkpoints: "no", "steps", "epoch" or "best".', default="steps")
+    save_strategy: str = flag(
+        'When to save checkpoints: "no", "steps" (every save_steps), "epoch" (end of each pass) or "best" (after '
+        "each evaluation that improves metric_for_best_model). The last step writes none: the final model follows.",
+        default="steps",
+    )
     save_only_model: bool = flag(
-        "Checkpoints hold only the model weights (no optimizer, scheduler or RNG state: cannot resume).", default=False
+        "Checkpoints hold only the model weights (no optimizer, scheduler or RNG state): resuming from one is refused.",
+        default=False,
     )
     save_safetensors: bool | None = flag("Write weights as safetensors (posttrain always does).", default=True)
     save_on_each_node: bool = flag("Multi-node without a shared disk: every node's main process saves.", default=False)
     restore_callback_states_from_checkpoint: bool = flag(
-        "On resume, restore the state of stateful callbacks saved in the checkpoint.", default=False
-    )
-    load_best_model_at_end: bool | None = flag(
-        "Keep the best checkpoint by metric_for_best_model and load it at the end (SFT and reward training).",
+        "On resume, restore the state of stateful callbacks (transformers.ExportableState) saved in the checkpoint.",
         default=False,
     )
-    metric_for_best_model: str | None = flag('Metric that picks the best model (default "loss").', default=None)
+    load_best_model_at_end: bool | None = flag(
+        "Track the best evaluation by metric_for_best_model (state.best_metric, state.best_model_checkpoint), never "
+        "rotate its checkpoint away, and load it at the end, so the final model is the best one (SFT and reward "
+        'training). Needs save_strategy equal to eval_strategy (or "best").',
+        default=False,
+    )
+    metric_for_best_model: str | None = flag(
+        'Evaluation metric that picks the best model, with or without its "eval_" prefix (default "loss" with '
+        "load_best_model_at_end).",
+        default=None,
+    )
     greater_is_better: bool | None = flag(
-        "Whether a larger metric_for_best_model is better (default: False for losses, True otherwise).", default=None
+        "Whether a larger metric_for_best_model is better (default: False for names ending in loss, True otherwise).",
+        default=None,
     )
     lr_scheduler_kwargs: dict[str, Any] | str | None = flag(
         "Extra keyword arguments of the learning-rate schedule (transformers.get_scheduler's "
@@ -242,7 +276,9 @@ class TrainingConfig:
     tf32: bool | None = flag("Allow TF32 matmuls on Ampere or newer GPUs.", default=None)
     torch_empty_cache_steps: int | None = flag("Empty the accelerator's cache every N steps.", default=None)
     neftune_noise_alpha: float | None = flag(
-        "NEFTune: add uniform noise of this scale to the input embeddings while training (SFT).", default=None
+        "NEFTune (Jain et al. 2023, arXiv:2310.05914): while training, add uniform noise in ±alpha/sqrt(L·d) to the "
+        "input embeddings (L tokens, d dimensions); evaluation and generation are unchanged (SFT and reward).",
+        default=None,
     )
     per_gpu_train_batch_size: int | None = flag("Deprecated alias of per_device_train_batch_size.", default=None)
     per_gpu_eval_batch_size: int | None = flag("Deprecated alias of per_device_eval_batch_size.", default=None)
@@ -315,8 +351,16 @@ class TrainingConfig:
     mp_parameters: str = flag("SageMaker model-parallel parameters (not supported).", default="")
     auto_find_batch_size: bool = flag("Halve the batch size on out-of-memory (not supported).", default=False)
     ray_scope: str | None = flag("Ray Tune scope of hyperparameter search (not supported).", default="last")
-    include_tokens_per_second: bool | None = flag("Log train_tokens_per_second in the summary.", default=False)
-    include_num_input_tokens_seen: bool | None = flag("Log num_input_tokens_seen.", default=False)
+    include_tokens_per_second: bool | None = flag(
+        "Add train_tokens_per_second (input tokens, padding included, over all processes) to the end-of-training "
+        "summary (SFT and reward).",
+        default=False,
+    )
+    include_num_input_tokens_seen: bool | None = flag(
+        "Add num_input_tokens_seen (input tokens so far, padding included, all processes) and "
+        "train_tokens_per_second (this train() call) to every log entry (SFT and reward).",
+        default=False,
+    )
     use_liger_kernel: bool | None = flag("Liger kernels (not supported).", default=False)
     liger_kernel_config: dict[str, bool] | str | None = flag("Liger kernel options (not supported).", default=None)
     average_tokens_across_devices: bool | None = flag(
@@ -358,8 +402,6 @@ class TrainingConfig:
             ("per_device_eval_batch_size", self.per_device_eval_batch_size >= 1, "must be >= 1"),
             ("gradient_accumulation_steps", self.gradient_accumulation_steps >= 1, "must be >= 1"),
             ("warmup_ratio", 0.0 <= self.warmup_ratio <= 1.0, "must be within [0, 1]"),
-            ("logging_steps", self.logging_steps >= 1, "must be >= 1"),
-            ("save_steps", self.save_steps >= 0, "must be >= 0"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -377,6 +419,7 @@ class TrainingConfig:
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"save_total_limit={self.save_total_limit} must be >= 1 or None.")
         self._check_optimization_fields()
+        self._check_schedule()
 
     def _check_optimization_fields(self) -> None:
         """optim / optim_args, compile, data-loader and log-level fields: refused here, before any model loads."""
@@ -408,6 +451,68 @@ class TrainingConfig:
             raise ConfigError(
                 "dataloader_persistent_workers needs worker processes: set dataloader_num_workers > 0 or drop it."
             )
+
+    def _check_schedule(self) -> None:
+        """The logging / evaluation / saving strategies, as transformers.TrainingArguments.__post_init__
+        checks them (plus: eval_steps given with eval_strategy "no" selects "steps"; see docs/internals.md)."""
+        for name, allowed in (
+            ("eval_strategy", ("no", "steps", "epoch")),
+            ("logging_strategy", ("no", "steps", "epoch")),
+            ("save_strategy", ("no", "steps", "epoch", "best")),
+        ):
+            value = str(getattr(self, name)).lower()
+            if value not in allowed:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {', '.join(allowed)}.")
+            setattr(self, name, value)
+        if self.eval_steps and self.eval_strategy == "no":
+            # transformers would ignore eval_steps here; posttrain has always evaluated every eval_steps.
+            self.eval_strategy = "steps"
+        if self.eval_strategy == "steps" and not self.eval_steps:
+            self.eval_steps = self.logging_steps  # transformers' fallback
+        for name, minimum in (("logging_steps", 1), ("save_steps", 0), ("eval_steps", 1)):
+            value = getattr(self, name)
+            if value is None or (name == "eval_steps" and self.eval_strategy != "steps"):
+                continue  # transformers checks eval_steps only where it is used
+            if value != int(value) and value > 1:
+                raise ConfigError(f"{name}={value!r} must be an integer when above 1 (a value in (0, 1) is a ratio).")
+            value = int(value) if value == int(value) else float(value)
+            setattr(self, name, value)
+            if value < 0 or (value == 0 and minimum == 1):
+                raise ConfigError(
+                    f"{name}={value!r} must be >= {minimum}. (A value in (0, 1) is a ratio of the total steps.)"
+                )
+        if self.eval_delay is not None and self.eval_delay < 0:
+            raise ConfigError(f"eval_delay={self.eval_delay!r} must be >= 0.")
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "loss"
+        if self.greater_is_better is None and self.metric_for_best_model is not None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        if self.save_strategy == "best" and self.metric_for_best_model is None:
+            raise ConfigError(
+                'save_strategy="best" saves after each evaluation that improves metric_for_best_model; '
+                "set --metric_for_best_model (e.g. loss)."
+            )
+        if self.save_strategy == "best" and self.eval_strategy == "no":
+            raise ConfigError('save_strategy="best" needs evaluations: set eval_strategy to "steps" or "epoch".')
+        if self.load_best_model_at_end:
+            if self.eval_strategy == "no":
+                raise ConfigError(
+                    'load_best_model_at_end needs evaluations during training: set eval_strategy ("steps" or '
+                    '"epoch") and the same save_strategy.'
+                )
+            if self.save_strategy != "best" and self.save_strategy != self.eval_strategy:
+                raise ConfigError(
+                    f"load_best_model_at_end requires save_strategy ({self.save_strategy!r}) to match eval_strategy "
+                    f'({self.eval_strategy!r}) (or save_strategy="best"); set both to the same value.'
+                )
+            if self.save_strategy == "steps" and self.eval_strategy == "steps":
+                save, every = self.save_steps, self.eval_steps
+                mixed = (save < 1) != (every < 1)
+                if mixed or not save or round(save * 1_000_000) % round(every * 1_000_000) != 0:
+                    raise ConfigError(
+                        f"load_best_model_at_end requires save_steps ({save}) to be a multiple of eval_steps ({every}) "
+                        "(both whole numbers of steps, or both ratios), so every saved step was evaluated."
+                    )
 
     def _resolve_aliases(self) -> None:
         """transformers' deprecated names: each sets its new name (both given and different: ConfigError)."""
@@ -482,7 +587,9 @@ class OnPolicyConfig(TrainingConfig):
     """
 
     learning_rate: float = flag("Initial learning rate of the optimizer (optim).", default=3e-6)
-    logging_steps: int = flag("Log metrics every N rollout batches.", default=1)
+    logging_steps: float = flag(
+        "Log metrics every N rollout batches (a value in (0, 1): a ratio of the rollout batches).", default=1
+    )
     num_mini_batches: int = flag("Minibatches (optimizer steps) per rollout batch and epoch.", default=1)
     total_episodes: int | None = flag(
         "Total completions to generate (default: num_train_epochs × dataset size × samples per prompt).", default=None
@@ -719,23 +826,9 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "save_safetensors": "weights are always written as safetensors",
     "average_tokens_across_devices": "losses are always normalised by the token count of every process",
     # Not yet wired: each entry leaves this table when its behaviour lands.
-    "eval_strategy": "not implemented yet",
-    "eval_delay": "not implemented yet",
-    "eval_on_start": "not implemented yet",
-    "logging_strategy": "not implemented yet",
-    "logging_first_step": "not implemented yet",
-    "logging_dir": "not implemented yet",
-    "save_strategy": "not implemented yet",
-    "save_only_model": "not implemented yet",
-    "save_on_each_node": "not implemented yet",
-    "restore_callback_states_from_checkpoint": "not implemented yet",
-    "load_best_model_at_end": "not implemented yet",
-    "metric_for_best_model": "not implemented yet",
-    "greater_is_better": "not implemented yet",
     "use_cpu": "not implemented yet",
     "tf32": "not implemented yet",
     "torch_empty_cache_steps": "not implemented yet",
-    "neftune_noise_alpha": "not implemented yet",
     "ddp_backend": "not implemented yet",
     "ddp_timeout": "not implemented yet",
     "ddp_find_unused_parameters": "not implemented yet",
@@ -747,8 +840,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "fsdp_transformer_layer_cls_to_wrap": "not implemented yet",
     "deepspeed": "not implemented yet",
     "accelerator_config": "not implemented yet",
-    "include_tokens_per_second": "not implemented yet",
-    "include_num_input_tokens_seen": "not implemented yet",
     "push_to_hub": "not implemented yet",
     "hub_model_id": "not implemented yet",
     "hub_strategy": "not implemented yet",
@@ -780,6 +871,8 @@ ONLINE_UNSUPPORTED_FIELDS: dict[str, str] = {
     "dataloader_num_workers": ONLINE_PROMPTS,
     "dataloader_prefetch_factor": ONLINE_PROMPTS,
     "dataloader_persistent_workers": ONLINE_PROMPTS,
+    "include_tokens_per_second": "online trainers report throughput as eps (episodes per second)",
+    "include_num_input_tokens_seen": "online trainers count completions (episode), not input tokens",
 }
 
 

@@ -301,8 +301,11 @@ class Tracker:
         config: Any = None,
         run_name: str | None = None,
         is_main: bool = True,
+        logging_dir: str | os.PathLike | None = None,
     ) -> None:
         self.output_dir = Path(output_dir)
+        # TensorBoard's folder (the config's logging_dir); default output_dir/runs/<run name>.
+        self.logging_dir = Path(os.path.expanduser(logging_dir)) if logging_dir else None
         self.is_main = is_main
         self.run_name = run_name or time.strftime("%Y%m%d-%H%M%S")
         self.config = to_jsonable(config) if config is not None else {}
@@ -328,7 +331,7 @@ class Tracker:
 
     def _tb(self):
         if self._tb_writer is None and self._tb_cls is not None:
-            log_dir = self.output_dir / "runs" / self.run_name
+            log_dir = self.logging_dir or self.output_dir / "runs" / self.run_name
             self._tb_writer = self._tb_cls(log_dir=str(log_dir))
             if self.config:
                 self._tb_writer.add_text("config", f"```\n{json.dumps(self.config, indent=2)}\n```")

@@ -66,7 +66,7 @@ class OnlineDPOConfig(OnPolicyConfig):
     """Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback")."""
 
     learning_rate: float = flag("Initial AdamW learning rate.", default=5e-7)
-    logging_steps: int = flag("Log metrics (averaged since the last log) every N rollout batches.", default=10)
+    logging_steps: float = flag("Log metrics (averaged since the last log) every N rollout batches.", default=10)
     max_new_tokens: int | None = flag(
         f"Maximum new tokens per completion (default {DEFAULT_MAX_NEW_TOKENS}); alias of response_length.", default=None
     )

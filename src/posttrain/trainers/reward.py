@@ -123,6 +123,7 @@ class RewardTrainer(SupervisedTrainerAPI):
             accelerator=self.accelerator,
             activation_offloading=args.activation_offloading,
             callbacks=callbacks,
+            evaluate=self.evaluate if self.eval_dataset is not None else None,
         )
         self.head = score_head(self.run.unwrapped())
 
@@ -199,7 +200,8 @@ class RewardTrainer(SupervisedTrainerAPI):
                     run.backward(loss_sum / normalizer)
                     self._add_metrics(run.metrics, stats, "")
                     run.metrics.add_sum("num_tokens", batch["lengths"].sum())
-                run.end_step(evaluate=self.evaluate if self.eval_dataset is not None else None)
+                run.end_step()
+            run.load_best_model()
             self.save_model()
             output = run.end_training()
         run.close()

@@ -139,6 +139,7 @@ class SFTTrainer(SupervisedTrainerAPI):
             accelerator=self.accelerator,
             activation_offloading=args.activation_offloading,
             callbacks=callbacks,
+            evaluate=self.evaluate if self.eval_dataset is not None else None,
         )
         self._forward_kwargs = _forward_kwargs(self.run.unwrapped(), args.router_aux_loss_coef)
 
@@ -229,7 +230,8 @@ class SFTTrainer(SupervisedTrainerAPI):
                     run.backward(loss)
                     self._add_metrics(run.metrics, stats, "")
                     run.metrics.add_sum("num_tokens", batch["attention_mask"].sum())
-                run.end_step(evaluate=self.evaluate if self.eval_dataset is not None else None)
+                run.end_step()
+            run.load_best_model()
             self.save_model()
             output = run.end_training()
         run.close()

@@ -22,8 +22,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -199,6 +201,22 @@ def step_loader(config: TrainingConfig, steps: StepBatches, sampler: StepRange, 
 # ---------------------------------------------------------------------------------------------
 # the run
 # ---------------------------------------------------------------------------------------------
+def neftune_hook(alpha: float) -> Callable:
+    """A forward hook for the input embedding layer: NEFTune (Jain et al. 2023, arXiv:2310.05914).
+
+    In training mode, adds noise drawn uniformly from [−alpha/sqrt(L·d), alpha/sqrt(L·d)] to the
+    embeddings (B, L, d) of a batch of L positions; in eval mode (evaluation, generation) returns
+    them unchanged. The scale is transformers' `neftune_post_forward_hook`."""
+
+    def hook(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        if not module.training:
+            return output
+        bound = alpha / math.sqrt(output.size(1) * output.size(2))
+        return output + torch.zeros_like(output).uniform_(-bound, bound)
+
+    return hook
+
+
 def check_output_dir(config: TrainingConfig) -> None:
     """Refuse an output_dir that cannot be written or already holds a run, before any model loads."""
     ckpt.check_output_dir_writable(config.output_dir)
@@ -210,6 +228,24 @@ def check_output_dir(config: TrainingConfig) -> None:
             "Pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to write over it, "
             "or choose another --output_dir."
         )
+
+
+def check_evaluation_setup(config: TrainingConfig, *, has_eval_dataset: bool) -> None:
+    """Settings that evaluate during training need an eval dataset (transformers.Trainer refuses the same)."""
+    if has_eval_dataset:
+        return
+    for name, asks in (
+        ("eval_strategy", config.eval_strategy != "no"),
+        ("eval_on_start", config.eval_on_start),
+        ("load_best_model_at_end", config.load_best_model_at_end),
+    ):
+        if asks:
+            value = getattr(config, name)
+            raise ConfigError(
+                f"{name}={value!r} evaluates during training but there is no eval_dataset; pass eval_dataset= "
+                "(on the command line: a dataset with a --dataset_test_split split) or leave "
+                f"{name} at {'no' if name == 'eval_strategy' else False!r} (and eval_steps unset)."
+            )
 
 
 def set_special_tokens(tokenizer: Any, eos_token: str | None, pad_token: str | None) -> Any:
@@ -246,8 +282,13 @@ class SupervisedRun:
         accelerator: Any = None,
         activation_offloading: bool = False,
         callbacks: list[Any] | None = None,
+        evaluate: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         self.config = config
+        # The trainer's evaluate() when it has an eval_dataset: what eval_strategy / eval_on_start /
+        # the last step call.
+        self.evaluate = evaluate
+        check_evaluation_setup(config, has_eval_dataset=evaluate is not None)
         self.tokenizer = tokenizer
         self.accelerator = accelerator or dist.build_accelerator(mixed_precision=config.mixed_precision)
         self.world_size = dist.world_size(self.accelerator)
@@ -277,8 +318,17 @@ class SupervisedRun:
         self.loss_total, self.samples_seen, self.steps_run = 0.0, 0, 0
         self.metrics = MetricAccumulator()
         self.tracker = Tracker(
-            config.output_dir, config.report_to, config=config.to_dict(), run_name=config.run_name, is_main=self.is_main
+            config.output_dir,
+            config.report_to,
+            config=config.to_dict(),
+            run_name=config.run_name,
+            is_main=self.is_main,
+            logging_dir=config.logging_dir,
         )
+        from posttrain.callbacks import Cadence
+
+        self.cadence = Cadence(config, self.plan.total_steps, self.plan.epoch)
+        self.count_input_tokens = bool(config.include_num_input_tokens_seen or config.include_tokens_per_second)
 
         model.to(self.device)
         if config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
@@ -317,6 +367,8 @@ class SupervisedRun:
             self.events.state.global_step = self.global_step
             self.events.state.epoch = self.plan.epoch(self.global_step)
             self.events.state.log_history = list(state.get("log_history", []))
+            self.events.state.num_input_tokens_seen = int(state.get("num_input_tokens_seen", 0))
+            self.events.restore_checkpoint_state(state.get("callback_state", {}))
             if self.is_main and state.get("pending_metrics"):
                 self.metrics.merge(state["pending_metrics"])
             if self.is_main:
@@ -340,6 +392,15 @@ class SupervisedRun:
         """
         self.loss_total, self.samples_seen, self.steps_run = 0.0, 0, 0
         self.events.train_begin()
+        if self.config.eval_on_start and self.evaluate is not None:
+            self.evaluate()
+        neftune = None
+        if self.config.neftune_noise_alpha is not None:
+            neftune = (
+                self.unwrapped()
+                .get_input_embeddings()
+                .register_forward_hook(neftune_hook(self.config.neftune_noise_alpha))
+            )
         plan, control = self.plan, self.events.control
         sampler = StepRange()
         pin = bool(self.config.dataloader_pin_memory) and self.device.type == "cuda"
@@ -357,6 +418,10 @@ class SupervisedRun:
                     if step != self.global_step:
                         raise RuntimeError("each step's batches must be followed by end_step() before the next.")
                     self.samples_seen += sum(len(idx) for idx in plan.micro_batches(step))
+                    if self.count_input_tokens:
+                        # transformers' count: every input_ids position, padding included, all ranks.
+                        (tokens,) = self.global_counts(sum(b["input_ids"].numel() for b in batches))
+                        self.events.state.num_input_tokens_seen += int(tokens)
                     yield [self.to_device(b) for b in batches]
                     progress.update(1)
                     if self.last_logged is not None:
@@ -365,6 +430,8 @@ class SupervisedRun:
                         break
         finally:
             progress.close()
+            if neftune is not None:
+                neftune.remove()
 
     def to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
@@ -409,11 +476,15 @@ class SupervisedRun:
 
     def end_step(self, evaluate: Callable[[], dict[str, float]] | None = None) -> None:
         """Clip, step optimizer and schedule, fire on_step_end, then log / evaluate / save when due
-        (or when a callback asked through control.should_log / should_evaluate / should_save).
+        (the config's strategies, `callbacks.Cadence`) or when a callback asked through
+        control.should_log / should_evaluate / should_save.
 
-        The last step (max_steps, or a callback set control.should_training_stop) always logs and
-        evaluates, and writes no checkpoint: the final save follows.
+        The last step (max_steps, or a callback set control.should_training_stop) logs unless
+        logging_strategy is "no", evaluates when there is an eval_dataset, and writes no checkpoint
+        (the final save follows) unless its evaluation is a new best with save_strategy "best" or
+        load_best_model_at_end, so that state.best_model_checkpoint names it.
         """
+        evaluate = evaluate or self.evaluate
         lr = self.scheduler.get_last_lr()[0]
         max_norm = self.config.max_grad_norm or math.inf
         grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
@@ -431,13 +502,15 @@ class SupervisedRun:
             events.control.should_evaluate,
             events.control.should_save,
         )
-        if step % self.config.logging_steps == 0 or log_now or events.control.should_training_stop:
+        cadence, stop = self.cadence, events.control.should_training_stop
+        if cadence.log_due(step) or log_now or (stop and self.config.logging_strategy != "no"):
             self.log_metrics({"lr": lr})
-        eval_due = self.config.eval_steps and step % self.config.eval_steps == 0
-        if evaluate is not None and (eval_due or eval_now or events.control.should_training_stop):
-            evaluate()
-        save_due = self.config.save_steps and step % self.config.save_steps == 0
-        if (save_due or save_now) and not events.control.should_training_stop:
+        improved = False
+        if evaluate is not None and (cadence.eval_due(step) or eval_now or events.control.should_training_stop):
+            improved = events.update_best(evaluate())
+        keeps_best = self.config.save_strategy == "best" or bool(self.config.load_best_model_at_end)
+        save_due = cadence.save_due(step) or (self.config.save_strategy == "best" and improved)
+        if (save_due or save_now) and not events.control.should_training_stop or (stop and improved and keeps_best):
             self.save_checkpoint()
             events.save()
 
@@ -491,7 +564,15 @@ class SupervisedRun:
             "data_epoch": self.global_step // self.plan.steps_per_epoch,
             "time": time.time(),
             "log_history": self.events.state.log_history,
+            "num_input_tokens_seen": self.events.state.num_input_tokens_seen,
         }
+        events = self.events
+        # This checkpoint may be the best one: name it before the state is written and rotation runs.
+        events.state.global_step = self.global_step
+        best_step = getattr(events.state, "best_global_step", None)
+        if best_step == self.global_step:
+            events.state.best_model_checkpoint = str(Path(self.config.output_dir) / f"checkpoint-{best_step}")
+        state["callback_state"] = events.checkpoint_state()
         ckpt.save_checkpoint(
             self.config.output_dir,
             self.global_step,
@@ -503,7 +584,29 @@ class SupervisedRun:
             trainer_state=state,
             save_total_limit=self.config.save_total_limit,
             accelerator=self.accelerator,
+            best=events.state.best_model_checkpoint,
+            model_only=self.config.save_only_model,
+            on_each_node=self.config.save_on_each_node,
         )
+        events.note_checkpoint(self.config.output_dir)
+
+    def load_best_model(self) -> None:
+        """load_best_model_at_end: load the weights of state.best_model_checkpoint into the model
+        (before the final save, so the saved model is the best one); with save_total_limit=1 the
+        other checkpoints are then deleted, as transformers does."""
+        best = self.events.state.best_model_checkpoint
+        if not self.config.load_best_model_at_end or best is None:
+            return
+        if self.is_main:
+            print(
+                f"Loading the best model from {best} ({self.config.metric_for_best_model}: "
+                f"{self.events.state.best_metric})."
+            )
+        ckpt.load_checkpoint(best, models={"model": self.unwrapped()}, restore_rng=False, accelerator=self.accelerator)
+        if self.config.save_total_limit == 1 and self.is_main:
+            for other in ckpt.list_checkpoints(self.config.output_dir):
+                if other != Path(best):
+                    shutil.rmtree(other, ignore_errors=True)
 
     def save_final(self, output_dir: str | None = None) -> None:
         """The trained model at the top of output_dir, loadable with plain `from_pretrained`."""
@@ -513,6 +616,7 @@ class SupervisedRun:
             tokenizer=self.tokenizer,
             config=self.config.to_dict(),
             accelerator=self.accelerator,
+            on_each_node=self.config.save_on_each_node,
         )
 
     def unwrapped(self) -> nn.Module:
