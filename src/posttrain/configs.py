@@ -191,11 +191,21 @@ class TrainingConfig:
         "Deterministic algorithms everywhere (torch.use_deterministic_algorithms); slower.", default=False
     )
     disable_tqdm: bool | None = flag("Hide progress bars.", default=None)
-    use_cpu: bool = flag("Train on the CPU even when a GPU is available.", default=False)
+    use_cpu: bool = flag(
+        "Train on the CPU even when a GPU is available (accelerate's Accelerator(cpu=True)).", default=False
+    )
     no_cuda: bool = flag("Deprecated alias of use_cpu.", default=False)
     use_mps_device: bool = flag("Deprecated: Apple MPS is used automatically when available.", default=False)
-    tf32: bool | None = flag("Allow TF32 matmuls on Ampere or newer GPUs.", default=None)
-    torch_empty_cache_steps: int | None = flag("Empty the accelerator's cache every N steps.", default=None)
+    tf32: bool | None = flag(
+        "True / False: switch TF32 matmuls and cuDNN convolutions on / off (needs an Ampere or newer GPU: "
+        "True is an error elsewhere). None: torch's setting.",
+        default=None,
+    )
+    torch_empty_cache_steps: int | None = flag(
+        "Empty the accelerator's memory cache (torch.cuda.empty_cache) every N optimizer steps: less peak "
+        "memory, a little slower. None: never.",
+        default=None,
+    )
     neftune_noise_alpha: float | None = flag(
         "NEFTune: add uniform noise of this scale to the input embeddings while training (SFT).", default=None
     )
@@ -212,24 +222,42 @@ class TrainingConfig:
     log_level_replica: str = flag("Log level of the other processes.", default="warning")
     log_on_each_node: bool = flag("Multi-node: log from each node's main process, not only the first.", default=True)
     local_rank: int = flag("Set by the launcher (torchrun / accelerate); read from the environment.", default=-1)
-    ddp_backend: str | None = flag("torch.distributed backend: nccl, gloo, mpi, ccl, hccl, ...", default=None)
+    ddp_backend: str | None = flag(
+        "torch.distributed backend: nccl, gloo, mpi, ccl, hccl, cncl, mccl, xccl (None: accelerate picks).",
+        default=None,
+    )
     ddp_timeout: int = flag("Seconds a collective waits before the process group times out.", default=1800)
-    ddp_find_unused_parameters: bool | None = flag("DDP find_unused_parameters.", default=None)
-    ddp_bucket_cap_mb: int | None = flag("DDP gradient bucket size in MiB.", default=None)
-    ddp_broadcast_buffers: bool | None = flag("DDP broadcast_buffers.", default=None)
+    ddp_find_unused_parameters: bool | None = flag(
+        "DDP find_unused_parameters (None: DDP's default, False).", default=None
+    )
+    ddp_bucket_cap_mb: int | None = flag("DDP gradient bucket size in MiB (None: DDP's default, 25).", default=None)
+    ddp_broadcast_buffers: bool | None = flag("DDP broadcast_buffers (None: DDP's default, True).", default=None)
     fsdp: list[str] | str | None = flag(
-        'FSDP through accelerate: "full_shard", "shard_grad_op", "hybrid_shard", "offload", "auto_wrap" (space '
-        "separated).",
+        'FSDP (FSDP2 unless fsdp_config says version 1) through accelerate, on GPUs: "full_shard" or '
+        '"shard_grad_op", "offload", "auto_wrap" (space separated; FSDP1 also "hybrid_shard", "no_shard").',
         default="",
     )
-    fsdp_config: dict[str, Any] | str | None = flag("FSDP options: a JSON file path or a JSON object.", default=None)
+    fsdp_config: dict[str, Any] | str | None = flag(
+        "FSDP options, a JSON file path or object with transformers' keys: version, min_num_params, "
+        "transformer_layer_cls_to_wrap, auto_wrap_policy, reshard_after_forward, offload_params, state_dict_type, "
+        "activation_checkpointing, cpu_ram_efficient_loading (FSDP1: backward_prefetch, forward_prefetch, "
+        "limit_all_gathers, use_orig_params, sync_module_states).",
+        default=None,
+    )
     fsdp_min_num_params: int = flag("Deprecated (fsdp_config min_num_params): auto-wrap size threshold.", default=0)
     fsdp_transformer_layer_cls_to_wrap: str | None = flag(
         "Deprecated (fsdp_config transformer_layer_cls_to_wrap): layer class names to wrap.", default=None
     )
-    deepspeed: dict[str, Any] | str | None = flag("DeepSpeed: a JSON config file path or a JSON object.", default=None)
+    deepspeed: dict[str, Any] | str | None = flag(
+        'DeepSpeed: a JSON config file path or object; "auto" values are filled from the batch, optimizer and '
+        "precision flags (needs `pip install deepspeed`).",
+        default=None,
+    )
     accelerator_config: dict[str, Any] | str | None = flag(
-        "accelerate.Accelerator options (split_batches, dispatch_batches, even_batches, ...): a JSON file or object.",
+        "accelerate options, a JSON file or object with transformers' keys (split_batches, dispatch_batches, "
+        "even_batches, use_seedable_sampler, non_blocking, use_configured_state, gradient_accumulation_kwargs); "
+        'values posttrain cannot honour are refused. {"gradient_accumulation_kwargs": {"sync_each_batch": true}} '
+        "all-reduces every micro-batch (less memory under DDP).",
         default=None,
     )
     half_precision_backend: str = flag('Mixed-precision backend: "auto" (torch amp).', default="auto")
@@ -327,6 +355,24 @@ class TrainingConfig:
             raise ConfigError(f"lora_dropout={self.lora_dropout} must be within [0, 1).")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"save_total_limit={self.save_total_limit} must be >= 1 or None.")
+        self._check_launch_fields()
+
+    def _check_launch_fields(self) -> None:
+        """The device / DDP / FSDP / DeepSpeed fields (posttrain.distributed turns them into accelerate's)."""
+        if self.torch_empty_cache_steps is not None and self.torch_empty_cache_steps < 1:
+            raise ConfigError(f"torch_empty_cache_steps={self.torch_empty_cache_steps} must be >= 1 or None.")
+        if self.ddp_timeout <= 0:
+            raise ConfigError(f"ddp_timeout={self.ddp_timeout} must be > 0 (seconds).")
+        backends = ("nccl", "gloo", "mpi", "ccl", "hccl", "cncl", "mccl", "xccl")
+        if self.ddp_backend is not None and self.ddp_backend not in backends:
+            raise ConfigError(f"ddp_backend={self.ddp_backend!r} is not one of {', '.join(backends)}.")
+        for name in ("fsdp_config", "deepspeed", "accelerator_config"):
+            setattr(self, name, json_or_file(name, getattr(self, name)))
+        launch = ("fsdp", "fsdp_config", "fsdp_min_num_params", "fsdp_transformer_layer_cls_to_wrap", "deepspeed")
+        if any(getattr(self, name) for name in launch + ("accelerator_config",)):
+            from posttrain.distributed import check_launch_options  # loads torch: only when these are set
+
+            check_launch_options(self)
 
     def _resolve_aliases(self) -> None:
         """transformers' deprecated names: each sets its new name (both given and different: ConfigError)."""
@@ -367,6 +413,10 @@ class TrainingConfig:
         )
         if isinstance(self.fsdp, list):
             self.fsdp = " ".join(self.fsdp)
+        if self.fsdp is True or str(self.fsdp).lower() == "true":
+            self.fsdp = "full_shard auto_wrap"  # transformers 5's fsdp=True: FSDP2, full shard, auto wrap
+        elif self.fsdp is False or str(self.fsdp).lower() == "false":
+            self.fsdp = ""
         self.fsdp = self.fsdp or ""
 
     # -- helpers -------------------------------------------------------------------------------
@@ -647,24 +697,10 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "data_seed": "not implemented yet",
     "full_determinism": "not implemented yet",
     "disable_tqdm": "not implemented yet",
-    "use_cpu": "not implemented yet",
-    "tf32": "not implemented yet",
-    "torch_empty_cache_steps": "not implemented yet",
     "neftune_noise_alpha": "not implemented yet",
     "log_level": "not implemented yet",
     "log_level_replica": "not implemented yet",
     "log_on_each_node": "not implemented yet",
-    "ddp_backend": "not implemented yet",
-    "ddp_timeout": "not implemented yet",
-    "ddp_find_unused_parameters": "not implemented yet",
-    "ddp_bucket_cap_mb": "not implemented yet",
-    "ddp_broadcast_buffers": "not implemented yet",
-    "fsdp": "not implemented yet",
-    "fsdp_config": "not implemented yet",
-    "fsdp_min_num_params": "not implemented yet",
-    "fsdp_transformer_layer_cls_to_wrap": "not implemented yet",
-    "deepspeed": "not implemented yet",
-    "accelerator_config": "not implemented yet",
     "include_tokens_per_second": "not implemented yet",
     "include_num_input_tokens_seen": "not implemented yet",
     "push_to_hub": "not implemented yet",
@@ -728,6 +764,27 @@ def parse_json_field(name: str, value: Any) -> dict[str, Any] | None:
         raise ConfigError(f"{name}={value!r} is not valid JSON ({err}); write it like '{{\"key\": 1}}'.") from None
     if not isinstance(parsed, dict):
         raise ConfigError(f"{name}={value!r} must be a JSON object, e.g. '{{\"key\": 1}}'.")
+    return parsed
+
+
+def json_or_file(name: str, value: Any) -> dict[str, Any] | None:
+    """A dict-valued field given as a dict, as JSON text, or as the path of a JSON file (fsdp_config,
+    deepspeed, accelerator_config; transformers takes all three)."""
+    if value is None or isinstance(value, dict) or value == "":
+        return value or None
+    text = str(value).strip()
+    if text.startswith("{"):
+        return parse_json_field(name, text)
+    path = os.path.expanduser(text)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{name}={value!r} is neither a JSON object nor an existing JSON file; pass one of them.")
+    try:
+        with open(path, encoding="utf-8") as f:
+            parsed = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{name}={value!r}: the file cannot be read as JSON ({err}).") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{name}={value!r}: the file must hold a JSON object.")
     return parsed
 
 

@@ -449,7 +449,7 @@ class OnlineRun:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.accelerator = accelerator or dist.build_accelerator(mixed_precision=config.mixed_precision)
+        self.accelerator = accelerator or dist.accelerator_for(config)
         dist.set_seed(config.seed)
         self.world_size = dist.world_size(self.accelerator)
         self.device = dist.device(self.accelerator)
