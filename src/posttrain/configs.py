@@ -270,11 +270,21 @@ class TrainingConfig:
         default=False,
     )
     disable_tqdm: bool | None = flag("Hide progress bars (None: shown on the main process).", default=None)
-    use_cpu: bool = flag("Train on the CPU even when a GPU is available.", default=False)
+    use_cpu: bool = flag(
+        "Train on the CPU even when a GPU is available (accelerate's Accelerator(cpu=True)).", default=False
+    )
     no_cuda: bool = flag("Deprecated alias of use_cpu.", default=False)
     use_mps_device: bool = flag("Deprecated: Apple MPS is used automatically when available.", default=False)
-    tf32: bool | None = flag("Allow TF32 matmuls on Ampere or newer GPUs.", default=None)
-    torch_empty_cache_steps: int | None = flag("Empty the accelerator's cache every N steps.", default=None)
+    tf32: bool | None = flag(
+        "True / False: switch TF32 matmuls and cuDNN convolutions on / off (needs an Ampere or newer GPU: "
+        "True is an error elsewhere). None: torch's setting.",
+        default=None,
+    )
+    torch_empty_cache_steps: int | None = flag(
+        "Empty the accelerator's memory cache (torch.cuda.empty_cache) every N optimizer steps: less peak "
+        "memory, a little slower. None: never.",
+        default=None,
+    )
     neftune_noise_alpha: float | None = flag(
         "NEFTune (Jain et al. 2023, arXiv:2310.05914): while training, add uniform noise in ±alpha/sqrt(L·d) to the "
         "input embeddings (L tokens, d dimensions); evaluation and generation are unchanged (SFT and reward).",
@@ -296,24 +306,42 @@ class TrainingConfig:
         "Multi-node: each node's main process logs at log_level (False: only the first node's).", default=True
     )
     local_rank: int = flag("Set by the launcher (torchrun / accelerate); read from the environment.", default=-1)
-    ddp_backend: str | None = flag("torch.distributed backend: nccl, gloo, mpi, ccl, hccl, ...", default=None)
+    ddp_backend: str | None = flag(
+        "torch.distributed backend: nccl, gloo, mpi, ccl, hccl, cncl, mccl, xccl (None: accelerate picks).",
+        default=None,
+    )
     ddp_timeout: int = flag("Seconds a collective waits before the process group times out.", default=1800)
-    ddp_find_unused_parameters: bool | None = flag("DDP find_unused_parameters.", default=None)
-    ddp_bucket_cap_mb: int | None = flag("DDP gradient bucket size in MiB.", default=None)
-    ddp_broadcast_buffers: bool | None = flag("DDP broadcast_buffers.", default=None)
+    ddp_find_unused_parameters: bool | None = flag(
+        "DDP find_unused_parameters (None: DDP's default, False).", default=None
+    )
+    ddp_bucket_cap_mb: int | None = flag("DDP gradient bucket size in MiB (None: DDP's default, 25).", default=None)
+    ddp_broadcast_buffers: bool | None = flag("DDP broadcast_buffers (None: DDP's default, True).", default=None)
     fsdp: list[str] | str | None = flag(
-        'FSDP through accelerate: "full_shard", "shard_grad_op", "hybrid_shard", "offload", "auto_wrap" (space '
-        "separated).",
+        'FSDP (FSDP2 unless fsdp_config says version 1) through accelerate, on GPUs: "full_shard" or '
+        '"shard_grad_op", "offload", "auto_wrap" (space separated; FSDP1 also "hybrid_shard", "no_shard").',
         default="",
     )
-    fsdp_config: dict[str, Any] | str | None = flag("FSDP options: a JSON file path or a JSON object.", default=None)
+    fsdp_config: dict[str, Any] | str | None = flag(
+        "FSDP options, a JSON file path or object with transformers' keys: version, min_num_params, "
+        "transformer_layer_cls_to_wrap, auto_wrap_policy, reshard_after_forward, offload_params, state_dict_type, "
+        "activation_checkpointing, cpu_ram_efficient_loading (FSDP1: backward_prefetch, forward_prefetch, "
+        "limit_all_gathers, use_orig_params, sync_module_states).",
+        default=None,
+    )
     fsdp_min_num_params: int = flag("Deprecated (fsdp_config min_num_params): auto-wrap size threshold.", default=0)
     fsdp_transformer_layer_cls_to_wrap: str | None = flag(
         "Deprecated (fsdp_config transformer_layer_cls_to_wrap): layer class names to wrap.", default=None
     )
-    deepspeed: dict[str, Any] | str | None = flag("DeepSpeed: a JSON config file path or a JSON object.", default=None)
+    deepspeed: dict[str, Any] | str | None = flag(
+        'DeepSpeed: a JSON config file path or object; "auto" values are filled from the batch, optimizer and '
+        "precision flags (needs `pip install deepspeed`).",
+        default=None,
+    )
     accelerator_config: dict[str, Any] | str | None = flag(
-        "accelerate.Accelerator options (split_batches, dispatch_batches, even_batches, ...): a JSON file or object.",
+        "accelerate options, a JSON file or object with transformers' keys (split_batches, dispatch_batches, "
+        "even_batches, use_seedable_sampler, non_blocking, use_configured_state, gradient_accumulation_kwargs); "
+        'values posttrain cannot honour are refused. {"gradient_accumulation_kwargs": {"sync_each_batch": true}} '
+        "all-reduces every micro-batch (less memory under DDP).",
         default=None,
     )
     half_precision_backend: str = flag('Mixed-precision backend: "auto" (torch amp).', default="auto")
@@ -420,6 +448,7 @@ class TrainingConfig:
             raise ConfigError(f"save_total_limit={self.save_total_limit} must be >= 1 or None.")
         self._check_optimization_fields()
         self._check_schedule()
+        self._check_launch_fields()
 
     def _check_optimization_fields(self) -> None:
         """optim / optim_args, compile, data-loader and log-level fields: refused here, before any model loads."""
@@ -514,6 +543,23 @@ class TrainingConfig:
                         "(both whole numbers of steps, or both ratios), so every saved step was evaluated."
                     )
 
+    def _check_launch_fields(self) -> None:
+        """The device / DDP / FSDP / DeepSpeed fields (posttrain.distributed turns them into accelerate's)."""
+        if self.torch_empty_cache_steps is not None and self.torch_empty_cache_steps < 1:
+            raise ConfigError(f"torch_empty_cache_steps={self.torch_empty_cache_steps} must be >= 1 or None.")
+        if self.ddp_timeout <= 0:
+            raise ConfigError(f"ddp_timeout={self.ddp_timeout} must be > 0 (seconds).")
+        backends = ("nccl", "gloo", "mpi", "ccl", "hccl", "cncl", "mccl", "xccl")
+        if self.ddp_backend is not None and self.ddp_backend not in backends:
+            raise ConfigError(f"ddp_backend={self.ddp_backend!r} is not one of {', '.join(backends)}.")
+        for name in ("fsdp_config", "deepspeed", "accelerator_config"):
+            setattr(self, name, json_or_file(name, getattr(self, name)))
+        launch = ("fsdp", "fsdp_config", "fsdp_min_num_params", "fsdp_transformer_layer_cls_to_wrap", "deepspeed")
+        if any(getattr(self, name) for name in launch + ("accelerator_config",)):
+            from posttrain.distributed import check_launch_options  # loads torch: only when these are set
+
+            check_launch_options(self)
+
     def _resolve_aliases(self) -> None:
         """transformers' deprecated names: each sets its new name (both given and different: ConfigError)."""
         pairs = [
@@ -553,6 +599,10 @@ class TrainingConfig:
         )
         if isinstance(self.fsdp, list):
             self.fsdp = " ".join(self.fsdp)
+        if self.fsdp is True or str(self.fsdp).lower() == "true":
+            self.fsdp = "full_shard auto_wrap"  # transformers 5's fsdp=True: FSDP2, full shard, auto wrap
+        elif self.fsdp is False or str(self.fsdp).lower() == "false":
+            self.fsdp = ""
         self.fsdp = self.fsdp or ""
 
     # -- helpers -------------------------------------------------------------------------------
@@ -826,20 +876,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "save_safetensors": "weights are always written as safetensors",
     "average_tokens_across_devices": "losses are always normalised by the token count of every process",
     # Not yet wired: each entry leaves this table when its behaviour lands.
-    "use_cpu": "not implemented yet",
-    "tf32": "not implemented yet",
-    "torch_empty_cache_steps": "not implemented yet",
-    "ddp_backend": "not implemented yet",
-    "ddp_timeout": "not implemented yet",
-    "ddp_find_unused_parameters": "not implemented yet",
-    "ddp_bucket_cap_mb": "not implemented yet",
-    "ddp_broadcast_buffers": "not implemented yet",
-    "fsdp": "not implemented yet",
-    "fsdp_config": "not implemented yet",
-    "fsdp_min_num_params": "not implemented yet",
-    "fsdp_transformer_layer_cls_to_wrap": "not implemented yet",
-    "deepspeed": "not implemented yet",
-    "accelerator_config": "not implemented yet",
     "push_to_hub": "not implemented yet",
     "hub_model_id": "not implemented yet",
     "hub_strategy": "not implemented yet",
@@ -906,6 +942,27 @@ def parse_json_field(name: str, value: Any) -> dict[str, Any] | None:
         raise ConfigError(f"{name}={value!r} is not valid JSON ({err}); write it like '{{\"key\": 1}}'.") from None
     if not isinstance(parsed, dict):
         raise ConfigError(f"{name}={value!r} must be a JSON object, e.g. '{{\"key\": 1}}'.")
+    return parsed
+
+
+def json_or_file(name: str, value: Any) -> dict[str, Any] | None:
+    """A dict-valued field given as a dict, as JSON text, or as the path of a JSON file (fsdp_config,
+    deepspeed, accelerator_config; transformers takes all three)."""
+    if value is None or isinstance(value, dict) or value == "":
+        return value or None
+    text = str(value).strip()
+    if text.startswith("{"):
+        return parse_json_field(name, text)
+    path = os.path.expanduser(text)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{name}={value!r} is neither a JSON object nor an existing JSON file; pass one of them.")
+    try:
+        with open(path, encoding="utf-8") as f:
+            parsed = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{name}={value!r}: the file cannot be read as JSON ({err}).") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{name}={value!r}: the file must hold a JSON object.")
     return parsed
 
 

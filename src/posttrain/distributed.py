@@ -9,12 +9,15 @@ friends are imported inside the functions so that `import posttrain` stays light
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from posttrain.configs import ConfigError
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -28,12 +31,24 @@ def build_accelerator(
     seed: int | None = None,
     log_with: str | list[str] | None = None,
     cpu: bool = False,
+    *,
+    tf32: bool | None = None,
+    empty_cache_steps: int | None = None,
+    process_group_kwargs: dict[str, Any] | None = None,
+    ddp_kwargs: dict[str, Any] | None = None,
+    fsdp_plugin: Any = None,
+    deepspeed_plugin: Any = None,
+    dataloader_kwargs: dict[str, Any] | None = None,
+    gradient_accumulation_kwargs: dict[str, Any] | None = None,
 ) -> Accelerator:
     """Create the run's `Accelerator`; the launch environment (accelerate launch, torchrun,
-    DeepSpeed / FSDP configs) decides the distributed type, these arguments only the loop knobs.
+    DeepSpeed / FSDP configs) decides the distributed type unless a plugin is given here.
 
     `seed` is applied with `set_seed` after the process group exists, so every rank starts from
     the same model initialisation and sampling stream unless a caller asks for per-device seeds.
+    `process_group_kwargs` (backend, timeout) and `ddp_kwargs` (find_unused_parameters,
+    bucket_cap_mb, broadcast_buffers) become accelerate's kwargs handlers; `tf32` sets the CUDA
+    TF32 switches; `empty_cache_steps` empties the device cache every that many optimizer steps.
     """
     if mixed_precision not in MIXED_PRECISION_CHOICES:
         raise ValueError(
@@ -41,19 +56,477 @@ def build_accelerator(
         )
     if gradient_accumulation_steps < 1:
         raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1.")
+    if tf32:
+        check_tf32_available(cpu)
     from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
+    handlers: list[Any] = []
+    if process_group_kwargs:
+        handlers.append(InitProcessGroupKwargs(**process_group_kwargs))
+    if ddp_kwargs:
+        handlers.append(DistributedDataParallelKwargs(**ddp_kwargs))
+    extra: dict[str, Any] = {}
+    if dataloader_kwargs:
+        from accelerate.utils import DataLoaderConfiguration
+
+        extra["dataloader_config"] = DataLoaderConfiguration(**dataloader_kwargs)
+    if gradient_accumulation_kwargs:
+        from accelerate.utils import GradientAccumulationPlugin
+
+        plugin_kwargs = {"num_steps": gradient_accumulation_steps, **gradient_accumulation_kwargs}
+        extra["gradient_accumulation_plugin"] = GradientAccumulationPlugin(**plugin_kwargs)
+    else:
+        extra["gradient_accumulation_steps"] = gradient_accumulation_steps
+    if fsdp_plugin is not None:
+        extra["fsdp_plugin"] = fsdp_plugin
+    if deepspeed_plugin is not None:
+        extra["deepspeed_plugin"] = deepspeed_plugin
+    before = {name: os.environ.get(name) for name in _PLUGIN_ENV.values()}
     accelerator = Accelerator(
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        mixed_precision=mixed_precision,
-        log_with=log_with,
-        cpu=cpu,
+        mixed_precision=mixed_precision, log_with=log_with, cpu=cpu, kwargs_handlers=handlers or None, **extra
     )
+    # accelerate records a given plugin in the environment; remember that it was us, not a launcher.
+    _ENV_SET_HERE.update(name for name, value in before.items() if os.environ.get(name) != value)
+    if fsdp_plugin is not None and accelerator.distributed_type.value != "FSDP":
+        # accelerate uses an FSDP plugin only for multi-GPU (or NPU, XPU, ...) processes; anywhere
+        # else it would quietly train unsharded.
+        for name, value in before.items():
+            _ENV_SET_HERE.discard(name)
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        raise ConfigError(
+            f"--fsdp needs several accelerator processes (GPUs launched with torchrun / accelerate launch); this run "
+            f"is {accelerator.distributed_type.value} on {accelerator.device.type}, where accelerate does not shard. "
+            "Drop --fsdp here."
+        )
+    if tf32 is not None and accelerator.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+    if empty_cache_steps:
+        EmptyCacheEvery(empty_cache_steps, accelerator).install()
     if mixed_precision == "bf16" and accelerator.device.type == "cpu":
         warn_if_bf16_is_emulated()
     if seed is not None:
         set_seed(seed)
     return accelerator
+
+
+def accelerator_for(config: Any) -> Accelerator:
+    """The run's `Accelerator` from a `TrainingConfig`: use_cpu, mixed precision, tf32,
+    torch_empty_cache_steps, the ddp_* fields, accelerator_config, fsdp / fsdp_config and deepspeed.
+    Every trainer builds its accelerator here (unless one is passed in)."""
+    check_launch_conflicts(config)
+    options = accelerator_config_kwargs(config.accelerator_config)
+    return build_accelerator(
+        mixed_precision=config.mixed_precision,
+        cpu=config.use_cpu,
+        tf32=config.tf32,
+        empty_cache_steps=config.torch_empty_cache_steps,
+        process_group_kwargs=process_group_kwargs(config),
+        ddp_kwargs=ddp_kwargs(config),
+        fsdp_plugin=fsdp_plugin_from(config),
+        deepspeed_plugin=deepspeed_plugin_from(config),
+        dataloader_kwargs=options["dataloader"],
+        gradient_accumulation_kwargs=options["gradient_accumulation"],
+    )
+
+
+# -- TrainingArguments' device and launch fields → accelerate --------------------------------------
+
+# The environment variables by which `accelerate launch --config_file` turns FSDP / DeepSpeed on
+# (accelerate also sets them itself when it is given a plugin: those are remembered in _ENV_SET_HERE).
+_PLUGIN_ENV = {"FSDP": "ACCELERATE_USE_FSDP", "DeepSpeed": "ACCELERATE_USE_DEEPSPEED"}
+_ENV_SET_HERE: set[str] = set()
+
+
+def check_tf32_available(cpu: bool = False) -> None:
+    """ConfigError unless TF32 can be switched on: a CUDA GPU of compute capability 8.0 (Ampere) or newer."""
+    if cpu or not torch.cuda.is_available():
+        where = "--use_cpu is set" if cpu else "no CUDA GPU is available"
+        raise ConfigError(f"--tf32 requires Ampere or a newer GPU, and {where}; drop --tf32 (or pass --tf32 false).")
+    major, minor = torch.cuda.get_device_capability()
+    if major < 8:
+        raise ConfigError(
+            f"--tf32 requires Ampere or a newer GPU (compute capability >= 8.0); this GPU is {major}.{minor}. "
+            "Drop --tf32."
+        )
+
+
+def process_group_kwargs(config: Any) -> dict[str, Any]:
+    """accelerate `InitProcessGroupKwargs` of ddp_backend and ddp_timeout (seconds → timedelta)."""
+    from datetime import timedelta
+
+    out: dict[str, Any] = {"timeout": timedelta(seconds=config.ddp_timeout)}
+    # As transformers: a backend only for a launched multi-process run (one process has no group).
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or int(os.environ.get("LOCAL_RANK", "-1")) != -1
+    if config.ddp_backend and launched:
+        out["backend"] = config.ddp_backend
+    return out
+
+
+def ddp_kwargs(config: Any) -> dict[str, Any]:
+    """accelerate `DistributedDataParallelKwargs` of the ddp_* fields that are set (None: DDP's default)."""
+    names = {
+        "ddp_find_unused_parameters": "find_unused_parameters",
+        "ddp_bucket_cap_mb": "bucket_cap_mb",
+        "ddp_broadcast_buffers": "broadcast_buffers",
+    }
+    return {key: getattr(config, name) for name, key in names.items() if getattr(config, name) is not None}
+
+
+# transformers' AcceleratorConfig keys, each with the only value(s) posttrain's loops can honour and why.
+ACCELERATOR_CONFIG_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "split_batches": ((False,), "per_device_train_batch_size is always per device"),
+    "dispatch_batches": ((None, False), "every process reads its own share of the data"),
+    "even_batches": ((True,), "every process runs the same number of micro-batches (the data is wrapped around)"),
+    "use_seedable_sampler": ((True,), "the data order is always drawn from the seed"),
+    "non_blocking": ((False,), "the trainers copy batches to the device themselves"),
+    "use_configured_state": ((False,), "each trainer creates its own accelerator state"),
+    "gradient_accumulation_kwargs": ((), ""),
+}
+GRADIENT_ACCUMULATION_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "num_steps": ((), "set --gradient_accumulation_steps instead"),
+    "adjust_scheduler": ((True,), "the schedule always steps once per optimizer step"),
+    "sync_with_dataloader": ((True,), "an epoch's last optimizer step always ends with its last micro-batch"),
+    "sync_each_batch": ((True, False), ""),
+}
+
+
+def accelerator_config_kwargs(value: dict[str, Any] | None) -> dict[str, dict[str, Any] | None]:
+    """Check an `accelerator_config` mapping (transformers' AcceleratorConfig keys) and split it into
+    accelerate's `DataLoaderConfiguration` keywords ("dataloader") and `GradientAccumulationPlugin`
+    keywords ("gradient_accumulation"); None where nothing was given.
+
+    posttrain's trainers batch and accumulate themselves, so a key is accepted with the value that
+    describes what they do; `gradient_accumulation_kwargs.sync_each_batch: true` (all-reduce every
+    micro-batch's gradients instead of only the last one's: less memory, more communication) is
+    honoured by `no_sync_unless_last`.
+    """
+    if not value:
+        return {"dataloader": None, "gradient_accumulation": None}
+    unknown = sorted(set(value) - set(ACCELERATOR_CONFIG_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"accelerator_config has unknown key(s) {unknown}; valid keys: {', '.join(ACCELERATOR_CONFIG_KEYS)}."
+        )
+    dataloader = {}
+    for key, given in value.items():
+        if key == "gradient_accumulation_kwargs":
+            continue
+        allowed, why = ACCELERATOR_CONFIG_KEYS[key]
+        if given not in allowed:
+            raise ConfigError(
+                f"accelerator_config {key}={given!r} is not supported by posttrain ({why}); use {allowed[0]!r}."
+            )
+        if key != "use_configured_state":
+            dataloader[key] = given
+    accumulation = value.get("gradient_accumulation_kwargs") or {}
+    if not isinstance(accumulation, dict):
+        raise ConfigError(
+            f"accelerator_config gradient_accumulation_kwargs={accumulation!r} must be a mapping, "
+            'e.g. {"sync_each_batch": true}.'
+        )
+    unknown = sorted(set(accumulation) - set(GRADIENT_ACCUMULATION_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"accelerator_config gradient_accumulation_kwargs has unknown key(s) {unknown}; "
+            f"valid keys: {', '.join(GRADIENT_ACCUMULATION_KEYS)}."
+        )
+    for key, given in accumulation.items():
+        allowed, why = GRADIENT_ACCUMULATION_KEYS[key]
+        if allowed and given not in allowed or not allowed:
+            raise ConfigError(
+                f"accelerator_config gradient_accumulation_kwargs {key}={given!r} is not supported by posttrain "
+                f"({why})" + (f"; use {allowed[0]!r}." if allowed else ".")
+            )
+    return {"dataloader": dataloader or None, "gradient_accumulation": dict(accumulation) or None}
+
+
+FSDP_OPTIONS = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard", "offload", "auto_wrap")
+FSDP_SHARDING = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard")
+# fsdp_config keys (transformers' names; a leading "fsdp_" is dropped as transformers does).
+FSDP_CONFIG_KEYS = (
+    "version",
+    "min_num_params",
+    "transformer_layer_cls_to_wrap",
+    "auto_wrap_policy",
+    "backward_prefetch",
+    "forward_prefetch",
+    "limit_all_gathers",
+    "use_orig_params",
+    "sync_module_states",
+    "cpu_ram_efficient_loading",
+    "activation_checkpointing",
+    "offload_params",
+    "cpu_offload",
+    "reshard_after_forward",
+    "state_dict_type",
+)
+FSDP1_ONLY_KEYS = (
+    "backward_prefetch",
+    "forward_prefetch",
+    "limit_all_gathers",
+    "use_orig_params",
+    "sync_module_states",
+)
+FSDP_AUTO_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
+FSDP_STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT")
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise ConfigError(f"fsdp_config {name}={value!r} must be true or false.")
+
+
+def fsdp_plugin_kwargs(config: Any) -> dict[str, Any] | None:
+    """Keywords of accelerate's `FullyShardedDataParallelPlugin` from --fsdp, --fsdp_config and the
+    deprecated --fsdp_min_num_params / --fsdp_transformer_layer_cls_to_wrap, mapped as transformers'
+    TrainingArguments does (FSDP2 unless fsdp_config says version 1); None when --fsdp is off.
+
+    --fsdp words: full_shard / shard_grad_op (FSDP2: reshard_after_forward true / false;
+    FSDP1 also hybrid_shard, hybrid_shard_zero2, no_shard), offload (parameters and gradients in
+    CPU memory), auto_wrap (the default: wrap each transformer block, or by size with min_num_params).
+    """
+    words = str(config.fsdp or "").split()
+    fsdp_config = {
+        (key[5:] if key.startswith("fsdp_") else key): val for key, val in (config.fsdp_config or {}).items()
+    }
+    deprecated = {
+        "fsdp_min_num_params": ("min_num_params", config.fsdp_min_num_params or None),
+        "fsdp_transformer_layer_cls_to_wrap": (
+            "transformer_layer_cls_to_wrap",
+            config.fsdp_transformer_layer_cls_to_wrap,
+        ),
+    }
+    if not words:
+        given = [name for name, (_, val) in deprecated.items() if val] + (["fsdp_config"] if fsdp_config else [])
+        if given:
+            raise ConfigError(f'{", ".join(given)} set but --fsdp is not; add --fsdp "full_shard auto_wrap".')
+        return None
+    bad = [w for w in words if w not in FSDP_OPTIONS]
+    if bad:
+        raise ConfigError(f"fsdp has unknown option(s) {bad}; valid (space separated): {', '.join(FSDP_OPTIONS)}.")
+    unknown = sorted(set(fsdp_config) - set(FSDP_CONFIG_KEYS))
+    if unknown:
+        raise ConfigError(f"fsdp_config has unknown key(s) {unknown}; valid keys: {', '.join(FSDP_CONFIG_KEYS)}.")
+    for name, (key, val) in deprecated.items():
+        if val:
+            if fsdp_config.get(key) not in (None, val):
+                raise ConfigError(f"{name}={val!r} and fsdp_config {key}={fsdp_config[key]!r} conflict; give only one.")
+            fsdp_config[key] = val
+    version = fsdp_config.get("version", 2)
+    if version not in (1, 2, "1", "2"):
+        raise ConfigError(f"fsdp_config version={version!r} must be 1 or 2 (FSDP2, the default).")
+    version = int(version)
+    sharding = [w for w in words if w in FSDP_SHARDING]
+    if len(sharding) > 1:
+        raise ConfigError(f"fsdp has several sharding strategies {sharding}; choose one.")
+    kwargs: dict[str, Any] = {"fsdp_version": version}
+    if "reshard_after_forward" in fsdp_config:
+        reshard = fsdp_config["reshard_after_forward"]
+        kwargs["reshard_after_forward"] = _as_bool("reshard_after_forward", reshard) if version == 2 else str(reshard)
+    elif sharding and version == 2:
+        if sharding[0] not in ("full_shard", "shard_grad_op"):
+            raise ConfigError(
+                f"fsdp {sharding[0]} is an FSDP1 strategy; use full_shard or shard_grad_op with FSDP2, or set "
+                'fsdp_config {"version": 1}.'
+            )
+        kwargs["reshard_after_forward"] = sharding[0] == "full_shard"
+    elif sharding:
+        kwargs["reshard_after_forward"] = sharding[0].upper()
+    offload = "offload" in words
+    for key in ("offload_params", "cpu_offload"):
+        if key in fsdp_config:
+            offload = offload or _as_bool(key, fsdp_config[key])
+    if offload:
+        kwargs["cpu_offload"] = True
+    min_num_params = int(fsdp_config.get("min_num_params") or 0)
+    policy = str(fsdp_config.get("auto_wrap_policy", "SIZE_BASED_WRAP" if min_num_params > 0 else "")).upper()
+    policy = policy or "TRANSFORMER_BASED_WRAP"
+    if policy not in FSDP_AUTO_WRAP_POLICIES:
+        raise ConfigError(
+            f"fsdp_config auto_wrap_policy={policy!r} must be one of {', '.join(FSDP_AUTO_WRAP_POLICIES)}."
+        )
+    kwargs["auto_wrap_policy"] = policy
+    if policy == "SIZE_BASED_WRAP":
+        kwargs["min_num_params"] = min_num_params
+    layers = fsdp_config.get("transformer_layer_cls_to_wrap")
+    if policy == "TRANSFORMER_BASED_WRAP" and layers:
+        kwargs["transformer_cls_names_to_wrap"] = [layers] if isinstance(layers, str) else list(layers)
+    state_dict_type = str(fsdp_config.get("state_dict_type", "FULL_STATE_DICT")).upper()
+    allowed_types = FSDP_STATE_DICT_TYPES if version == 1 else FSDP_STATE_DICT_TYPES[:2]
+    if state_dict_type not in allowed_types:
+        raise ConfigError(
+            f"fsdp_config state_dict_type={state_dict_type!r} must be one of {', '.join(allowed_types)} "
+            f"with FSDP{version}."
+        )
+    kwargs["state_dict_type"] = state_dict_type
+    for key in ("cpu_ram_efficient_loading", "activation_checkpointing"):
+        if key in fsdp_config:
+            kwargs[key] = _as_bool(key, fsdp_config[key])
+    fsdp1_given = [key for key in FSDP1_ONLY_KEYS if key in fsdp_config]
+    if version == 2 and fsdp1_given:
+        warnings.warn(
+            f"fsdp_config {', '.join(fsdp1_given)} apply to FSDP1 only; FSDP2 (the default version) does without "
+            'them, so they are not used. Drop them, or set fsdp_config {"version": 1}.',
+            stacklevel=3,
+        )
+    elif version == 1:
+        prefetch = str(fsdp_config.get("backward_prefetch", "NO_PREFETCH")).upper()
+        if prefetch not in ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"):
+            raise ConfigError(
+                f"fsdp_config backward_prefetch={prefetch!r} must be BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH."
+            )
+        kwargs["backward_prefetch"] = prefetch
+        defaults = {"forward_prefetch": False, "use_orig_params": True, "sync_module_states": True}
+        for key, default in defaults.items():
+            kwargs[key] = _as_bool(key, fsdp_config.get(key, default))
+        if "limit_all_gathers" in fsdp_config:
+            kwargs["limit_all_gathers"] = _as_bool("limit_all_gathers", fsdp_config["limit_all_gathers"])
+    return kwargs
+
+
+def fsdp_plugin_from(config: Any) -> Any:
+    """accelerate's `FullyShardedDataParallelPlugin` for --fsdp (None when it is off)."""
+    kwargs = fsdp_plugin_kwargs(config)
+    if kwargs is None:
+        return None
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin(**kwargs)
+
+
+def deepspeed_fill_auto(ds_config: dict[str, Any], config: Any, world_size: int) -> dict[str, Any]:
+    """A copy of a DeepSpeed config with its "auto" values filled from the training config, as
+    transformers' HfTrainerDeepSpeedConfig does: micro-batch size, gradient accumulation, train batch
+    size (= world_size × micro-batch × accumulation), gradient clipping, the optimizer's lr / betas /
+    eps / weight_decay, the scheduler's warmup_max_lr, and fp16 / bf16 enabled. A value given
+    explicitly that differs from the training config's is a ConfigError listing every mismatch.
+    """
+    import copy
+
+    filled = copy.deepcopy(ds_config)
+    mismatches = []
+
+    def fill(path: str, value: Any, source: str) -> None:
+        node = filled
+        *parents, key = path.split(".")
+        for parent in parents:
+            node = node.get(parent)
+            if not isinstance(node, dict):
+                return
+        if node.get(key) == "auto":
+            node[key] = value
+        elif key in node and node[key] != value:
+            mismatches.append(f"{path}={node[key]!r} vs {source}={value!r}")
+
+    micro, accumulation = config.per_device_train_batch_size, config.gradient_accumulation_steps
+    fill("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size")
+    fill("gradient_accumulation_steps", accumulation, "gradient_accumulation_steps")
+    fill("train_batch_size", world_size * micro * accumulation, "world_size × per_device × accumulation")
+    fill("gradient_clipping", config.max_grad_norm or 0.0, "max_grad_norm")
+    fill("optimizer.params.lr", config.learning_rate, "learning_rate")
+    fill("optimizer.params.betas", [config.adam_beta1, config.adam_beta2], "[adam_beta1, adam_beta2]")
+    fill("optimizer.params.eps", config.adam_epsilon, "adam_epsilon")
+    fill("optimizer.params.weight_decay", config.weight_decay, "weight_decay")
+    fill("scheduler.params.warmup_max_lr", config.learning_rate, "learning_rate")
+    fill("fp16.enabled", bool(config.fp16), "fp16")
+    fill("bf16.enabled", bool(config.bf16), "bf16")
+    if mismatches:
+        raise ConfigError(
+            "the DeepSpeed config disagrees with the training config: "
+            + "; ".join(mismatches)
+            + '. Set those DeepSpeed values to "auto" or change the flags to match.'
+        )
+    return filled
+
+
+def require_deepspeed() -> None:
+    """ConfigError naming the install command when the optional deepspeed package is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("--deepspeed needs the deepspeed package, which is not installed: pip install deepspeed.")
+
+
+def deepspeed_plugin_from(config: Any) -> Any:
+    """accelerate's `DeepSpeedPlugin` for --deepspeed (None when it is off), "auto" values filled."""
+    if not config.deepspeed:
+        return None
+    require_deepspeed()
+    from accelerate.utils import DeepSpeedPlugin
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return DeepSpeedPlugin(hf_ds_config=deepspeed_fill_auto(config.deepspeed, config, world))
+
+
+def check_launch_conflicts(config: Any) -> None:
+    """--fsdp and --deepspeed exclude each other and an `accelerate launch --config_file` that already
+    turned FSDP or DeepSpeed on (the two plugins would fight over the model)."""
+
+    def env_on(name: str) -> bool:
+        return os.environ.get(name, "false").strip().lower() in ("true", "1", "yes")
+
+    flags = [name for name in ("fsdp", "deepspeed") if getattr(config, name)]
+    if len(flags) == 2:
+        raise ConfigError("--fsdp and --deepspeed are both set; choose one.")
+    launched = [what for what, env in _PLUGIN_ENV.items() if env not in _ENV_SET_HERE and env_on(env)]
+    if flags and launched:
+        raise ConfigError(
+            f"--{flags[0]} is set, and accelerate launch's config already turns {launched[0]} on; configure it in "
+            f"one place: drop --{flags[0]}, or launch without the {launched[0]} config."
+        )
+
+
+def check_launch_options(config: Any) -> None:
+    """Config-time checks of the launch fields (before any model loads): fsdp words and fsdp_config
+    keys, accelerator_config keys, deepspeed installed, and no two plugins at once."""
+    check_launch_conflicts(config)
+    fsdp_plugin_kwargs(config)
+    accelerator_config_kwargs(config.accelerator_config)
+    if config.deepspeed:
+        require_deepspeed()
+
+
+class EmptyCacheEvery:
+    """Empty the accelerator's memory cache (accelerate's `clear_device_cache`: torch.cuda.empty_cache
+    on CUDA, a no-op on CPU) after every `steps`-th optimizer step of the optimizers prepared by
+    `accelerator` (transformers' torch_empty_cache_steps)."""
+
+    def __init__(self, steps: int, accelerator: Accelerator) -> None:
+        import weakref
+
+        self.steps, self.count, self.calls = steps, 0, 0
+        self.accelerator = weakref.ref(accelerator)
+
+    def install(self) -> None:
+        import weakref
+
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        handle = register_optimizer_step_post_hook(self)
+        weakref.finalize(self.accelerator(), handle.remove)
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        accelerator = self.accelerator()
+        prepared = [] if accelerator is None else accelerator._optimizers
+        if not any(getattr(o, "optimizer", o) is optimizer for o in prepared):
+            return
+        self.count += 1
+        if self.count % self.steps == 0:
+            from accelerate.utils import memory
+
+            memory.clear_device_cache()
+            self.calls += 1
 
 
 def cpu_has_native_bf16() -> bool:
@@ -213,10 +686,16 @@ def shutdown() -> None:
 
 
 def no_sync_unless_last(accelerator: Accelerator | None, model: nn.Module, is_last: bool):
-    """Skip the DDP gradient all-reduce on all but the last micro-batch of an accumulation."""
-    if is_last or world_size(accelerator) == 1:
+    """Skip the DDP gradient all-reduce on all but the last micro-batch of an accumulation (unless
+    accelerator_config asks for sync_each_batch)."""
+    if is_last or world_size(accelerator) == 1 or _sync_each_batch(accelerator):
         return contextlib.nullcontext()
     return accelerator.no_sync(model)
+
+
+def _sync_each_batch(accelerator: Accelerator) -> bool:
+    """accelerator_config gradient_accumulation_kwargs sync_each_batch: all-reduce every micro-batch."""
+    return bool(accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False))
 
 
 def global_moments(

@@ -360,7 +360,7 @@ class OnlineRun:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.accelerator = accelerator or dist.build_accelerator(mixed_precision=config.mixed_precision)
+        self.accelerator = accelerator or dist.accelerator_for(config)
         runtime.apply_log_levels(config, self.accelerator)
         runtime.seed_run(config)
         self.world_size = dist.world_size(self.accelerator)

@@ -117,7 +117,7 @@ class StepRun(OnlineRun):
 
     def __init__(self, config: PPOConfig) -> None:
         self.config = config
-        self.accelerator = dist.build_accelerator(mixed_precision=config.mixed_precision)
+        self.accelerator = dist.accelerator_for(config)
         dist.set_seed(config.seed)
         self.world_size = dist.world_size(self.accelerator)
         self.device = dist.device(self.accelerator)

@@ -290,7 +290,7 @@ class SupervisedRun:
         self.evaluate = evaluate
         check_evaluation_setup(config, has_eval_dataset=evaluate is not None)
         self.tokenizer = tokenizer
-        self.accelerator = accelerator or dist.build_accelerator(mixed_precision=config.mixed_precision)
+        self.accelerator = accelerator or dist.accelerator_for(config)
         self.world_size = dist.world_size(self.accelerator)
         self.device = dist.device(self.accelerator)
         self.is_main = dist.is_main(self.accelerator)
@@ -750,7 +750,7 @@ def begin_supervised(
     if train_dataset is None:
         raise ConfigError("train_dataset is required (or --dataset_name on the command line).")
     check_output_dir(args)
-    accelerator = accelerator or dist.build_accelerator(mixed_precision=args.mixed_precision)
+    accelerator = accelerator or dist.accelerator_for(args)
     model, tokenizer = resolve_model_and_tokenizer(
         model, processing_class, args, kind=kind, model_init_kwargs=args.model_init_kwargs
     )
