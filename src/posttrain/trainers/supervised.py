@@ -31,6 +31,7 @@ from torch import nn
 
 from posttrain import checkpoint as ckpt
 from posttrain import distributed as dist
+from posttrain import hub
 from posttrain.configs import ConfigError, TrainingConfig
 from posttrain.distributed import no_sync_unless_last
 from posttrain.optim import build_optimizer, build_scheduler
@@ -361,6 +362,8 @@ class SupervisedRun:
         if (save_due or save_now) and not events.control.should_training_stop:
             self.save_checkpoint()
             events.save()
+            if hub.pushes_at_save(self.config):
+                self.push_from_checkpoint()
 
     def log_metrics(self, extra: dict[str, float]) -> dict[str, float]:
         """Reduce the window's metrics across ranks (one all-reduce) and log them with `extra`."""
@@ -392,7 +395,10 @@ class SupervisedRun:
         """
         loss_total, samples = self.global_counts(self.loss_total, self.samples_seen)
         training_loss = loss_total / self.world_size / max(self.steps_run, 1)
-        return self.events.train_end(training_loss, int(samples), total_flos=self._flos())
+        output = self.events.train_end(training_loss, int(samples), total_flos=self._flos())
+        if self.config.push_to_hub:
+            hub.push(self.config, is_main=self.is_main, write_card=self.write_model_card)
+        return output
 
     def _flos(self) -> float:
         """transformers' estimate of the training compute: 6 · input tokens · non-embedding parameters."""
@@ -434,6 +440,23 @@ class SupervisedRun:
             tokenizer=self.tokenizer,
             config=self.config.to_dict(),
             accelerator=self.accelerator,
+        )
+
+    # -- sharing on the Hub (posttrain.hub) ------------------------------------------------------
+    def write_model_card(self, method: str | None = None, **card: Any) -> None:
+        """output_dir/README.md (main process only); `card`: create_model_card's keywords."""
+        if self.is_main:
+            method = method or hub.method_of(self.config)
+            log_history = self.events.state.log_history
+            hub.write_model_card(self.config, method=method, log_history=log_history, model=self.unwrapped(), **card)
+
+    def push_from_checkpoint(self) -> None:
+        """After a checkpoint save (push_to_hub, hub_strategy != "end"): the model saved at the top of
+        output_dir (every process: weights are gathered), then hub.push_checkpoint."""
+        self.save_final()
+        folder = f"{self.config.output_dir}/{ckpt.CHECKPOINT_PREFIX}{self.global_step}"
+        hub.push_checkpoint(
+            self.config, folder, self.global_step, is_main=self.is_main, write_card=self.write_model_card
         )
 
     def unwrapped(self) -> nn.Module:
@@ -491,6 +514,43 @@ class SupervisedTrainerAPI:
     def save_model(self, output_dir: str | None = None) -> None:
         """Save model + tokenizer with save_pretrained (safetensors) into output_dir."""
         self.run.save_final(output_dir)
+
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+        license: str | None = None,
+    ) -> None:
+        """Write output_dir/README.md: base model, algorithm and paper, the command or config that trained
+        it, the final metrics of state.log_history, framework versions (main process only; hub.model_card)."""
+        self.run.write_model_card(
+            hub.method_of(self, self.args), model_name=model_name, dataset_name=dataset_name, tags=tags, license=license
+        )
+
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Save the model into output_dir (call on every process), write the model card (`kwargs`: those
+        of create_model_card) and upload output_dir to hub_model_id (hub.push). Returns the CommitInfo (a
+        Future with blocking=False) on the main process, None on the others."""
+        self.save_model()
+        return hub.push(
+            self.args,
+            is_main=self.run.is_main,
+            write_card=lambda: self.create_model_card(**kwargs),
+            commit_message=commit_message or "End of training",
+            blocking=blocking,
+            token=token,
+            revision=revision,
+            private=private,
+        )
 
 
 def resolve_model_and_tokenizer(
