@@ -152,7 +152,8 @@ def test_every_trainer_pushes_at_saves_and_at_the_end_and_writes_its_card(
     """push_to_hub=True, hub_strategy "every_save", save_steps=1: the model and card are pushed after the
     checkpoint of step 1 ("Training in progress, step 1") and at the end ("End of training"), to the
     repository created private with the config's token; checkpoint folders stay local. Then
-    trainer.push_to_hub(...) with its own message, token and revision, card keywords passed on."""
+    trainer.push_to_hub(...) with its own message, token and revision, card keywords passed on. The
+    repository is created (exist_ok) when the trainer is built and before each push."""
     base = base_dirs["reward" if algo == "reward" else "policy"]
     out = tmp_path / f"tiny-{algo}"
     trainer = make_trainer(
@@ -166,8 +167,10 @@ def test_every_trainer_pushes_at_saves_and_at_the_end_and_writes_its_card(
         hub_private_repo=True,
         hub_token="hf_secret_token",
     )
+    # The repository is created when the trainer is built: a bad token or name fails before training.
+    assert [name for name, _ in hub_calls] == ["create_repo"]
     trainer.train()
-    assert [name for name, _ in hub_calls] == ["create_repo", "upload_folder", "create_repo", "upload_folder"]
+    assert [name for name, _ in hub_calls] == ["create_repo"] + ["create_repo", "upload_folder"] * 2
     for name, kw in hub_calls:
         if name == "create_repo":
             assert kw == {"repo_id": f"org/tiny-{algo}", "token": "hf_secret_token", "private": True, "exist_ok": True}
@@ -319,6 +322,20 @@ def test_card_of_a_hub_base_model_and_a_cli_run(monkeypatch, tmp_path):
     assert "Last training log (step 1)" in card and "| objective/scores | 1.25 |" in card
     assert "Last evaluation (step 1)" in card and "| eval_objective/scores | 2 |" in card
     assert 'pipeline("text-generation", model="out")' in card
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["/venv/bin/posttrain", "sft", "--hub_token=hf_a"], "posttrain sft '--hub_token=***'"),
+        (["/site/posttrain/__main__.py", "grpo", "--x", "1"], "posttrain grpo --x 1"),  # python -m posttrain
+        (["/site/posttrain/cli.py", "xpo", "--hub_token", "hf_a", "--b"], "posttrain xpo --hub_token '***' --b"),
+        (["/usr/bin/pytest", "tests"], None),  # not the CLI: the card shows the config instead
+        (["train.py"], None),
+    ],
+)
+def test_launch_command(argv, expected):
+    assert hub.launch_command(argv) == expected
 
 
 def test_the_card_config_is_a_config_file_the_cli_reads(tmp_path):

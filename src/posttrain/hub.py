@@ -290,13 +290,15 @@ def base_model_license(base_model: str | None) -> str | None:
 
 
 def launch_command(argv: Sequence[str] | None = None) -> str | None:
-    """The `posttrain ...` command line this process runs (the console script or `python -m
-    posttrain`, also under accelerate / torchrun), tokens masked; None when not launched from the CLI."""
+    """The `posttrain ...` command line this process runs (the console script, `python -m posttrain`
+    or `-m posttrain.cli`, also under accelerate / torchrun), tokens masked; None when not launched
+    from the CLI."""
     argv = list(sys.argv if argv is None else argv)
     if not argv:
         return None
     program = Path(argv[0])
-    if not (program.name == "posttrain" or (program.name == "__main__.py" and program.parent.name == "posttrain")):
+    as_module = program.name in ("__main__.py", "cli.py") and program.parent.name == "posttrain"  # -m posttrain(.cli)
+    if not (program.name == "posttrain" or as_module):
         return None
     words, secret = [], False
     for word in argv[1:]:

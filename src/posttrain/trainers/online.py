@@ -981,6 +981,9 @@ class OnlineTrainer:
         )
         self.accelerator = self.run.accelerator
         self.data_collator = self.run.collate
+        if config.push_to_hub and self.run.is_main:
+            # As transformers: the repository exists before training, so a bad token or name fails now.
+            hub.create_repo(config, token=config.hub_token, revision=config.hub_revision)
         optimizer, scheduler = optimizers
         optimizer = optimizer or build_optimizer(model.parameters(), config)
         steps = config.num_total_batches * (1 if self.schedule_per_update else config.num_mini_batches)

@@ -256,6 +256,9 @@ class SupervisedRun:
             if self.is_main:
                 print(f"Resumed from {resume_path} at step {self.global_step}/{self.plan.total_steps}.")
         self.last_logged: dict[str, float] | None = None
+        if config.push_to_hub and self.is_main:
+            # As transformers: the repository exists before training, so a bad token or name fails now.
+            hub.create_repo(config, token=config.hub_token, revision=config.hub_revision)
 
     def _set_deepspeed_batch_size(self) -> None:
         # DeepSpeed wants a micro-batch size at prepare() time; without a dataloader accelerate
