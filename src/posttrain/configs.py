@@ -401,15 +401,33 @@ class TrainingConfig:
         '(e.g. \'{"attn_implementation": "sdpa"}\').',
         default=None,
     )
-    push_to_hub: bool = flag("Upload the model to the Hub when it is saved.", default=False)
-    hub_model_id: str | None = flag("Hub repository to push to (default: the output_dir name).", default=None)
-    hub_strategy: str = flag(
-        'What is pushed and when: "end", "every_save", "checkpoint", "all_checkpoints".', default="every_save"
+    push_to_hub: bool = flag(
+        "Upload the model, its tokenizer and a model card to the Hugging Face Hub at the end of train() "
+        "and, by hub_strategy, at each checkpoint save (main process only; training waits for each upload).",
+        default=False,
     )
-    hub_token: str | None = flag("Hub token (default: the logged-in one).", default=None)
-    hub_private_repo: bool | None = flag("Create the Hub repository private.", default=None)
-    hub_always_push: bool = flag("Push even while the previous push is still running.", default=False)
-    hub_revision: str | None = flag("Hub branch to push to.", default=None)
+    hub_model_id: str | None = flag(
+        'Hub repository to push to, "name" (in your namespace) or "org/name" (default: the output_dir name).',
+        default=None,
+    )
+    hub_strategy: str = flag(
+        'What is pushed and when: "end" (at the end of training only), "every_save" (also the model and card '
+        'at each checkpoint save), "checkpoint" (also the newest checkpoint as last-checkpoint/, to resume '
+        'from), "all_checkpoints" (every checkpoint folder).',
+        default="every_save",
+    )
+    hub_token: str | None = flag(
+        "Hub token (default: the logged-in one). Never written to output_dir or the model card.", default=None
+    )
+    hub_private_repo: bool | None = flag(
+        "Create the Hub repository private (default: the account's default; no effect if it exists).", default=None
+    )
+    hub_always_push: bool = flag(
+        "Push at every save even while the previous push runs. posttrain's pushes are synchronous, so every "
+        "save is always pushed; accepted for compatibility.",
+        default=False,
+    )
+    hub_revision: str | None = flag("Hub branch to push to (created if missing; default: main).", default=None)
     push_to_hub_model_id: str | None = flag("Deprecated alias of hub_model_id.", default=None)
     push_to_hub_organization: str | None = flag("Deprecated: write hub_model_id as organization/name.", default=None)
     push_to_hub_token: str | None = flag("Deprecated alias of hub_token.", default=None)
@@ -449,6 +467,10 @@ class TrainingConfig:
         self._check_optimization_fields()
         self._check_schedule()
         self._check_launch_fields()
+        from posttrain.hub import HUB_STRATEGIES  # stdlib-only module
+
+        if self.hub_strategy not in HUB_STRATEGIES:
+            raise ConfigError(f"hub_strategy={self.hub_strategy!r} is not one of {', '.join(HUB_STRATEGIES)}.")
 
     def _check_optimization_fields(self) -> None:
         """optim / optim_args, compile, data-loader and log-level fields: refused here, before any model loads."""
@@ -611,10 +633,11 @@ class TrainingConfig:
         return "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field (derived sizes included), JSON-serialisable: saved beside models and checkpoints."""
+        """Every field (derived sizes included), JSON-serialisable: saved beside models and checkpoints
+        (which may be pushed to the Hub), so the Hub tokens are written as None."""
         out = {}
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
+            value = None if f.name in ("hub_token", "push_to_hub_token") else getattr(self, f.name)
             out[f.name] = value if isinstance(value, (str, int, float, bool, type(None), list, dict)) else repr(value)
         return out
 
@@ -875,14 +898,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "logging_nan_inf_filter": "a non-finite loss is never logged: the step is skipped on every rank",
     "save_safetensors": "weights are always written as safetensors",
     "average_tokens_across_devices": "losses are always normalised by the token count of every process",
-    # Not yet wired: each entry leaves this table when its behaviour lands.
-    "push_to_hub": "not implemented yet",
-    "hub_model_id": "not implemented yet",
-    "hub_strategy": "not implemented yet",
-    "hub_token": "not implemented yet",
-    "hub_private_repo": "not implemented yet",
-    "hub_always_push": "not implemented yet",
-    "hub_revision": "not implemented yet",
 }
 
 

@@ -41,7 +41,7 @@ from torch import nn
 
 from posttrain import checkpoint as ckpt
 from posttrain import distributed as dist
-from posttrain import runtime
+from posttrain import hub, runtime
 from posttrain.configs import ConfigError, OnPolicyConfig
 from posttrain.data.loading import load_split
 from posttrain.data.prompts import PromptStream, prompt_dataset
@@ -959,6 +959,9 @@ class OnlineTrainer:
         )
         self.accelerator = self.run.accelerator
         self.data_collator = self.run.collate
+        if config.push_to_hub and self.run.is_main:
+            # As transformers: the repository exists before training, so a bad token or name fails now.
+            hub.create_repo(config, token=config.hub_token, revision=config.hub_revision)
         optimizer, scheduler = optimizers
         optimizer = optimizer or build_optimizer(model.parameters(), config)
         compile_for_training(model, config)
@@ -1071,6 +1074,68 @@ class OnlineTrainer:
             accelerator=run.accelerator,
         )
 
+    # -- sharing on the Hub (posttrain.hub) ---------------------------------------------------------
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+        license: str | None = None,
+    ) -> None:
+        """Write output_dir/README.md: base model, algorithm and paper, the command or config that trained
+        it, the final metrics of state.log_history, framework versions (main process only; hub.model_card)."""
+        if self.run.is_main:
+            hub.write_model_card(
+                self.args,
+                method=hub.method_of(self, self.args),
+                log_history=self.state.log_history,
+                model=self.model,
+                model_name=model_name,
+                dataset_name=dataset_name,
+                tags=tags,
+                license=license,
+            )
+
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Save the policy into output_dir (call on every process), write the model card (`kwargs`: those
+        of create_model_card) and upload output_dir to hub_model_id (hub.push). Returns the CommitInfo (a
+        Future with blocking=False) on the main process, None on the others."""
+        self.save_model()
+        return hub.push(
+            self.args,
+            is_main=self.run.is_main,
+            write_card=lambda: self.create_model_card(**kwargs),
+            commit_message=commit_message or "End of training",
+            blocking=blocking,
+            token=token,
+            revision=revision,
+            private=private,
+        )
+
+    def _push_from_checkpoint(self, step: int) -> None:
+        """After the checkpoint of rollout batch `step` (push_to_hub, hub_strategy != "end"): the final
+        models saved at the top of output_dir (every process: weights are gathered), then hub.push_checkpoint."""
+        run = self.run
+        policy, extra_models = self.final_models()
+        ckpt.save_final(
+            self.args.output_dir,
+            dist.unwrap(policy, run.accelerator),
+            tokenizer=run.tokenizer,
+            config=self.args.to_dict(),
+            extra_models={k: dist.unwrap(m, run.accelerator) for k, m in (extra_models or {}).items()},
+            accelerator=run.accelerator,
+        )
+        folder = os.path.join(self.args.output_dir, f"{ckpt.CHECKPOINT_PREFIX}{step}")
+        hub.push_checkpoint(self.args, folder, step, is_main=run.is_main, write_card=self.create_model_card)
+
     @torch.no_grad()
     def evaluate(self, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Greedy completions of every eval prompt (batches of per_device_eval_batch_size), drawn as
@@ -1132,6 +1197,8 @@ class OnlineTrainer:
             episodes = run.progress.episode - run.episodes_at_start
             # total_flos is not estimated for online training (generation and scoring dominate): 0.
             self.train_output = events.train_end(training_loss, episodes, total_flos=0.0)
+            if self.args.push_to_hub:
+                hub.push(self.args, is_main=run.is_main, write_card=self.create_model_card)
 
     def end_of_update(self, update: int, extra: dict[str, float] | None = None) -> dict[str, float] | None:
         """After each rollout batch: step the schedule; on_step_end (state.global_step = update + 1);
@@ -1177,6 +1244,8 @@ class OnlineTrainer:
             )
             events.note_checkpoint(self.args.output_dir)
             events.save()
+            if hub.pushes_at_save(self.args):
+                self._push_from_checkpoint(step)
         run.stop_requested = events.control.should_training_stop
         return logs
 

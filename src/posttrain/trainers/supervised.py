@@ -33,7 +33,7 @@ from torch import nn
 
 from posttrain import checkpoint as ckpt
 from posttrain import distributed as dist
-from posttrain import runtime
+from posttrain import hub, runtime
 from posttrain.configs import ConfigError, TrainingConfig
 from posttrain.distributed import no_sync_unless_last
 from posttrain.models import compile_for_training, enable_gradient_checkpointing
@@ -374,6 +374,9 @@ class SupervisedRun:
             if self.is_main:
                 print(f"Resumed from {resume_path} at step {self.global_step}/{self.plan.total_steps}.")
         self.last_logged: dict[str, float] | None = None
+        if config.push_to_hub and self.is_main:
+            # As transformers: the repository exists before training, so a bad token or name fails now.
+            hub.create_repo(config, token=config.hub_token, revision=config.hub_revision)
 
     def _set_deepspeed_batch_size(self) -> None:
         # DeepSpeed wants a micro-batch size at prepare() time; without a dataloader accelerate
@@ -513,6 +516,8 @@ class SupervisedRun:
         if (save_due or save_now) and not events.control.should_training_stop or (stop and improved and keeps_best):
             self.save_checkpoint()
             events.save()
+            if hub.pushes_at_save(self.config):
+                self.push_from_checkpoint()
 
     def log_metrics(self, extra: dict[str, float]) -> dict[str, float]:
         """Reduce the window's metrics across ranks (one all-reduce) and log them with `extra`."""
@@ -544,7 +549,10 @@ class SupervisedRun:
         """
         loss_total, samples = self.global_counts(self.loss_total, self.samples_seen)
         training_loss = loss_total / self.world_size / max(self.steps_run, 1)
-        return self.events.train_end(training_loss, int(samples), total_flos=self._flos())
+        output = self.events.train_end(training_loss, int(samples), total_flos=self._flos())
+        if self.config.push_to_hub:
+            hub.push(self.config, is_main=self.is_main, write_card=self.write_model_card)
+        return output
 
     def _flos(self) -> float:
         """transformers' estimate of the training compute: 6 · input tokens · non-embedding parameters."""
@@ -619,6 +627,23 @@ class SupervisedRun:
             on_each_node=self.config.save_on_each_node,
         )
 
+    # -- sharing on the Hub (posttrain.hub) ------------------------------------------------------
+    def write_model_card(self, method: str | None = None, **card: Any) -> None:
+        """output_dir/README.md (main process only); `card`: create_model_card's keywords."""
+        if self.is_main:
+            method = method or hub.method_of(self.config)
+            log_history = self.events.state.log_history
+            hub.write_model_card(self.config, method=method, log_history=log_history, model=self.unwrapped(), **card)
+
+    def push_from_checkpoint(self) -> None:
+        """After a checkpoint save (push_to_hub, hub_strategy != "end"): the model saved at the top of
+        output_dir (every process: weights are gathered), then hub.push_checkpoint."""
+        self.save_final()
+        folder = f"{self.config.output_dir}/{ckpt.CHECKPOINT_PREFIX}{self.global_step}"
+        hub.push_checkpoint(
+            self.config, folder, self.global_step, is_main=self.is_main, write_card=self.write_model_card
+        )
+
     def unwrapped(self) -> nn.Module:
         return dist.unwrap(self.model, self.accelerator)
 
@@ -674,6 +699,43 @@ class SupervisedTrainerAPI:
     def save_model(self, output_dir: str | None = None) -> None:
         """Save model + tokenizer with save_pretrained (safetensors) into output_dir."""
         self.run.save_final(output_dir)
+
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+        license: str | None = None,
+    ) -> None:
+        """Write output_dir/README.md: base model, algorithm and paper, the command or config that trained
+        it, the final metrics of state.log_history, framework versions (main process only; hub.model_card)."""
+        self.run.write_model_card(
+            hub.method_of(self, self.args), model_name=model_name, dataset_name=dataset_name, tags=tags, license=license
+        )
+
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Save the model into output_dir (call on every process), write the model card (`kwargs`: those
+        of create_model_card) and upload output_dir to hub_model_id (hub.push). Returns the CommitInfo (a
+        Future with blocking=False) on the main process, None on the others."""
+        self.save_model()
+        return hub.push(
+            self.args,
+            is_main=self.run.is_main,
+            write_card=lambda: self.create_model_card(**kwargs),
+            commit_message=commit_message or "End of training",
+            blocking=blocking,
+            token=token,
+            revision=revision,
+            private=private,
+        )
 
 
 def resolve_model_and_tokenizer(
