@@ -28,12 +28,14 @@ def build_accelerator(
     seed: int | None = None,
     log_with: str | list[str] | None = None,
     cpu: bool = False,
+    **accelerator_kwargs: Any,
 ) -> Accelerator:
     """Create the run's `Accelerator`; the launch environment (accelerate launch, torchrun,
     DeepSpeed / FSDP configs) decides the distributed type, these arguments only the loop knobs.
 
     `seed` is applied with `set_seed` after the process group exists, so every rank starts from
     the same model initialisation and sampling stream unless a caller asks for per-device seeds.
+    `accelerator_kwargs` go to `Accelerator` as given (the classic PPOConfig.accelerator_kwargs).
     """
     if mixed_precision not in MIXED_PRECISION_CHOICES:
         raise ValueError(
@@ -48,6 +50,7 @@ def build_accelerator(
         mixed_precision=mixed_precision,
         log_with=log_with,
         cpu=cpu,
+        **accelerator_kwargs,
     )
     if mixed_precision == "bf16" and accelerator.device.type == "cpu":
         warn_if_bf16_is_emulated()
