@@ -358,6 +358,7 @@ class PPOConfig(OnPolicyConfig):
             if not self.explicit_fields & set(_NAMES.get(name, (name,))):
                 setattr(self, name, value)
         self.init_kl_coef, self.steps, self.forward_batch_size = self.kl_coef, self.total_episodes, None
+        self.kl_penalty = {"k1": "kl", "k2": "mse"}.get(self.kl_estimator, self.kl_estimator)  # classic spelling
         self._step_batch_size, self._step_mini_batch_size = self.batch_size, self.mini_batch_size
         mini = self.mini_batch_size or self.batch_size
         self.backward_batch_size = self._runtime(
