@@ -536,3 +536,31 @@ def test_a_trl_layout_checkpoint_is_the_classic_policy(tmp_path, tiny_tokenizer)
     with torch.no_grad():
         hidden = lm(torch.tensor([[5, 6, 7, 8]]), output_hidden_states=True).hidden_states[-1][0, 1:3]
     torch.testing.assert_close(values[0], hidden @ weight[0] + 0.5, atol=1e-5, rtol=0)
+
+
+def test_the_readme_classic_loop_runs(tmp_path, monkeypatch):
+    """README.md's "Classic PPO loop" snippet, with a local tiny model for the hub name, batches of 8
+    instead of 256, a 16-row dataset and a length reward."""
+    import re
+    from pathlib import Path
+
+    from datasets import Dataset
+
+    from posttrain.testing import build_tiny_tokenizer
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("#### Classic PPO loop") :]
+    code = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    tok = build_tiny_tokenizer()
+    build_tiny_causal_lm(tok, save_dir=tmp_path / "gpt2")
+    code = code.replace('"lvwerra/gpt2-imdb"', repr(str(tmp_path / "gpt2")))
+    code = code.replace("learning_rate=1.41e-5,", "learning_rate=1.41e-5, batch_size=8,")
+    queries = [f"Review {i}: the film was" for i in range(16)]
+    dataset = Dataset.from_dict({"input_ids": [tok(q)["input_ids"] for q in queries], "query": queries})
+    dataset.set_format(type="torch", columns=["input_ids"], output_all_columns=True)
+    monkeypatch.chdir(tmp_path)
+    namespace = {"dataset": dataset, "my_reward": lambda q, r: float(len(r)) / 10}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["ppo_trainer"].current_step == 2  # 16 rows, batches of 8
+    assert (tmp_path / "gpt2-imdb-pos" / "README.md").is_file()
+    assert list((tmp_path / "runs" / "trl").glob("events.out.tfevents.*"))

@@ -9,7 +9,7 @@ One dataclass serves both APIs of trainers/ppo.py:
 
 Where the two TRL generations name the same setting twice, both names are accepted and resolved in
 `__post_init__`; giving both with different values is a ConfigError. After resolution both names
-hold the same value:
+hold the same value (`apply_classic_defaults` spells kl_penalty the classic way: "kl", "mse"):
 
     on-policy name     classic name         meaning
     num_ppo_epochs     ppo_epochs           optimisation epochs over each batch
@@ -46,7 +46,8 @@ tracker: `{"wandb": {...}, "tensorboard": {...}}`), `accelerator_kwargs`, `proje
 `train()` when not at their default. `push_to_hub_if_best_kwargs` / `compare_steps` (pushing to
 the Hub from inside `step()`) are refused: save with `trainer.save_pretrained(dir)` and push that
 folder. `world_size`, `backward_batch_size`, `global_backward_batch_size`, `global_batch_size`,
-`is_encoder_decoder` and `is_peft_model` are filled in by the trainer; a value given must match.
+`is_encoder_decoder` and `is_peft_model` are filled in by the classic trainer; a value given must match
+(`train()` derives `world_size` itself and refuses `is_peft_model`).
 """
 
 from __future__ import annotations
