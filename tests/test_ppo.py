@@ -294,6 +294,8 @@ def test_adaptive_kl_controller_moves_the_right_way(tiny_tokenizer):
             horizon=10.0,
             kl_penalty="k3",
             learning_rate=1e-3,
+            batch_size=4,
+            mini_batch_size=4,
             report_to="none",
         )
         trainer = PPOTrainer(
@@ -320,6 +322,7 @@ def test_micro_batching_does_not_change_the_update(tiny_tokenizer):
         model = CausalLMWithValueHead(build_tiny_causal_lm(tiny_tokenizer))
         before = flat(model)
         cfg = PPOConfig(
+            batch_size=4,
             mini_batch_size=micro,
             gradient_accumulation_steps=accum,
             ppo_epochs=1,
@@ -352,6 +355,8 @@ def test_full_kl_whitening_and_early_stopping(tiny_tokenizer):
             target_kl=target_kl,
             ppo_epochs=3,
             learning_rate=5e-2,
+            batch_size=4,
+            mini_batch_size=4,
             report_to="none",
         )
         trainer = PPOTrainer(
@@ -402,12 +407,15 @@ MULTIPROC_SCRIPT = textwrap.dedent("""
     from posttrain.trainers.ppo import PPOTrainer, PPOConfig
     sys.path.insert(0, sys.argv[2])
     from test_ppo import step_data, flat
-    tok = build_tiny_tokenizer()
-    cfg = PPOConfig(num_ppo_epochs=2, learning_rate=1e-3, report_to="none", whiten_rewards=True, max_grad_norm=0.5)
-    trainer = PPOTrainer(config=cfg, model=build_tiny_causal_lm(tok), tokenizer=tok)
-    rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
     import os
-    assert world == int(os.environ.get("WORLD_SIZE", "1")), "the launcher did not start a real process group"
+    tok = build_tiny_tokenizer()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # The classic sizes per process: 8 rows in all, one optimizer step per epoch.
+    cfg = PPOConfig(num_ppo_epochs=2, learning_rate=1e-3, report_to="none", whiten_rewards=True, max_grad_norm=0.5,
+                    batch_size=8 // world, mini_batch_size=8 // world)
+    trainer = PPOTrainer(config=cfg, model=build_tiny_causal_lm(tok), tokenizer=tok)
+    rank = trainer.accelerator.process_index
+    assert trainer.accelerator.num_processes == world, "the launcher did not start a real process group"
     queries, responses, scores = step_data(tok, 8)
     n = 8 // world
     rows = slice(rank * n, (rank + 1) * n)

@@ -5,8 +5,7 @@ unpadded forward of each (query, response) pair."""
 
 from __future__ import annotations
 
-import math
-
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -29,6 +28,16 @@ STAT_NAMES = set(STEP_STATS) | {
     "objective/kl_coef",
     "ppo/learning_rate",
     "time/ppo/total",
+    "time/ppo/compute_advantages",
+    "time/ppo/optimize_step",
+    "tokens/queries_len_std",
+    "tokens/responses_len_std",
+    # TRL's distributions (arrays)
+    "objective/kl_dist",
+    "tokens/queries_dist",
+    "tokens/responses_dist",
+    "ppo/policy/ratio",
+    "ppo/policy/advantages",
 }
 
 
@@ -88,7 +97,9 @@ def trainer_for(arch: str, ref_seed: int | None = None, **config):
     torch.manual_seed(0)
     model = AutoModelForSeq2SeqLMWithValueHead(build(0))
     ref = None if ref_seed is None else build(ref_seed).eval()
-    cfg = PPOConfig(**{"batch_size": 4, "learning_rate": 1e-2, "report_to": "none", "seed": 0, **config})
+    cfg = PPOConfig(
+        **{"batch_size": 4, "mini_batch_size": 4, "learning_rate": 1e-2, "report_to": "none", "seed": 0, **config}
+    )
     return PPOTrainer(config=cfg, model=model, ref_model=ref, tokenizer=word_tokenizer(pad, eos)), model
 
 
@@ -146,7 +157,7 @@ def test_three_steps_train_encoder_decoder_and_value_head(arch):
     for _ in range(3):
         stats = trainer.step(QUERIES, responses, SCORES)
         assert set(stats) == STAT_NAMES
-        assert all(math.isfinite(v) for v in stats.values()), stats
+        assert all(np.isfinite(v).all() for v in stats.values()), stats
     for old, new in zip(before, (encoder, decoder, model.v_head.summary.weight)):
         assert not torch.equal(old, new)
     assert all(torch.equal(ref_before[n], p) for n, p in ref.named_parameters())  # the reference stays put
@@ -168,7 +179,8 @@ def test_step_logprobs_are_the_decoder_log_softmax_at_response_positions(arch):
     assert stats["objective/ref_logprobs"] == pytest.approx(float(torch.cat(ref_lp).mean()), abs=1e-5)
     kl = [float((a - b).sum()) for a, b in zip(lp, ref_lp)]
     assert stats["objective/kl"] == pytest.approx(sum(kl) / 4, abs=1e-5)
-    assert stats["ppo/mean_non_score_reward"] == pytest.approx(-0.1 * sum(kl) / 4, abs=1e-5)
+    # TRL's definition: the mean of −β·kl_t over the 10 response tokens (not over the 4 rows).
+    assert stats["ppo/mean_non_score_reward"] == pytest.approx(-0.1 * sum(kl) / 10, abs=1e-5)
     assert stats["ppo/policy/ratio_mean"] == 1.0
     assert stats["ppo/policy/approxkl"] == 0.0
     assert stats["tokens/responses_len_mean"] == pytest.approx(sum(len(r) for r in responses) / 4)

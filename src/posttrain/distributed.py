@@ -40,6 +40,7 @@ def build_accelerator(
     deepspeed_plugin: Any = None,
     dataloader_kwargs: dict[str, Any] | None = None,
     gradient_accumulation_kwargs: dict[str, Any] | None = None,
+    **accelerator_kwargs: Any,
 ) -> Accelerator:
     """Create the run's `Accelerator`; the launch environment (accelerate launch, torchrun,
     DeepSpeed / FSDP configs) decides the distributed type unless a plugin is given here.
@@ -49,6 +50,7 @@ def build_accelerator(
     `process_group_kwargs` (backend, timeout) and `ddp_kwargs` (find_unused_parameters,
     bucket_cap_mb, broadcast_buffers) become accelerate's kwargs handlers; `tf32` sets the CUDA
     TF32 switches; `empty_cache_steps` empties the device cache every that many optimizer steps.
+    `accelerator_kwargs` go to `Accelerator` as given (the classic PPOConfig.accelerator_kwargs).
     """
     if mixed_precision not in MIXED_PRECISION_CHOICES:
         raise ValueError(
@@ -84,7 +86,12 @@ def build_accelerator(
         extra["deepspeed_plugin"] = deepspeed_plugin
     before = {name: os.environ.get(name) for name in _PLUGIN_ENV.values()}
     accelerator = Accelerator(
-        mixed_precision=mixed_precision, log_with=log_with, cpu=cpu, kwargs_handlers=handlers or None, **extra
+        mixed_precision=mixed_precision,
+        log_with=log_with,
+        cpu=cpu,
+        kwargs_handlers=handlers or None,
+        **extra,
+        **accelerator_kwargs,
     )
     # accelerate records a given plugin in the environment; remember that it was us, not a launcher.
     _ENV_SET_HERE.update(name for name, value in before.items() if os.environ.get(name) != value)
@@ -114,9 +121,10 @@ def build_accelerator(
     return accelerator
 
 
-def accelerator_for(config: Any) -> Accelerator:
+def accelerator_for(config: Any, **accelerator_kwargs: Any) -> Accelerator:
     """The run's `Accelerator` from a `TrainingConfig`: use_cpu, mixed precision, tf32,
-    torch_empty_cache_steps, the ddp_* fields, accelerator_config, fsdp / fsdp_config and deepspeed.
+    torch_empty_cache_steps, the ddp_* fields, accelerator_config, fsdp / fsdp_config and deepspeed;
+    `accelerator_kwargs` go to `Accelerator` as given (the classic PPOConfig's accelerator_kwargs).
     Every trainer builds its accelerator here (unless one is passed in)."""
     check_launch_conflicts(config)
     options = accelerator_config_kwargs(config.accelerator_config)
@@ -131,6 +139,7 @@ def accelerator_for(config: Any) -> Accelerator:
         deepspeed_plugin=deepspeed_plugin_from(config),
         dataloader_kwargs=options["dataloader"],
         gradient_accumulation_kwargs=options["gradient_accumulation"],
+        **accelerator_kwargs,
     )
 
 

@@ -301,11 +301,19 @@ class Tracker:
         config: Any = None,
         run_name: str | None = None,
         is_main: bool = True,
+        *,
         logging_dir: str | os.PathLike | None = None,
+        project: str | None = None,
+        init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
+        """project: the W&B project (default $WANDB_PROJECT or "posttrain"); init_kwargs: extra
+        keywords per sink ({"wandb": {...}} for wandb.init, {"tensorboard": {...}} for SummaryWriter),
+        as accelerate's `init_trackers(init_kwargs=)`; logging_dir: TensorBoard's folder (the config's
+        logging_dir; default output_dir/runs/run_name)."""
         self.output_dir = Path(output_dir)
-        # TensorBoard's folder (the config's logging_dir); default output_dir/runs/<run name>.
         self.logging_dir = Path(os.path.expanduser(logging_dir)) if logging_dir else None
+        self.project = project
+        self.init_kwargs = {k: dict(v) for k, v in (init_kwargs or {}).items()}
         self.is_main = is_main
         self.run_name = run_name or time.strftime("%Y%m%d-%H%M%S")
         self.config = to_jsonable(config) if config is not None else {}
@@ -332,19 +340,20 @@ class Tracker:
     def _tb(self):
         if self._tb_writer is None and self._tb_cls is not None:
             log_dir = self.logging_dir or self.output_dir / "runs" / self.run_name
-            self._tb_writer = self._tb_cls(log_dir=str(log_dir))
+            self._tb_writer = self._tb_cls(log_dir=str(log_dir), **self.init_kwargs.get("tensorboard", {}))
             if self.config:
                 self._tb_writer.add_text("config", f"```\n{json.dumps(self.config, indent=2)}\n```")
         return self._tb_writer
 
     def _wb(self):
         if self._wandb_run is None and self._wandb is not None:
-            self._wandb_run = self._wandb.init(
-                project=os.environ.get("WANDB_PROJECT", "posttrain"),
-                name=self.run_name,
-                config=self.config,
-                dir=str(self.output_dir),
-            )
+            settings = {
+                "project": self.project or os.environ.get("WANDB_PROJECT", "posttrain"),
+                "name": self.run_name,
+                "config": self.config,
+                "dir": str(self.output_dir),
+            }
+            self._wandb_run = self._wandb.init(**{**settings, **self.init_kwargs.get("wandb", {})})
         return self._wandb_run
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:

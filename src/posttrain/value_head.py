@@ -536,3 +536,25 @@ def create_reference_model(
             if param is not None and id(param) in replacement:
                 module._parameters[key] = replacement[id(param)]
     return ref_model.eval()
+
+
+def share_layers(model: nn.Module, ref: nn.Module, num_shared_layers: int) -> None:
+    """Make the embeddings and first `num_shared_layers` blocks of `ref` (a copy of `model`) the very
+    modules of `model`, frozen in both: held once, never trained. Blocks are the first ModuleList
+    child of the base model (any causal architecture; `create_reference_model` matches by name)."""
+    base, ref_base = model.base_model, ref.base_model
+    blocks = next((name for name, m in base.named_children() if isinstance(m, nn.ModuleList)), None)
+    if blocks is None or num_shared_layers > len(getattr(base, blocks)):
+        from posttrain.configs import ConfigError
+
+        raise ConfigError(
+            f"num_shared_layers={num_shared_layers}: the model has no list of that many transformer blocks to share."
+        )
+    for name, module in base.named_children():
+        if name == blocks:
+            for i in range(num_shared_layers):
+                getattr(base, blocks)[i].requires_grad_(False)
+                getattr(ref_base, blocks)[i] = getattr(base, blocks)[i]
+            break
+        module.requires_grad_(False)  # embeddings come before the blocks
+        setattr(ref_base, name, module)

@@ -117,11 +117,11 @@ class PPOTrainer(OnlineTrainer):
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> PPOTrainer:
-        classic = kwargs.get("config") is not None or (len(args) > 1 and isinstance(args[1], nn.Module))
-        if cls is PPOTrainer and classic:
-            from posttrain.trainers.ppo_classic import ClassicPPOTrainer
+        if cls is PPOTrainer:
+            from posttrain.trainers.ppo_classic import ClassicPPOTrainer, is_classic_call
 
-            return super().__new__(ClassicPPOTrainer)
+            if is_classic_call(args, kwargs):
+                return super().__new__(ClassicPPOTrainer)
         return super().__new__(cls)
 
     def __init__(
@@ -341,7 +341,7 @@ class PPOTrainer(OnlineTrainer):
                     else:
                         with run.autocast():
                             out = self.wrapped(b.rollout.select(rows), self.temperature)
-                    loss, pg = self.loss(out, b, rows, normalizer)
+                    loss, pg = self.micro_batch_loss(out, b, rows, normalizer)
                     policykl = policykl + torch.stack([pg["policykl"] * pg["count"], pg["count"]])
                     return loss
 
@@ -361,7 +361,9 @@ class PPOTrainer(OnlineTrainer):
         run.metrics.add_sum("policy/early_stopped", float(stop))
         return stop
 
-    def loss(self, out: tuple, b: PPOBatch, rows: torch.Tensor, normalizer: float) -> tuple[torch.Tensor, dict]:
+    def micro_batch_loss(
+        self, out: tuple, b: PPOBatch, rows: torch.Tensor, normalizer: float
+    ) -> tuple[torch.Tensor, dict]:
         """Clipped policy loss + vf_coef · clipped value loss − entropy bonus of one micro-batch (sum
         over its tokens / the minibatch's global token count), and its token-weighted metrics."""
         cfg, M = self.args, self.run.metrics

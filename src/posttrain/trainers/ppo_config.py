@@ -4,45 +4,122 @@ One dataclass serves both APIs of trainers/ppo.py:
 - `train()` (TRL 0.19 "on-policy" PPOTrainer): the OnPolicyConfig sizes plus
   num_ppo_epochs, kl_coef, kl_estimator, whiten_rewards, cliprange, vf_coef, cliprange_value,
   gamma, lam;
-- `generate()` / `step()` (TRL ≤ 0.11 PPOTrainer and its gpt2-sentiment notebook): steps, batch_size,
-  mini_batch_size, ppo_epochs, adap_kl_ctrl, init_kl_coef, target, horizon, kl_penalty,
-  use_score_scaling, use_score_norm, score_clip, early_stopping, target_kl, ratio_threshold,
-  log_with.
+- `generate()` / `step()` (TRL 0.7 PPOTrainer and its gpt2-sentiment notebook, trainers/ppo_classic.py):
+  every field of that PPOConfig, with its meaning and default (CLASSIC_DEFAULTS below).
 
 Where the two TRL generations name the same setting twice, both names are accepted and resolved in
-`__post_init__` (each pair defaults to None so "explicitly set" is visible); giving both with
-different values is a ConfigError. After resolution both names hold the same value:
+`__post_init__`; giving both with different values is a ConfigError. After resolution both names
+hold the same value (`apply_classic_defaults` spells kl_penalty the classic way: "kl", "mse"):
 
-    on-policy name     classic name     default   meaning
-    num_ppo_epochs     ppo_epochs       4         optimisation epochs over each batch
-    kl_coef            init_kl_coef     0.05      KL coefficient (initial value when adaptive)
-    kl_estimator       kl_penalty       "k1"      k1 = "kl", k2 = "mse", k3, abs, full
-    total_episodes     steps            None      completions in the whole train() run
-    report_to          log_with         ["none"]  metric sinks besides console and metrics.jsonl
+    on-policy name     classic name         meaning
+    num_ppo_epochs     ppo_epochs           optimisation epochs over each batch
+    kl_coef            init_kl_coef         KL coefficient (initial value when adaptive)
+    kl_estimator       kl_penalty           k1 = "kl", k2 = "mse", k3, abs, full
+    total_episodes     steps                completions in the whole run
+    report_to          log_with             metric sinks besides console and metrics.jsonl
+    mini_batch_size    forward_batch_size   (classic, deprecated there too) rows per forward/backward
 
-Defaults are the on-policy ones (TRL 0.19) for every shared setting. The classic trainer's
-defaults differ (init_kl_coef 0.2, adap_kl_ctrl True, learning_rate 1.41e-5): scripts that relied
-on them should pass them explicitly.
+Defaults: which API is used decides them. The config remembers which fields the caller set
+(`explicit_fields`: the keyword and positional arguments of the constructor; either name of an alias
+pair counts). `train()` / `posttrain ppo` uses the on-policy defaults (TRL 0.19: seed 42,
+learning_rate 3e-6, kl_coef 0.05, fixed KL, max_grad_norm 1.0). The classic trainer calls
+`apply_classic_defaults()`, which gives every field the caller did not set its TRL 0.7 default:
+
+    seed 0, learning_rate 1e-5, adap_kl_ctrl True, init_kl_coef 0.2, batch_size 256,
+    mini_batch_size 1, max_grad_norm None, steps 20000, exp_name = the script's name
+
+(the other classic defaults equal the on-policy ones). `dataclasses.replace` passes every field, so
+its result counts every field as set.
 
 `batch_size` and `mini_batch_size` are derived, read-only sizes in OnPolicyConfig; here they are
 settable because `step()` needs them (classic meaning: `batch_size` rows per `step()` call,
 forward/backward micro-batches of `mini_batch_size` rows, one optimizer step per
-`mini_batch_size × gradient_accumulation_steps` rows). `train()` still derives both
-(batch_size = episodes per rollout batch, mini_batch_size = episodes per optimizer step); a value
+`backward_batch_size = mini_batch_size × gradient_accumulation_steps` rows). `train()` still derives
+both (batch_size = episodes per rollout batch, mini_batch_size = episodes per optimizer step); a value
 set explicitly must then equal the derived one, else ConfigError names both.
+
+Classic-only fields: `task_name`, `model_name`, `query_dataset`, `reward_model` are recorded with the
+run's config (nothing loads from them, as in TRL); `tracker_project_name`, `tracker_kwargs` (per
+tracker: `{"wandb": {...}, "tensorboard": {...}}`), `accelerator_kwargs`, `project_kwargs`
+(accelerate's ProjectConfiguration; its `logging_dir` holds TensorBoard runs),
+`remove_unused_columns` and `optimize_cuda_cache` act in the classic trainer and are refused by
+`train()` when not at their default. `push_to_hub_if_best_kwargs` / `compare_steps` (pushing to
+the Hub from inside `step()`) are refused: save with `trainer.save_pretrained(dir)` and push that
+folder. `world_size`, `backward_batch_size`, `global_backward_batch_size`, `global_batch_size`,
+`is_encoder_decoder` and `is_peft_model` are filled in by the classic trainer; a value given must match
+(`train()` derives `world_size` itself and refuses `is_peft_model`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+import os
+import sys
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 from posttrain.configs import ConfigError, OnPolicyConfig, flag
 
 # Equivalent names of the same estimator (advantages.KL_ESTIMATORS plus the exact "full" KL).
 _KL_CANONICAL = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "abs": "abs", "full": "full"}
 VALUE_MODEL_INITS = ("reward", "policy", "head")
+# Alias pairs: the field a classic default is written to <- every name that sets it.
+_NAMES = {
+    "kl_coef": ("kl_coef", "init_kl_coef"),
+    "total_episodes": ("total_episodes", "steps"),
+    "mini_batch_size": ("mini_batch_size", "forward_batch_size"),
+}
+# Classic-only settings train() cannot apply: field -> (default, why).
+_CLASSIC_ONLY = {
+    "tracker_kwargs": ({}, "train() logs through report_to / run_name"),
+    "accelerator_kwargs": ({}, "train() builds its Accelerator from the launch environment"),
+    "project_kwargs": ({}, "train() writes everything under output_dir"),
+    "tracker_project_name": ("trl", "train() names its run with run_name"),
+    "remove_unused_columns": (True, "train() keeps every column for reward functions"),
+    "optimize_cuda_cache": (False, "train() manages its own memory"),
+    "is_peft_model": (None, "train() detects PEFT from the model and peft_config"),
+}
 
 
+def script_name() -> str:
+    """TRL's classic exp_name default: the running script's file name without ".py"."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    return name[: -len(".py")] if name.endswith(".py") else name
+
+
+def classic_defaults() -> dict[str, Any]:
+    """The classic PPOConfig's defaults (TRL 0.7) where they differ from the on-policy ones."""
+    return {
+        "seed": 0,
+        "learning_rate": 1e-5,
+        "adap_kl_ctrl": True,
+        "kl_coef": 0.2,
+        "batch_size": 256,
+        "mini_batch_size": 1,
+        "max_grad_norm": None,
+        "total_episodes": 20000,
+        "exp_name": script_name(),
+    }
+
+
+def _records_explicit_fields(cls: type) -> type:
+    """Wrap the dataclass __init__ so the instance knows which fields its caller gave."""
+    init = cls.__init__
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.explicit_fields = frozenset(names[: len(args)]) | frozenset(kwargs)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_records_explicit_fields
 @dataclass
 class PPOConfig(OnPolicyConfig):
     """PPO with a critic (TRL PPOConfig, both generations); see the module docstring for aliases."""
@@ -126,7 +203,57 @@ class PPOConfig(OnPolicyConfig):
         default=None,
     )
 
+    forward_batch_size: int | None = flag("Deprecated classic name of mini_batch_size (as in TRL 0.7).", default=None)
+    # -- classic PPOConfig (TRL 0.7): tracking, accelerate and runtime fields -----------------------
+    task_name: str | None = flag("Classic: name of the task, recorded with the config.", default=None)
+    model_name: str | None = flag("Classic: name of the model, recorded with the config.", default=None)
+    query_dataset: str | None = flag("Classic: name of the query dataset, recorded with the config.", default=None)
+    reward_model: str | None = flag("Classic: name of the reward model, recorded with the config.", default=None)
+    remove_unused_columns: bool = flag(
+        "Classic: the trainer's dataloader drops dataset columns the model's forward does not take "
+        "(query, response and label are kept).",
+        default=True,
+    )
+    tracker_kwargs: dict = flag(
+        'Classic: tracker init keywords per tracker, e.g. {"wandb": {"entity": "me"}}.', default_factory=dict
+    )
+    accelerator_kwargs: dict = flag("Classic: keywords for accelerate.Accelerator.", default_factory=dict)
+    project_kwargs: dict = flag(
+        "Classic: keywords for accelerate's ProjectConfiguration (logging_dir holds TensorBoard runs).",
+        default_factory=dict,
+    )
+    tracker_project_name: str = flag("Classic: project (W&B) / run folder (TensorBoard) name.", default="trl")
+    push_to_hub_if_best_kwargs: dict = flag(
+        "Classic: push to the Hub from step() when the mean score improves (not supported: refused).",
+        default_factory=dict,
+    )
+    compare_steps: int = flag("Classic: steps between push_to_hub_if_best comparisons (not supported).", default=1)
+    optimize_cuda_cache: bool = flag(
+        "Classic: collect garbage and empty the CUDA cache after each step().", default=False
+    )
+    world_size: int | None = flag("Runtime: number of processes (filled in by the trainer).", default=None)
+    is_peft_model: bool | None = flag(
+        "Classic runtime: whether the policy is a PEFT model (None: detected).", default=None
+    )
+    backward_batch_size: int | None = flag(
+        "Classic runtime: rows per optimizer step = mini_batch_size × gradient_accumulation_steps.", default=None
+    )
+    global_backward_batch_size: int | None = flag("Classic runtime: backward_batch_size × world_size.", default=None)
+    global_batch_size: int | None = flag("Classic runtime: batch_size × world_size.", default=None)
+
     def __post_init__(self) -> None:
+        if not hasattr(self, "explicit_fields"):  # built without the recording __init__ (e.g. copy)
+            self.explicit_fields = frozenset()
+        if self.forward_batch_size is not None:
+            warnings.warn(
+                "forward_batch_size is deprecated (as in TRL 0.7): it sets mini_batch_size, the rows of each "
+                "forward pass and of each PPO minibatch; use mini_batch_size.",
+                FutureWarning,
+                stacklevel=3,
+            )
+        self.mini_batch_size = self.forward_batch_size = self._alias(
+            "mini_batch_size", self.mini_batch_size, "forward_batch_size", self.forward_batch_size, None
+        )
         self.total_episodes = self._alias("total_episodes", self.total_episodes, "steps", self.steps, None)
         self.steps = self.total_episodes
         super().__post_init__()
@@ -169,6 +296,7 @@ class PPOConfig(OnPolicyConfig):
             ("score_clip", self.score_clip is None or self.score_clip > 0, "must be > 0 (or unset)"),
             ("batch_size", self.batch_size is None or self.batch_size >= 1, "must be >= 1"),
             ("mini_batch_size", self.mini_batch_size is None or self.mini_batch_size >= 1, "must be >= 1"),
+            ("compare_steps", self.compare_steps >= 1, "must be >= 1"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -181,6 +309,25 @@ class PPOConfig(OnPolicyConfig):
             raise ConfigError(
                 f"value_model_init={self.value_model_init!r} must be one of {', '.join(VALUE_MODEL_INITS)}."
             )
+        if self.push_to_hub_if_best_kwargs or self.compare_steps != 1:
+            raise ConfigError(
+                "push_to_hub_if_best_kwargs / compare_steps: pushing to the Hub from inside step() is not "
+                "supported; call trainer.save_pretrained(folder) when the reward improves and push that folder "
+                "(huggingface_hub.upload_folder)."
+            )
+        for name in ("tracker_kwargs", "accelerator_kwargs", "project_kwargs"):
+            if not isinstance(getattr(self, name), dict):
+                raise ConfigError(f"{name} must be a dict, got {type(getattr(self, name)).__name__}.")
+        unknown = sorted(set(self.tracker_kwargs) - {"wandb", "tensorboard"})
+        if unknown:
+            raise ConfigError(
+                f"tracker_kwargs has settings for {unknown}; its keys are tracker names (wandb, tensorboard), "
+                'e.g. tracker_kwargs={"wandb": {"entity": "me"}}.'
+            )
+        self.backward_batch_size = self._runtime(
+            "backward_batch_size",
+            None if self.mini_batch_size is None else self.mini_batch_size * self.gradient_accumulation_steps,
+        )
         if self.value_model_path is not None and self.value_model_init == "head":
             raise ConfigError(
                 'value_model_path and value_model_init="head" contradict each other: '
@@ -198,6 +345,53 @@ class PPOConfig(OnPolicyConfig):
             return new_value
         return old_value if old_value is not None else default
 
+    def _runtime(self, name: str, value: Any) -> Any:
+        """A field the trainer fills in: a value the caller gave must equal it."""
+        given = getattr(self, name)
+        if name in self.explicit_fields and given is not None and value is not None and given != value:
+            raise ConfigError(f"{name}={given} was given, but it is {value} here; leave it unset (it is computed).")
+        return value
+
+    def apply_classic_defaults(self) -> PPOConfig:
+        """Give every field the caller did not set its classic (TRL 0.7) default; fill in and check
+        the classic sizes. Called by the classic trainer; returns self."""
+        for name, value in classic_defaults().items():
+            if not self.explicit_fields & set(_NAMES.get(name, (name,))):
+                setattr(self, name, value)
+        self.init_kl_coef, self.steps, self.forward_batch_size = self.kl_coef, self.total_episodes, None
+        self.kl_penalty = {"k1": "kl", "k2": "mse"}.get(self.kl_estimator, self.kl_estimator)  # classic spelling
+        self._step_batch_size, self._step_mini_batch_size = self.batch_size, self.mini_batch_size
+        mini = self.mini_batch_size or self.batch_size
+        self.backward_batch_size = self._runtime(
+            "backward_batch_size", None if mini is None else mini * self.gradient_accumulation_steps
+        )
+        if self.batch_size is not None and self.batch_size % self.backward_batch_size:
+            raise ConfigError(
+                f"batch_size={self.batch_size} must be a multiple of mini_batch_size × gradient_accumulation_steps "
+                f"= {mini} × {self.gradient_accumulation_steps} (rows per optimizer step)."
+            )
+        return self
+
+    def set_runtime(self, world_size: int, is_encoder_decoder: bool, is_peft_model: bool) -> None:
+        """The classic trainer's runtime fields (TRL 0.7 fills the same ones in its constructor)."""
+        self.world_size = self._runtime("world_size", world_size)
+        self.global_batch_size = self._runtime(
+            "global_batch_size", None if self.batch_size is None else self.batch_size * world_size
+        )
+        self.global_backward_batch_size = self._runtime(
+            "global_backward_batch_size",
+            None if self.backward_batch_size is None else self.backward_batch_size * world_size,
+        )
+        self.is_encoder_decoder = is_encoder_decoder
+        self.is_peft_model = self._runtime("is_peft_model", is_peft_model)
+
+    @property
+    def total_ppo_epochs(self) -> int | None:
+        """Classic: ceil(steps / batch_size), the number of step() calls the steps budget allows."""
+        if self.total_episodes is None or self.batch_size is None:
+            return None
+        return math.ceil(self.total_episodes / self.batch_size)
+
     @property
     def step_batch_size(self) -> int | None:
         """batch_size as the user set it (None: step() accepts any number of rows)."""
@@ -209,7 +403,14 @@ class PPOConfig(OnPolicyConfig):
         return self._step_mini_batch_size
 
     def derive_sizes(self, world_size: int = 1, dataset_size: int | None = None) -> PPOConfig:
-        """OnPolicyConfig's sizes; an explicitly set batch_size / mini_batch_size must agree with them."""
+        """OnPolicyConfig's sizes; an explicitly set batch_size / mini_batch_size must agree with them.
+        Classic-only settings that train() cannot apply are refused here, before any model loads."""
+        for name, (default, why) in _CLASSIC_ONLY.items():
+            if getattr(self, name) != default:
+                raise ConfigError(
+                    f"{name}={getattr(self, name)!r} applies to the classic generate()/step() trainer only; "
+                    f"{why}. Leave it at {default!r} for train()."
+                )
         super().derive_sizes(world_size, dataset_size)
         for name, user in (("batch_size", self._step_batch_size), ("mini_batch_size", self._step_mini_batch_size)):
             derived = getattr(self, name)
