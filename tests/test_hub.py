@@ -79,6 +79,8 @@ def make_trainer(algo: str, output_dir: Path, tokenizer, base_dir: Path, **field
             train_dataset=prompts,
         )
     config_cls, trainer_cls = (OnlineDPOConfig, OnlineDPOTrainer) if algo == "online_dpo" else (XPOConfig, XPOTrainer)
+    # Online DPO / XPO count per_device_train_batch_size in prompts (TRL): 2 prompts = 4 completions.
+    online["per_device_train_batch_size"] = 2
     return trainer_cls(
         policy, reward_model=count_e, args=config_cls(**online), processing_class=tokenizer, train_dataset=prompts
     )
