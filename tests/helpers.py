@@ -1,5 +1,7 @@
 """Helpers shared by several test files (not collected: no test_ prefix)."""
 
+import struct
+
 import torch
 from datasets import Dataset
 
@@ -91,3 +93,27 @@ def online_trainer(algo, out, tokenizer, callbacks=None, prompts=4, reward=lengt
     values["per_device_train_batch_size"] = overrides.get("per_device_train_batch_size", 2)
     args = config_cls(max_new_tokens=4, **values)
     return trainer_cls(policy, reward_model=[reward], args=args, processing_class=tokenizer, **common)
+
+
+def tensorboard_scalars(folder) -> dict[str, list[int]]:
+    """{tag: [steps]} of the scalars in a TensorBoard folder, read with tensorboard's EventAccumulator;
+    on the oldest stack (tensorboard 2.15, whose readers need numpy < 2) the TFRecord framing (u64
+    length, u32 crc, data, u32 crc) is read here and each record parsed as tensorboard's Event proto."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except AttributeError:  # tensorboard 2.15 + numpy 2: np.string_ at import
+        from tensorboard.compat.proto.event_pb2 import Event
+
+        scalars: dict[str, list[int]] = {}
+        for path in sorted(folder.glob("events.out.tfevents.*")):
+            data, pos = path.read_bytes(), 0
+            while pos < len(data):
+                (length,) = struct.unpack("<Q", data[pos : pos + 8])
+                event = Event.FromString(data[pos + 12 : pos + 12 + length])
+                pos += 12 + length + 4
+                for value in event.summary.value:
+                    scalars.setdefault(value.tag, []).append(event.step)
+        return scalars
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}

@@ -6,12 +6,12 @@ from __future__ import annotations
 import copy
 import json
 import math
-import struct
 
 import pytest
 import torch
 from datasets import Dataset
 
+from helpers import tensorboard_scalars
 from posttrain.configs import ConfigError
 from posttrain.judges import CallableJudge, win_rate
 from posttrain.rollout import Rollout
@@ -418,30 +418,6 @@ def test_non_finite_loss_skips_the_step(tmp_path, tiny_tokenizer):
     assert trainer.run.progress.optimizer_steps == 0 and trainer.run.health.nonfinite_total == 2
     for k, v in trainer.model.state_dict().items():
         assert torch.equal(v.isnan(), before[k].isnan()) and torch.equal(v.nan_to_num(), before[k].nan_to_num()), k
-
-
-def tensorboard_scalars(folder) -> dict[str, list[int]]:
-    """{tag: [steps]} of the scalars in a TensorBoard folder, read with tensorboard's EventAccumulator;
-    on the oldest stack (tensorboard 2.15, whose readers need numpy < 2) the TFRecord framing (u64
-    length, u32 crc, data, u32 crc) is read here and each record parsed as tensorboard's Event proto."""
-    try:
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    except AttributeError:  # tensorboard 2.15 + numpy 2: np.string_ at import
-        from tensorboard.compat.proto.event_pb2 import Event
-
-        scalars: dict[str, list[int]] = {}
-        for path in sorted(folder.glob("events.out.tfevents.*")):
-            data, pos = path.read_bytes(), 0
-            while pos < len(data):
-                (length,) = struct.unpack("<Q", data[pos : pos + 8])
-                event = Event.FromString(data[pos + 12 : pos + 12 + length])
-                pos += 12 + length + 4
-                for value in event.summary.value:
-                    scalars.setdefault(value.tag, []).append(event.step)
-        return scalars
-    events = EventAccumulator(str(folder))
-    events.Reload()
-    return {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def test_tensorboard_tags_carry_transformers_prefixes(tmp_path, tiny_tokenizer):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import tensorboard_scalars
 from posttrain.configs import ConfigError
 from posttrain.testing import build_tiny_causal_lm
 
@@ -372,7 +373,10 @@ def test_accelerator_project_and_tracker_settings_are_honoured(tmp_path, tiny_to
     q = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
     stats = trainer.step(q, [torch.tensor([10, 11]), torch.tensor([12])], [torch.tensor(1.0), torch.tensor(0.0)])
     trainer.log_stats(stats, {"query": ["a", "b"], "response": ["c", "d"]}, [1.0, 0.0])
-    assert list((tmp_path / "tb" / "sentiment").glob("events.out.tfevents.*"))
+    # TRL 0.7 logged through accelerate's trackers: TensorBoard tags as log_stats names them, unprefixed.
+    tags = tensorboard_scalars(tmp_path / "tb" / "sentiment")
+    assert {"env/reward_mean", "env/reward_std", "ppo/loss/total"} <= set(tags), sorted(tags)
+    assert not any(tag.startswith("train/") for tag in tags)
     rows = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
     assert [(r["table"], r["query"], r["reward"]) for r in rows] == [("game_log", "a", 1.0), ("game_log", "b", 0.0)]
     with pytest.raises(ValueError, match="label"):

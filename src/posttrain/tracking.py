@@ -305,14 +305,19 @@ class Tracker:
         logging_dir: str | os.PathLike | None = None,
         project: str | None = None,
         init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+        transformers_keys: bool = True,
     ) -> None:
         """project: the W&B project (default $WANDB_PROJECT or "posttrain"); init_kwargs: extra
         keywords per sink ({"wandb": {...}} for wandb.init, {"tensorboard": {...}} for SummaryWriter),
         as accelerate's `init_trackers(init_kwargs=)`; logging_dir: TensorBoard's folder (the config's
-        logging_dir; default output_dir/runs/run_name)."""
+        logging_dir; default output_dir/runs/run_name); transformers_keys: False keeps metric names
+        unprefixed in TensorBoard / W&B."""
         self.output_dir = Path(output_dir)
         self.logging_dir = Path(os.path.expanduser(logging_dir)) if logging_dir else None
         self.project = project
+        # TensorBoard / W&B names: transformers' (`train/objective/kl`), or as given (the classic PPO
+        # API logs through accelerate's trackers, which add no prefix).
+        self.tracker_key = tracker_key if transformers_keys else str
         self.init_kwargs = {k: dict(v) for k, v in (init_kwargs or {}).items()}
         self.is_main = is_main
         self.run_name = run_name or time.strftime("%Y%m%d-%H%M%S")
@@ -383,12 +388,14 @@ class Tracker:
         if writer is not None:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    writer.add_scalar(tracker_key(key), value, global_step=step)
+                    writer.add_scalar(self.tracker_key(key), value, global_step=step)
             writer.flush()
         run = self._wb()
         if run is not None:
-            prefixed = {tracker_key(k): v for k, v in values.items()}
-            run.log({**prefixed, "train/global_step": int(step)}, step=step)
+            named = {self.tracker_key(k): v for k, v in values.items()}
+            if self.tracker_key is tracker_key:
+                named["train/global_step"] = int(step)
+            run.log(named, step=step)
 
     def log_table(self, name: str, rows: list[Mapping[str, Any]], step: int) -> None:
         """Print sample rows (e.g. prompt / completion / score) as a rich table, like TRL's

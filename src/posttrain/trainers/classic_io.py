@@ -134,6 +134,7 @@ def build_tracker(config: PPOConfig, accelerator: Any) -> Tracker:
         project=config.tracker_project_name,
         init_kwargs=config.tracker_kwargs,
         logging_dir=os.path.join(root, config.tracker_project_name),
+        transformers_keys=False,  # TRL 0.7 logged `env/reward_mean`, `ppo/...` through accelerate, unprefixed
     )
 
 
