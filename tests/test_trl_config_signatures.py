@@ -173,3 +173,8 @@ def test_derived_sizes_are_accepted_and_checked():
     config = RLOOConfig(per_device_train_batch_size=4, rloo_k=2, batch_size=4, total_episodes=16)
     with pytest.raises(ConfigError, match=r"batch_size=4 was given.*batch_size=8"):
         config.derive_sizes(world_size=2)
+
+
+def test_remove_unused_columns_false_says_it_has_no_effect():
+    with pytest.warns(UserWarning, match="remove_unused_columns=False has no effect"):
+        RLOOConfig(remove_unused_columns=False)

@@ -467,6 +467,12 @@ class TrainingConfig:
         self._check_optimization_fields()
         self._check_schedule()
         self._check_launch_fields()
+        if self.remove_unused_columns is False:
+            warnings.warn(
+                "remove_unused_columns=False has no effect in posttrain: reward functions always receive every "
+                "dataset column, and data preparation keeps only the columns it tokenizes.",
+                stacklevel=3,
+            )
         from posttrain.hub import HUB_STRATEGIES  # stdlib-only module
 
         if self.hub_strategy not in HUB_STRATEGIES:
