@@ -587,3 +587,15 @@ def test_online_trainers_honour_optim_schedule_and_compile(kind, tmp_path, tiny_
     assert generated_with and not any(generated_with)
     # At the end of the schedule the cosine has reached min_lr.
     assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(2e-4)
+
+
+def test_sft_model_init_kwargs_from_a_path(tmp_path, tiny_tokenizer, tiny_policy_dir):
+    """SFT loads its model from a path with model_init_kwargs (a trust_remote_code key there wins over the flag)."""
+    args = sft_config(tmp_path, model_init_kwargs={"attn_implementation": "eager", "trust_remote_code": False})
+    trainer = SFTTrainer(
+        str(tiny_policy_dir),
+        args=args,
+        train_dataset=Dataset.from_list([{"text": s} for s in SENTENCES[:4]]),
+        processing_class=copy.deepcopy(tiny_tokenizer),
+    )
+    assert trainer.model.config._attn_implementation == "eager"
