@@ -517,3 +517,85 @@ def test_online_model_init_kwargs_reach_every_loaded_model(tmp_path, tiny_policy
     tokenizer = load_tokenizer(tiny_policy_dir)
     _, critic = attach_critic(parts.policy, None, config, [], tokenizer, tokenizer)
     assert critic.config._attn_implementation == "eager" and next(critic.parameters()).dtype == torch.bfloat16
+
+
+ONLINE = ["ppo", "grpo", "online_dpo", "xpo"]
+
+
+def online_trainer(kind, tmp_path, tokenizer, **fields):
+    """A tiny trainer of each other online algorithm (RLOO: rloo_trainer) with `fields` in its config."""
+    from posttrain.judges import CallableJudge
+    from posttrain.testing import build_tiny_reward_model
+
+    common = dict(output_dir=str(tmp_path / kind), report_to="none", num_sample_generations=0, save_steps=0)
+    common.update(learning_rate=1e-3, per_device_train_batch_size=4, total_episodes=8, **fields)
+    policy = build_tiny_causal_lm(tokenizer, seed=0)
+    tok = copy.deepcopy(tokenizer)
+    if kind == "ppo":
+        from posttrain.trainers.ppo import PPOTrainer
+        from posttrain.trainers.ppo_config import PPOConfig
+
+        args = PPOConfig(response_length=4, temperature=1.0, **common)
+        return PPOTrainer(
+            args=args, processing_class=tok, model=policy, ref_model=None,
+            reward_model=build_tiny_reward_model(tokenizer, seed=1), train_dataset=prompts(),
+        )  # fmt: skip
+    if kind == "grpo":
+        from posttrain.trainers.grpo import GRPOTrainer
+        from posttrain.trainers.grpo_config import GRPOConfig
+
+        args = GRPOConfig(num_generations=2, response_length=4, **common)
+        return GRPOTrainer(policy, e_fraction, args, prompts(), processing_class=tok)
+    if kind == "online_dpo":
+        from posttrain.trainers.online_dpo import OnlineDPOTrainer
+        from posttrain.trainers.online_dpo_config import OnlineDPOConfig
+
+        args = OnlineDPOConfig(max_new_tokens=4, **common)
+        judge = CallableJudge(lambda prompt, completion: -float(len(completion)))
+        return OnlineDPOTrainer(policy, judge=judge, args=args, processing_class=tok, train_dataset=prompts())
+    from posttrain.trainers.xpo import XPOTrainer
+    from posttrain.trainers.xpo_config import XPOConfig
+
+    args = XPOConfig(max_new_tokens=4, **common)
+    return XPOTrainer(
+        model=policy, reward_model=build_tiny_reward_model(tokenizer, seed=1), args=args, processing_class=tok,
+        train_dataset=prompts(),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ONLINE)
+def test_online_trainers_honour_optim_schedule_and_compile(kind, tmp_path, tiny_tokenizer, monkeypatch):
+    """Every online trainer builds the optimizer optim names (with optim_args), the schedule with
+    lr_scheduler_kwargs, trains the compiled module and samples with the uncompiled forward."""
+    generated_with = []
+    real_generate = online.generate
+
+    def spy(model, *args, **kwargs):
+        generated_with.append(is_compiled(model))
+        return real_generate(model, *args, **kwargs)
+
+    monkeypatch.setattr(online, "generate", spy)
+    trainer = online_trainer(
+        kind, tmp_path, tiny_tokenizer, optim="sgd", optim_args="momentum=0.5", torch_compile_backend="eager",
+        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr": 2e-4},
+    )  # fmt: skip
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    assert type(optimizer) is torch.optim.SGD and optimizer.param_groups[0]["momentum"] == 0.5
+    trained = online.dist.unwrap(trainer.wrapped, trainer.accelerator)
+    assert is_compiled(trained)
+    trainer.train()
+    assert generated_with and not any(generated_with)
+    # At the end of the schedule the cosine has reached min_lr.
+    assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(2e-4)
+
+
+def test_sft_model_init_kwargs_from_a_path(tmp_path, tiny_tokenizer, tiny_policy_dir):
+    """SFT loads its model from a path with model_init_kwargs (a trust_remote_code key there wins over the flag)."""
+    args = sft_config(tmp_path, model_init_kwargs={"attn_implementation": "eager", "trust_remote_code": False})
+    trainer = SFTTrainer(
+        str(tiny_policy_dir),
+        args=args,
+        train_dataset=Dataset.from_list([{"text": s} for s in SENTENCES[:4]]),
+        processing_class=copy.deepcopy(tiny_tokenizer),
+    )
+    assert trainer.model.config._attn_implementation == "eager"

@@ -754,6 +754,7 @@ def resolve_model_and_tokenizer(
     if isinstance(model, str):
         kwargs = dict(model_init_kwargs or {})
         dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", config.torch_dtype))
+        trust_remote_code = kwargs.pop("trust_remote_code", config.trust_remote_code)
         if kind == "causal_lm":
             loader = models.load_policy
         else:
@@ -762,7 +763,7 @@ def resolve_model_and_tokenizer(
         model = loader(
             model,
             dtype=dtype,
-            trust_remote_code=config.trust_remote_code,
+            trust_remote_code=trust_remote_code,
             disable_dropout=config.disable_dropout,
             tokenizer=tokenizer,
             **kwargs,
