@@ -288,6 +288,21 @@ def test_only_the_main_process_pushes(algo, tmp_path, tiny_tokenizer, base_dirs,
     assert upload["run_as_future"] is True and upload["repo_id"] == "org/x"
 
 
+def test_a_repository_that_cannot_be_created_stops_before_training(tmp_path, tiny_tokenizer, base_dirs, monkeypatch):
+    """A bad token or name (any create_repo failure) is one ConfigError naming the repository and the fix,
+    raised when the trainer is built."""
+    import huggingface_hub
+
+    def refuse(repo_id, **kw):
+        raise PermissionError("401 Client Error: Unauthorized (invalid token)")
+
+    monkeypatch.setattr(huggingface_hub, "create_repo", refuse)
+    with pytest.raises(ConfigError, match=r"hub_model_id='org/x'.*401 Client Error.*hf auth login.*hub_token"):
+        make_trainer(
+            "rloo", tmp_path / "run", tiny_tokenizer, base_dirs["policy"], push_to_hub=True, hub_model_id="org/x"
+        )
+
+
 def test_push_to_hub_false_pushes_nothing_during_training(tmp_path, tiny_tokenizer, base_dirs, hub_calls):
     trainer = make_trainer("sft", tmp_path / "run", tiny_tokenizer, base_dirs["policy"], save_steps=1)
     trainer.train()

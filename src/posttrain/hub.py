@@ -534,11 +534,22 @@ def create_repo(config: Any, *, token: str | None, revision: str | None, private
     """Create the repository (exist_ok) and the branch `revision` pushes go to; return the full repo id."""
     import huggingface_hub
 
+    from posttrain.configs import ConfigError
+
     private = private if private is not None else config.hub_private_repo
-    url = huggingface_hub.create_repo(repo_name(config), token=token, private=private, exist_ok=True)
-    repo_id = url.repo_id
-    if revision:
-        huggingface_hub.create_branch(repo_id, branch=revision, token=token, exist_ok=True)
+    name = repo_name(config)
+    try:
+        repo_id = huggingface_hub.create_repo(name, token=token, private=private, exist_ok=True).repo_id
+        if revision:
+            huggingface_hub.create_branch(repo_id, branch=revision, token=token, exist_ok=True)
+    except Exception as err:  # the first Hub call of a run: a token, name or network problem, said once
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"push_to_hub: cannot create the Hub repository hub_model_id={name!r}"
+            f"{f' (branch hub_revision={revision!r})' if revision else ''}: {first}. Log in with `hf auth login` "
+            "or pass hub_token with write access, check the name, and that the Hub is reachable "
+            "(HF_HUB_OFFLINE unset)."
+        ) from err
     return repo_id
 
 
