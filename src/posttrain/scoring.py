@@ -273,7 +273,7 @@ def batched_completion_values(value_model: torch.nn.Module, rollout: Rollout, *,
 _SAME_TOKENIZER: dict[tuple[int, int], bool] = {}
 
 
-def _same_tokenizer(a: Any, b: Any) -> bool:
+def same_tokenizer(a: Any, b: Any) -> bool:
     """Whether two tokenizers encode identically (cached per pair: vocabularies can be 150k entries)."""
     if a is b:
         return True
@@ -320,7 +320,7 @@ def reward_model_scores(
     """
     device = _device(reward_model)
     if reward_tokenizer is not None and (
-        policy_tokenizer is None or not _same_tokenizer(policy_tokenizer, reward_tokenizer)
+        policy_tokenizer is None or not same_tokenizer(policy_tokenizer, reward_tokenizer)
     ):
         if policy_tokenizer is None:
             raise ValueError(
