@@ -293,6 +293,12 @@ CASES: list[tuple[str, list[str], int, str]] = [
         2,
         "has no trained score head: score.weight is not in its checkpoint (saved as LlamaForCausalLM)",
     ),
+    (
+        "response-fills-positions",
+        [*RLOO, "--dataset_name", "{prompts.jsonl}", "--response_length", "1024"],
+        2,
+        "response_length=1024 leaves no room for a prompt in the policy (",
+    ),
     # -- output_dir and checkpoints ---------------------------------------------------------------
     (
         "output-dir-file",

@@ -232,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         if _is_user_error(err):
             print(f"posttrain {name}: {err}", file=sys.stderr)
+            frames = getattr(err, "user_frames", None)  # a reward function's own frames, not posttrain's
+            if frames:
+                print(f"In your code (most recent call last):\n{frames}", file=sys.stderr)
             return 2
         from posttrain.health import OOM_HINT, is_oom
 

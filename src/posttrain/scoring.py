@@ -273,7 +273,7 @@ def batched_completion_values(value_model: torch.nn.Module, rollout: Rollout, *,
 _SAME_TOKENIZER: dict[tuple[int, int], bool] = {}
 
 
-def _same_tokenizer(a: Any, b: Any) -> bool:
+def same_tokenizer(a: Any, b: Any) -> bool:
     """Whether two tokenizers encode identically (cached per pair: vocabularies can be 150k entries)."""
     if a is b:
         return True
@@ -320,7 +320,7 @@ def reward_model_scores(
     """
     device = _device(reward_model)
     if reward_tokenizer is not None and (
-        policy_tokenizer is None or not _same_tokenizer(policy_tokenizer, reward_tokenizer)
+        policy_tokenizer is None or not same_tokenizer(policy_tokenizer, reward_tokenizer)
     ):
         if policy_tokenizer is None:
             raise ValueError(
@@ -356,6 +356,56 @@ class RewardFunctionError(ValueError):
     The message names the function, the row (1-based) and the value; the command line prints it
     as one line, since the fix is in the user's function.
     """
+
+
+class RewardFunctionRaised(RewardFunctionError):
+    """A reward function raised an exception; chained from it (`__cause__`).
+
+    `.function` is the function's `module:qualname`, `.user_frames` the traceback lines of the frames
+    in the user's own files (posttrain's, torch's and the standard library's left out), which the
+    command line prints under the one-line message instead of a full traceback.
+    """
+
+    def __init__(self, function: str, error: BaseException) -> None:
+        first = str(error).splitlines()[0] if str(error) else ""
+        super().__init__(
+            f"reward function {function!r} raised {type(error).__name__}"
+            + (f": {first}" if first else "")
+            + ". Fix the function (its frames are below on the command line)."
+        )
+        self.function = function
+        self.user_frames = _user_frames(error)
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Folders whose frames are not the user's: posttrain itself, installed packages, the stdlib."""
+    import sysconfig
+
+    paths = {os.path.dirname(os.path.abspath(__file__))}
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            paths.add(os.path.abspath(path))
+    return tuple(p.rstrip(os.sep) + os.sep for p in paths)
+
+
+def _user_frames(error: BaseException) -> str:
+    """The formatted traceback frames of `error` that lie in the user's files."""
+    import traceback
+
+    library = _library_dirs()
+    frames = [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if not os.path.abspath(f.filename).startswith(library) and not f.filename.startswith("<frozen")
+    ]
+    return "".join(traceback.format_list(frames)).rstrip()
+
+
+def reward_function_path(func: Callable[..., Any]) -> str:
+    """`module:qualname` of a reward function (its class for a callable object), as --reward_funcs takes it."""
+    target = func if hasattr(func, "__qualname__") else type(func)
+    return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', reward_function_name(func))}"
 
 
 def reward_function_name(func: Callable[..., Any]) -> str:
@@ -411,7 +461,8 @@ def reward_function_matrix(
 
     Every function gets the prompts, the completions and the dataset columns and must return B
     finite real numbers; anything else (wrong length, None, NaN, inf, non-number) raises ValueError
-    naming the function and the first bad row. TRL's new PPO accepted only nn.Module reward models
+    naming the function and the first bad row; an exception raised inside a function becomes
+    RewardFunctionRaised (chained from it). TRL's new PPO accepted only nn.Module reward models
     (TRL#2518). Functions written for TRL's GRPO (`def f(completions, **kwargs)`, prompts passed as a
     keyword) are called with keywords; others positionally as f(prompts, completions, **columns).
     """
@@ -428,10 +479,13 @@ def reward_function_matrix(
     out = torch.empty(B, len(funcs), dtype=torch.float32)
     for j, func in enumerate(funcs):
         name = reward_function_name(func)
-        if _takes_keywords(func):
-            result = func(prompts=list(prompts), completions=list(completions), **columns)
-        else:
-            result = func(list(prompts), list(completions), **columns)
+        try:
+            if _takes_keywords(func):
+                result = func(prompts=list(prompts), completions=list(completions), **columns)
+            else:
+                result = func(list(prompts), list(completions), **columns)
+        except Exception as err:
+            raise RewardFunctionRaised(reward_function_path(func), err) from err
         if isinstance(result, torch.Tensor):
             result = result.detach().cpu().reshape(-1).tolist()
         try:

@@ -11,20 +11,49 @@ torch is imported on first use, so `import posttrain.data` stays light.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from posttrain.configs import ConfigError
 
 
-def prompt_dataset(config: Any, tokenizer: Any, dataset: Any, source: str) -> Any:
+def prompt_dataset(config: Any, tokenizer: Any, dataset: Any, source: str, limits: Sequence[Any] = ()) -> Any:
     """Tokenize (chat template applied) and validate a prompt dataset with config.max_prompt_length
-    and config.prompt_overflow; see prepare.prepare_prompt_dataset."""
+    and config.prompt_overflow; see prepare.prepare_prompt_dataset. `limits`: the
+    positions.PositionLimit of each model reading the sequences; prompt + config.response_length
+    must fit them all (see posttrain.positions for what is truncated, dropped or refused)."""
+    from posttrain import positions
     from posttrain.data.prepare import prepare_prompt_dataset
 
-    return prepare_prompt_dataset(
-        dataset, tokenizer, max_prompt_length=config.max_prompt_length, overflow=config.prompt_overflow, source=source
+    def prepare(max_prompt_length: int | None) -> Any:
+        return prepare_prompt_dataset(
+            dataset, tokenizer, max_prompt_length=max_prompt_length, overflow=config.prompt_overflow, source=source
+        )
+
+    response_length = config.response_length
+    bound, tight = positions.prompt_bound(
+        limits, response_length=response_length, max_prompt_length=config.max_prompt_length
     )
+    prepared = prepare(config.max_prompt_length)
+    if tight is not None:
+        positions.check_fits(
+            [len(ids) for ids in prepared["input_ids"]],
+            tight,
+            response_length=response_length,
+            max_prompt_length=config.max_prompt_length,
+            overflow=config.prompt_overflow,
+            source=source,
+        )
+        if max(len(ids) for ids in prepared["input_ids"]) > bound:
+            prepared = prepare(bound)
+    positions.check_other_tokenizers(
+        list(prepared["prompt"]),
+        [len(ids) for ids in prepared["input_ids"]],
+        limits,
+        response_length=response_length,
+        source=source,
+    )
+    return prepared
 
 
 class PromptStream:

@@ -167,6 +167,7 @@ class GRPOTrainer(OnlineTrainer):
             data_collator=data_collator,
             optimizers=optimizers,
             callbacks=callbacks,
+            position_limits=parts.position_limits,
             accelerator=accelerator,
         )
         for r in parts.rewards:

@@ -41,7 +41,7 @@ from torch import nn
 
 from posttrain import checkpoint as ckpt
 from posttrain import distributed as dist
-from posttrain import hub, runtime
+from posttrain import hub, positions, runtime
 from posttrain.configs import ConfigError, OnPolicyConfig
 from posttrain.data.loading import load_split
 from posttrain.data.prompts import PromptStream, prompt_dataset
@@ -55,6 +55,7 @@ from posttrain.scoring import (
     completion_forward,
     completion_logprobs,
     import_reward_function,
+    same_tokenizer,
 )
 from posttrain.tracking import MetricAccumulator, ProgressBar, Tracker
 
@@ -129,6 +130,8 @@ class Parts:
     train_dataset: Any
     eval_dataset: Any
     peft_config: Any = None  # a peft.LoraConfig: only the adapter trains; the reference is the adapter off
+    # positions.PositionLimit of the policy, reference and reward models: prompt + completion must fit each
+    position_limits: list[Any] = dataclasses.field(default_factory=list)
 
 
 def as_list(x: Any) -> list[Any]:
@@ -249,8 +252,15 @@ def load_parts(
                 r, tokenizer=reward_processing_class or tokenizer, disable_dropout=config.disable_dropout, **common
             )
         loaded.append(r)
+    reward_tokenizer = reward_processing_class
+    if reward_tokenizer is not None and same_tokenizer(tokenizer, reward_tokenizer):
+        reward_tokenizer = None  # reads the policy's token ids as they are
+    limits = positions.limits_of(
+        [("policy", policy, None), ("reference model", reference, None)]
+        + [("reward model", r, reward_tokenizer) for r in loaded if isinstance(r, nn.Module)]
+    )
     return Parts(
-        tokenizer, policy, reference, loaded, reward_processing_class, train_dataset, eval_dataset, peft_config
+        tokenizer, policy, reference, loaded, reward_processing_class, train_dataset, eval_dataset, peft_config, limits
     )
 
 
@@ -357,6 +367,7 @@ class OnlineRun:
         *,
         accelerator: Any = None,
         data_collator: Callable | None = None,
+        position_limits: Sequence[Any] = (),
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -370,11 +381,15 @@ class OnlineRun:
             raise ConfigError(
                 "train_dataset is required: pass a prompt dataset (or --dataset_name on the command line)."
             )
-        self.train_dataset = prompt_dataset(config, tokenizer, train_dataset, source="train_dataset")
+        self.train_dataset = prompt_dataset(
+            config, tokenizer, train_dataset, source="train_dataset", limits=position_limits
+        )
         # Sizes count the prompts that survived validation (overflow="drop" may remove some).
         derive_sizes(config, self.world_size, len(self.train_dataset))
         self.eval_dataset = (
-            prompt_dataset(config, tokenizer, eval_dataset, source="eval_dataset") if eval_dataset is not None else None
+            prompt_dataset(config, tokenizer, eval_dataset, source="eval_dataset", limits=position_limits)
+            if eval_dataset is not None
+            else None
         )
         from posttrain.data import PromptCollator
 
@@ -947,15 +962,26 @@ class OnlineTrainer:
         optimizers: tuple[Any, Any] = (None, None),
         callbacks: Sequence[Any] | None = None,
         accelerator: Any = None,
+        position_limits: Sequence[Any] = (),
     ) -> nn.Module:
         """Build the run, the optimizer and schedule (unless given), prepare `model` with the
-        accelerator and create the callback events; returns the prepared (possibly DDP-wrapped) model."""
+        accelerator and create the callback events; returns the prepared (possibly DDP-wrapped) model.
+        position_limits: Parts.position_limits; the prompts must leave room for response_length in
+        each of those models and in `model`'s critic, if it has one (posttrain.positions)."""
         from posttrain.models import ensure_pad_token
 
         self.args = config
         self.processing_class = ensure_pad_token(tokenizer)
+        critic = getattr(model, "critic", None)  # PPO's separate value model
+        limits = [*position_limits, *positions.limits_of([("value model", critic, None)])]
         self.run = OnlineRun(
-            config, tokenizer, train_dataset, eval_dataset, accelerator=accelerator, data_collator=data_collator
+            config,
+            tokenizer,
+            train_dataset,
+            eval_dataset,
+            accelerator=accelerator,
+            data_collator=data_collator,
+            position_limits=limits,
         )
         self.accelerator = self.run.accelerator
         self.data_collator = self.run.collate

@@ -160,6 +160,7 @@ def setup_pair_trainer(
         data_collator=data_collator,
         optimizers=optimizers,
         callbacks=callbacks,
+        position_limits=parts.position_limits,
     )
     if trainer.ref_model is not None:
         trainer.ref_model.to(trainer.run.device)

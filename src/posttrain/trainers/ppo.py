@@ -187,6 +187,7 @@ class PPOTrainer(OnlineTrainer):
             eval_dataset=parts.eval_dataset,
             optimizers=optimizers,
             callbacks=callbacks,
+            position_limits=parts.position_limits,
         )
         if self.ref_model is not None:
             self.ref_model.to(self.run.device)

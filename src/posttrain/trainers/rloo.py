@@ -146,6 +146,7 @@ class RLOOTrainer(OnlineTrainer):
             data_collator=data_collator,
             optimizers=optimizers,
             callbacks=callbacks,
+            position_limits=parts.position_limits,
             accelerator=accelerator,
         )
         self.reward = self.reward_source(parts.rewards, parts.reward_tokenizer)
