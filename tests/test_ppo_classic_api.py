@@ -568,3 +568,68 @@ def test_the_readme_classic_loop_runs(tmp_path, monkeypatch):
     assert namespace["ppo_trainer"].current_step == 2  # 16 rows, batches of 8
     assert (tmp_path / "gpt2-imdb-pos" / "README.md").is_file()
     assert list((tmp_path / "runs" / "trl").glob("events.out.tfevents.*"))
+
+
+def test_wandb_gets_the_tracker_project_name_and_tracker_kwargs(tmp_path, monkeypatch, tiny_tokenizer):
+    """log_with="wandb": wandb.init receives project=tracker_project_name and tracker_kwargs["wandb"]
+    (a stand-in wandb module records the calls), and every step's statistics are logged to the run."""
+    import importlib.machinery
+    import sys
+    import types
+
+    import accelerate  # noqa: F401  (imported before the stand-in exists)
+
+    from posttrain import PPOConfig, PPOTrainer
+
+    calls = {"init": [], "log": []}
+    run = types.SimpleNamespace(log=lambda values, step: calls["log"].append((values, step)), finish=lambda: None)
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda **kw: calls["init"].append(kw) or run
+    fake.Table = lambda columns, data: ("table", columns, data)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = PPOConfig(
+        batch_size=2,
+        output_dir=str(tmp_path),
+        log_with="wandb",
+        tracker_project_name="sentiment",
+        tracker_kwargs={"wandb": {"entity": "me", "tags": ["ppo"]}},
+    )
+    trainer = PPOTrainer(cfg, build_tiny_causal_lm(tiny_tokenizer), None, tiny_tokenizer)
+    q = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
+    stats = trainer.step(q, [torch.tensor([10, 11]), torch.tensor([12])], [torch.tensor(1.0), torch.tensor(3.0)])
+    trainer.log_stats(stats, {"query": ["a", "b"], "response": ["c", "d"]}, [torch.tensor(1.0), torch.tensor(3.0)])
+    (init,) = calls["init"]
+    assert (init["project"], init["entity"], init["tags"]) == ("sentiment", "me", ["ppo"])
+    assert init["config"]["tracker_project_name"] == "sentiment" and init["config"]["learning_rate"] == 1e-5
+    values, step = calls["log"][0]
+    assert step == 1 and values["env/reward_mean"] == 2.0 and values["env/reward_dist"] == [1.0, 3.0]
+    assert values["objective/kl_coef"] == 0.2 and "ppo/loss/total" in values
+    table = calls["log"][1][0]["game_log"]
+    assert table == ("table", ["query", "response", "reward"], [["a", "c", 1.0], ["b", "d", 3.0]])
+
+
+def test_generate_batches_length_sampler_and_padding(tiny_tokenizer):
+    trainer = classic_trainer(tiny_tokenizer)
+    eos = tiny_tokenizer.eos_token_id
+    queries = [torch.tensor([5, 6, 7]), torch.tensor([8, 9]), torch.tensor([10]), torch.tensor([11, 12])]
+    drawn = []
+
+    def length_sampler():
+        drawn.append(len(drawn) + 3)
+        return drawn[-1]
+
+    # batch_size 3: two generation calls, max_new_tokens 3 then 4 (one draw per call)
+    out = trainer.generate(queries, length_sampler=length_sampler, batch_size=3, return_prompt=False)
+    assert drawn == [3, 4] and len(out) == 4
+    assert all(1 <= len(r) <= 3 for r in out[:3]) and 1 <= len(out[3]) <= 4
+    assert all(eos not in r[:-1].tolist() for r in out)  # cut after the first stop token
+    with_prompt = trainer.generate(queries, max_new_tokens=3, return_prompt=True)
+    assert all(torch.equal(r[: len(q)], q) for r, q in zip(with_prompt, queries))
+    # remove_padding=False: each row keeps its batch's full width, padded after its stop token
+    padded = trainer.generate(
+        queries, max_new_tokens=8, batch_size=4, return_prompt=False, remove_padding=False, temperature=5.0
+    )
+    assert len({len(r) for r in padded}) == 1
+    policy, reference = trainer.generate(queries, max_new_tokens=2, generate_ref_response=True)
+    assert len(policy) == len(reference) == 4
