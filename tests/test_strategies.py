@@ -253,6 +253,24 @@ def test_load_best_model_at_end_keeps_and_loads_the_best_checkpoint(tmp_path, ti
     assert all(torch.equal(steps[1][k], final[k]) for k in final)
 
 
+def test_the_best_checkpoint_survives_a_resume(tmp_path, tiny_tokenizer):
+    common = dict(eval_steps=1, save_steps=1, load_best_model_at_end=True, metric_for_best_model="score")
+    first = sft(tmp_path, tiny_tokenizer, max_steps=2, **common)
+    controlled_metric(first, [0.9, 0.1])  # step 1 is the best; step 2 (the last) is not, so not saved
+    first.train()
+    out = tmp_path / "sft"
+    assert checkpoints(out) == ["checkpoint-1"]
+    resumed = sft(tmp_path, tiny_tokenizer, max_steps=4, resume_from_checkpoint="latest", **common)
+    # Restored from checkpoint-1 before training on: the best so far and where it is.
+    assert resumed.state.best_metric == 0.9 and resumed.state.best_model_checkpoint == str(out / "checkpoint-1")
+    controlled_metric(resumed, [0.2, 0.3, 0.4])  # steps 2, 3, 4: none beats 0.9
+    resumed.train()
+    assert resumed.state.best_metric == 0.9 and resumed.state.best_global_step == 1
+    final = saved_weights(out)
+    for key, value in saved_weights(out / "checkpoint-1" / "model").items():
+        torch.testing.assert_close(final[key], value, rtol=0, atol=0)
+
+
 def test_a_best_last_evaluation_is_checkpointed(tmp_path, tiny_tokenizer):
     trainer = sft(
         tmp_path,
@@ -593,3 +611,25 @@ def test_command_line_takes_strategies_and_ratios():
         "steps",
         2,
     )
+
+
+def test_load_best_model_at_end_is_refused_on_sharded_models():
+    from accelerate.utils import DistributedType
+
+    from posttrain.trainers.supervised import SupervisedRun
+
+    config = SFTConfig(load_best_model_at_end=True, eval_steps=1, save_steps=1)
+    for distributed_type, stage in ((DistributedType.FSDP, None), (DistributedType.DEEPSPEED, 3)):
+        plugin = None if stage is None else types.SimpleNamespace(zero_stage=stage)
+        accelerator = types.SimpleNamespace(
+            state=types.SimpleNamespace(deepspeed_plugin=plugin), distributed_type=distributed_type
+        )
+        run = types.SimpleNamespace(config=config, accelerator=accelerator)
+        with pytest.raises(ConfigError, match="load_best_model_at_end cannot load the best checkpoint into a ZeRO-3"):
+            SupervisedRun._check_load_best_sharding(run)
+    # ZeRO-2 keeps whole parameters on every rank: allowed.
+    zero2 = types.SimpleNamespace(
+        state=types.SimpleNamespace(deepspeed_plugin=types.SimpleNamespace(zero_stage=2)),
+        distributed_type=DistributedType.DEEPSPEED,
+    )
+    SupervisedRun._check_load_best_sharding(types.SimpleNamespace(config=config, accelerator=zero2))

@@ -344,6 +344,7 @@ class SupervisedRun:
                 resume_path, models={"model": model}, optimizer=optimizer, scheduler=scheduler, accelerator=None
             )
         self._set_deepspeed_batch_size()
+        self._check_load_best_sharding()
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.scheduler = scheduler
         # Imported here: transformers' callback module pulls in peft, which importing a trainer must not.
@@ -385,6 +386,22 @@ class SupervisedRun:
         if plugin is not None:
             plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = self.config.per_device_train_batch_size
             plugin.deepspeed_config["gradient_accumulation_steps"] = 1
+
+    def _check_load_best_sharding(self) -> None:
+        # The best weights are loaded into the trained model after training: sharded parameters
+        # (ZeRO-3, FSDP) cannot take a full state dict, so refuse now rather than after the run.
+        if not self.config.load_best_model_at_end:
+            return
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        sharded = (plugin is not None and getattr(plugin, "zero_stage", 0) == 3) or str(
+            getattr(self.accelerator, "distributed_type", "")
+        ).endswith("FSDP")
+        if sharded:
+            raise ConfigError(
+                "load_best_model_at_end cannot load the best checkpoint into a ZeRO-3 / FSDP sharded model; "
+                "train with DDP or ZeRO-2, or leave it off and load state.best_model_checkpoint's model folder "
+                "yourself."
+            )
 
     # -- the training loop ------------------------------------------------------------------
     def steps(self, collate: Callable[[list[dict]], dict]) -> Iterator[list[dict]]:
