@@ -41,6 +41,8 @@ def command(name: str, root: Path, out: Path) -> list[str]:
 
 def torchrun(argv: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        env.pop(name, None)  # a launcher's FSDP / DeepSpeed switch is not part of this test
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "posttrain"]
     return subprocess.run([*launcher, *argv], env=env, capture_output=True, text=True, timeout=300)
 
