@@ -30,7 +30,8 @@ def fresh_accelerator_state(monkeypatch):
     from accelerate.state import AcceleratorState, GradientState
 
     for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "false")  # recorded, so the original state comes back afterwards
+        monkeypatch.delenv(name)
     monkeypatch.setattr(distributed, "_ENV_SET_HERE", set())
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
