@@ -633,3 +633,42 @@ def test_generate_batches_length_sampler_and_padding(tiny_tokenizer):
     assert len({len(r) for r in padded}) == 1
     policy, reference = trainer.generate(queries, max_new_tokens=2, generate_ref_response=True)
     assert len(policy) == len(reference) == 4
+
+
+def classic_flag_value(name, default):
+    """A command-line value for a classic PPOConfig field: its default, or a value of the flag's type."""
+    from posttrain.cli import build_parser
+    from posttrain.trainers.ppo_config import PPOConfig
+
+    if isinstance(default, dict):
+        return '{"key": 1}'
+    if default is not None:
+        return str(default)
+    (action,) = [a for a in build_parser("ppo", PPOConfig)._actions if a.dest == name]
+    if action.choices:
+        return str(list(action.choices)[-1])
+    kind = getattr(action.type, "__name__", "")
+    return {"int": "2", "float": "0.5", "string_to_bool": "true"}.get(
+        kind, "tensorboard" if name == "log_with" else "x"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(SEED_DEFAULTS))
+def test_every_classic_field_parses_on_the_command_line(name, capsys):
+    from posttrain.cli import parse_config
+
+    value = classic_flag_value(name, SEED_DEFAULTS[name])
+    try:
+        config = parse_config("ppo", [f"--{name}", value])
+    except SystemExit:
+        err = capsys.readouterr().err
+        # A refused value is refused by name, never as an unknown or unparsable argument.
+        assert "unknown argument" not in err and "invalid" not in err and name in err, err
+        return
+    parsed = getattr(config, name)
+    if isinstance(SEED_DEFAULTS[name], dict):
+        assert parsed == {"key": 1}
+    elif name == "kl_penalty":
+        assert config.kl_estimator == "k1"  # "kl" is the classic spelling of the k1 estimator
+    elif SEED_DEFAULTS[name] is not None and name != "exp_name":
+        assert str(parsed).lower() == value.lower() or parsed == type(parsed)(value)

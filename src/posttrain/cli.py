@@ -13,6 +13,7 @@ import argparse
 import difflib
 import importlib
 import importlib.util
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -121,14 +122,27 @@ def build_parser(name: str, config_cls: type):
         config_cls, prog=f"posttrain {name}", description=COMMANDS[name].summary, allow_abbrev=False
     )
     # `--bf16` alone means True for every bool field, the Optional[bool] ones (default None) included,
-    # which HfArgumentParser would otherwise make require a value.
+    # which HfArgumentParser would otherwise make require a value; dict fields read a JSON object.
     for action in parser._actions:
         if getattr(action.type, "__name__", "") == "string_to_bool" and action.nargs is None:
             action.nargs, action.const = "?", True
+        if action.type is dict or getattr(action.type, "__origin__", None) is dict:
+            action.type = _json_object
     parser.add_argument(
         "--config", default=None, help="YAML file of field: value defaults; command-line flags override it."
     )
     return parser
+
+
+def _json_object(text: str) -> dict:
+    """A dict-valued flag: `--tracker_kwargs '{"wandb": {"entity": "me"}}'`."""
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err}); write it like '{{\"key\": 1}}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"key\": 1}'")
+    return value
 
 
 def _refuse(message: str) -> NoReturn:
