@@ -10,6 +10,8 @@ STAMP := $(VENV)/.installed
 FLOOR_VENV ?= .venv-floor
 FLOOR_BIN := $(FLOOR_VENV)/bin
 FLOOR_STAMP := $(FLOOR_VENV)/.installed
+# The suite runs on two pytest-xdist workers (tests/conftest.py gives each its own torchrun port).
+PYTEST := -m pytest -n $(or $(TEST_WORKERS),2)
 TEST_ENV := OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 .PHONY: demo test test-floor lint install bench clean
@@ -31,7 +33,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 test: lint
-	$(TEST_ENV) $(BIN)/python -m pytest tests
+	$(TEST_ENV) $(BIN)/python $(PYTEST) tests
 
 $(FLOOR_STAMP): pyproject.toml constraints-floor.txt
 	test -x $(FLOOR_BIN)/python || $(PY) -m venv $(FLOOR_VENV)
@@ -42,7 +44,7 @@ $(FLOOR_STAMP): pyproject.toml constraints-floor.txt
 # The whole suite and the quick demo on the oldest versions pyproject.toml accepts.
 test-floor: $(FLOOR_STAMP)
 	$(FLOOR_BIN)/python -c "import transformers, accelerate, datasets; print('floor:', 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'datasets', datasets.__version__)"
-	PATH=$(abspath $(FLOOR_BIN)):$$PATH $(TEST_ENV) $(FLOOR_BIN)/python -m pytest tests
+	PATH=$(abspath $(FLOOR_BIN)):$$PATH $(TEST_ENV) $(FLOOR_BIN)/python $(PYTEST) tests
 	rm -rf outputs/demo-floor
 	$(TEST_ENV) $(FLOOR_BIN)/posttrain demo --quick --output_dir outputs/demo-floor
 

@@ -21,7 +21,16 @@ if "HF_DATASETS_CACHE" not in os.environ:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(2)
+# Under pytest-xdist (`make test` runs two workers on two cores) each worker computes on one thread,
+# and the torchrun launches of different workers rendezvous on different ports (torchrun reads
+# PET_MASTER_PORT); the subprocesses inherit both settings.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["PET_MASTER_PORT"] = str(29500 + 7 * (1 + int(_WORKER.removeprefix("gw"))))
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(2)
 
 
 @pytest.fixture(scope="session")
