@@ -656,3 +656,32 @@ def push_checkpoint(
         folder = Path(checkpoint)
         path_in_repo = "last-checkpoint" if config.hub_strategy == "checkpoint" else folder.name
         _upload_checkpoint(config, repo_id, folder, path_in_repo, f"{message}, checkpoint", token, revision, True)
+
+
+class PushToHub:
+    """`push_to_hub()` as `transformers.Trainer` has it, for every posttrain trainer: the trainer
+    provides `args`, `run.is_main`, `save_model()` and `create_model_card(**kwargs)`."""
+
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Save the model into output_dir (call on every process), write the model card (`kwargs`: those
+        of create_model_card) and upload output_dir to hub_model_id (`push`). Returns the CommitInfo (a
+        Future with blocking=False) on the main process, None on the others."""
+        self.save_model()
+        return push(
+            self.args,
+            is_main=self.run.is_main,
+            write_card=lambda: self.create_model_card(**kwargs),
+            commit_message=commit_message or "End of training",
+            blocking=blocking,
+            token=token,
+            revision=revision,
+            private=private,
+        )

@@ -920,7 +920,7 @@ def check_output_dir(config: OnPolicyConfig) -> None:
     check(config)
 
 
-class OnlineTrainer:
+class OnlineTrainer(hub.PushToHub):
     """The public surface of every online trainer and the steps around its algorithm.
 
     A trainer's constructor calls `self.setup(...)`; its `train()` is
@@ -1121,30 +1121,6 @@ class OnlineTrainer:
                 tags=tags,
                 license=license,
             )
-
-    def push_to_hub(
-        self,
-        commit_message: str | None = "End of training",
-        blocking: bool = True,
-        token: str | None = None,
-        revision: str | None = None,
-        private: bool | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """Save the policy into output_dir (call on every process), write the model card (`kwargs`: those
-        of create_model_card) and upload output_dir to hub_model_id (hub.push). Returns the CommitInfo (a
-        Future with blocking=False) on the main process, None on the others."""
-        self.save_model()
-        return hub.push(
-            self.args,
-            is_main=self.run.is_main,
-            write_card=lambda: self.create_model_card(**kwargs),
-            commit_message=commit_message or "End of training",
-            blocking=blocking,
-            token=token,
-            revision=revision,
-            private=private,
-        )
 
     def _push_from_checkpoint(self, step: int) -> None:
         """After the checkpoint of rollout batch `step` (push_to_hub, hub_strategy != "end"): the final

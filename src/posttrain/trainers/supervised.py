@@ -668,7 +668,7 @@ class SupervisedRun:
         self.tracker.close()
 
 
-class SupervisedTrainerAPI:
+class SupervisedTrainerAPI(hub.PushToHub):
     """What SFTTrainer and RewardTrainer expose as a `transformers.Trainer` does (set up in their
     constructors: `args`, `accelerator`, `processing_class`, `train_dataset`, `eval_dataset`,
     `data_collator`, `run`)."""
@@ -728,30 +728,6 @@ class SupervisedTrainerAPI:
         it, the final metrics of state.log_history, framework versions (main process only; hub.model_card)."""
         self.run.write_model_card(
             hub.method_of(self, self.args), model_name=model_name, dataset_name=dataset_name, tags=tags, license=license
-        )
-
-    def push_to_hub(
-        self,
-        commit_message: str | None = "End of training",
-        blocking: bool = True,
-        token: str | None = None,
-        revision: str | None = None,
-        private: bool | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """Save the model into output_dir (call on every process), write the model card (`kwargs`: those
-        of create_model_card) and upload output_dir to hub_model_id (hub.push). Returns the CommitInfo (a
-        Future with blocking=False) on the main process, None on the others."""
-        self.save_model()
-        return hub.push(
-            self.args,
-            is_main=self.run.is_main,
-            write_card=lambda: self.create_model_card(**kwargs),
-            commit_message=commit_message or "End of training",
-            blocking=blocking,
-            token=token,
-            revision=revision,
-            private=private,
         )
 
 
