@@ -282,6 +282,12 @@ CASES: list[tuple[str, list[str], int, str]] = [
         "'nobody/no-such-model' could not be loaded: it is not a local folder and the hub did not provide it",
     ),
     (
+        "hub-repo-unreachable",
+        [*SFT, "--dataset_name", "{text.jsonl}", "--push_to_hub", "--hub_model_id", "me/tiny-sft"],
+        2,
+        "push_to_hub: cannot create the Hub repository hub_model_id='me/tiny-sft': Cannot reach",
+    ),
+    (
         "model-truncated",
         [*SFT, "--dataset_name", "{text.jsonl}", "--model_name_or_path", "{truncated}"],
         2,

@@ -543,7 +543,7 @@ def create_repo(config: Any, *, token: str | None, revision: str | None, private
         if revision:
             huggingface_hub.create_branch(repo_id, branch=revision, token=token, exist_ok=True)
     except Exception as err:  # the first Hub call of a run: a token, name or network problem, said once
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = str(err).strip().splitlines()[0].rstrip(".") if str(err).strip() else type(err).__name__
         raise ConfigError(
             f"push_to_hub: cannot create the Hub repository hub_model_id={name!r}"
             f"{f' (branch hub_revision={revision!r})' if revision else ''}: {first}. Log in with `hf auth login` "
