@@ -6,6 +6,7 @@ with adapters off; only the reward model is a second copy. Tiny Llama (hidden 32
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -13,6 +14,9 @@ import pytest
 import torch
 from datasets import Dataset
 from safetensors.torch import load_file
+from torch import nn
+
+from helpers import online_trainer
 
 peft = pytest.importorskip("peft")
 
@@ -171,6 +175,27 @@ def test_reference_is_the_base_with_adapters_off(tmp_path, tiny_tokenizer):
     # peft's disable_adapter() re-enables only the active adapter; the critic's must still train.
     assert all(p.requires_grad for p in adapter_params(policy, CRITIC_ADAPTER).values())
     assert all(p.requires_grad for p in adapter_params(policy, "default").values())
+
+
+@pytest.mark.parametrize("algo", ["rloo", "grpo", "online_dpo", "xpo"])
+def test_the_other_online_trainers_hold_one_copy_with_lora(algo, tmp_path, tiny_tokenizer, monkeypatch):
+    """RLOO, GRPO (beta > 0), Online DPO and XPO with LoRA: no model is copied, the reference is the
+    base with the adapter off, and the policy's parameters are one base plus one adapter."""
+    copied, deepcopy = [], copy.deepcopy
+
+    def recording_deepcopy(x, *args, **kwargs):
+        if isinstance(x, nn.Module):
+            copied.append(type(x).__name__)
+        return deepcopy(x, *args, **kwargs)
+
+    monkeypatch.setattr(copy, "deepcopy", recording_deepcopy)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = online_trainer(algo, tmp_path / algo, tiny_tokenizer, peft_config=lora)
+    assert copied == [] and trainer.ref_model is None
+    base = build_tiny_causal_lm(tiny_tokenizer)
+    adapted = [m for n, m in base.named_modules() if n.endswith(("q_proj", "v_proj"))]
+    lora_bytes = sum(4 * (m.in_features + m.out_features) * 4 for m in adapted)
+    assert storage_bytes(trainer.model.parameters()) == storage_bytes(base.parameters()) + lora_bytes
 
 
 def test_use_reentrant_checkpointing_is_refused_before_loading(tmp_path, tiny_tokenizer):
