@@ -119,7 +119,9 @@ class PPOTrainer(OnlineTrainer):
     or path, a text reward function `f(prompts, completions, **columns) -> list[float]`, a list of
     those, or a scoring.RewardSource; `reward_processing_class` is the reward model's own tokenizer
     when it differs from the policy's. value_model: the critic; None builds one as
-    `args.value_model_init` says. callbacks: `transformers.TrainerCallback` objects
+    `args.value_model_init` says (with a LoRA `peft_config` / --use_peft: a second adapter on the
+    policy's base, critic.attach_lora_critic; the reference is the base with adapters off).
+    callbacks: `transformers.TrainerCallback` objects
     (see trainers/online.py, `OnlineTrainer`). A `data_collator` is accepted for TRL
     compatibility; train() always left-pads prompts with data.PromptCollator (masks from lengths).
     """
