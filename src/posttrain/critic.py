@@ -270,8 +270,9 @@ def attach_lora_critic(policy: nn.Module, config: Any, reward_models: list) -> L
         disable_dropout(policy)
     switch = AdapterSwitch(policy)
     lm = policy.get_base_model()
-    if config.gradient_checkpointing:
-        # Each checkpointed block is recomputed under the adapter its forward ran with.
+    if config.gradient_checkpointing or getattr(lm, "is_gradient_checkpointing", False):
+        # Each checkpointed block is recomputed under the adapter its forward ran with (also for a
+        # model object whose checkpointing was switched on before it was given).
         kwargs = {**(config.gradient_checkpointing_kwargs or {}), "context_fn": switch.checkpoint_context}
         enable_gradient_checkpointing(lm, kwargs)
     hidden_size = lm.config.get_text_config().hidden_size
