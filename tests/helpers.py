@@ -47,9 +47,12 @@ def length_reward(prompts, completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
-def online_trainer(algo, out, tokenizer, callbacks=None, prompts=4, reward=length_reward, **overrides):
+def online_trainer(
+    algo, out, tokenizer, callbacks=None, prompts=4, reward=length_reward, peft_config=None, **overrides
+):
     """A tiny online trainer whose rollout batch is 4 completions (2 prompts × 2 samples; PPO: 4
-    prompts × 1), over `prompts` prompts per pass, with 2 rollout batches (8 episodes) by default."""
+    prompts × 1), over `prompts` prompts per pass, with 2 rollout batches (8 episodes) by default.
+    peft_config: a peft.LoraConfig for the policy (the trainer's `peft_config=`)."""
     from posttrain.trainers.grpo import GRPOTrainer
     from posttrain.trainers.grpo_config import GRPOConfig
     from posttrain.trainers.online_dpo import OnlineDPOTrainer
@@ -77,7 +80,7 @@ def online_trainer(algo, out, tokenizer, callbacks=None, prompts=4, reward=lengt
     words = ["Hello world", "The quick brown fox", "Once upon a time", "Thank you", "Good morning", "Blue sea"]
     dataset = Dataset.from_dict({"prompt": [words[i % len(words)] + f" {i}" for i in range(prompts)]})
     policy = build_tiny_causal_lm(tokenizer)
-    common = dict(train_dataset=dataset, eval_dataset=eval_dataset, callbacks=callbacks)
+    common = dict(train_dataset=dataset, eval_dataset=eval_dataset, callbacks=callbacks, peft_config=peft_config)
     if algo == "rloo":
         args = RLOOConfig(rloo_k=2, response_length=4, **values)
         return RLOOTrainer(args, tokenizer, policy, None, reward, **common)

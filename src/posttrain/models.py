@@ -543,6 +543,56 @@ def apply_peft(model: nn.Module, peft_config: Any) -> nn.Module:
     return _import_peft().get_peft_model(model, peft_config)
 
 
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """`model.disable_adapter()` (a PEFT model runs as its frozen base) that leaves every parameter's
+    `requires_grad` as it found it: peft re-enables only the ACTIVE adapter on the way out and freezes
+    any other (PPO's critic adapter, which would then silently stop training)."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        with model.disable_adapter():
+            yield model
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+class AdapterSwitch:
+    """Which adapter of a multi-adapter PEFT model runs, switched without peft's `set_adapter`.
+
+    `set_adapter` also flips `requires_grad` (the inactive adapter is frozen), but PPO's policy and
+    critic adapters both train in the same forward/backward, so `use(name)` only sets the layers'
+    active adapter and restores it afterwards. With gradient checkpointing a block's forward is re-run
+    during backward, when the adapter in use may differ: `checkpoint_context` (torch.utils.checkpoint's
+    `context_fn`, non-reentrant checkpointing only) re-runs each block under the adapter its forward
+    used.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        # Tuner layers (LoRA) and modules_to_save wrappers: everything that reads an active adapter.
+        self.layers = [m for m in model.modules() if hasattr(m, "_active_adapter")]
+        self.current: str | None = None  # None: the model's own active adapter (the policy's)
+
+    @contextlib.contextmanager
+    def use(self, name: str) -> Iterator[None]:
+        saved = [(m, m._active_adapter) for m in self.layers]
+        previous, self.current = self.current, name
+        for m in self.layers:
+            m._active_adapter = name
+        try:
+            yield
+        finally:
+            for m, active in saved:
+                m._active_adapter = active
+            self.current = previous
+
+    def checkpoint_context(self) -> tuple[Any, Any]:
+        """(forward context, recompute context) for torch.utils.checkpoint.checkpoint(context_fn=...)."""
+        if self.current is None:
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        return contextlib.nullcontext(), self.use(self.current)
+
+
 # --------------------------------------------------------------------------------------------
 # Causal LM with a value head
 # --------------------------------------------------------------------------------------------

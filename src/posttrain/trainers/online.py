@@ -77,8 +77,10 @@ def reference_policy(model: nn.Module, ref_model: nn.Module | None, accelerator:
         with generation_mode(ref_model):
             yield ref_model
         return
+    from posttrain.models import adapters_disabled
+
     policy = dist.unwrap(model, accelerator)
-    with policy.disable_adapter(), generation_mode(policy):
+    with adapters_disabled(policy), generation_mode(policy):
         yield policy
 
 
@@ -677,6 +679,7 @@ def reference_full_kl(
     chunks of local_rollout_forward_batch_size rows; π_ref is ref_model or, when it is None, the PEFT
     policy with its adapter disabled. `policy` is the unwrapped causal LM."""
     from posttrain.advantages import full_kl
+    from posttrain.models import adapters_disabled
 
     size, out = run.config.local_rollout_forward_batch_size, []
     with run.autocast():
@@ -686,7 +689,7 @@ def reference_full_kl(
             if ref_model is not None:
                 ref = completion_forward(ref_model, part)
             else:
-                with policy.disable_adapter():
+                with adapters_disabled(policy):
                     ref = completion_forward(policy, part)
             out.append(current.pad(full_kl(current.logits, ref.logits, current.mask, temperature=temperature)))
     return torch.cat(out)

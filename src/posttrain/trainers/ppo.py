@@ -62,8 +62,16 @@ from torch import nn
 from posttrain import advantages as adv
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError
-from posttrain.critic import PolicyAndValue, attach_critic
+from posttrain.critic import (
+    PolicyAndValue,
+    attach_critic,
+    attach_lora_critic,
+    check_lora_roles_config,
+    is_lora_config,
+    lora_roles_wanted,
+)
 from posttrain.losses import entropy_bonus, ppo_policy_loss, ppo_value_loss
+from posttrain.models import CausalLMWithValueHead
 from posttrain.rollout import Rollout
 from posttrain.scoring import RewardSource
 from posttrain.trainers import online
@@ -111,7 +119,9 @@ class PPOTrainer(OnlineTrainer):
     or path, a text reward function `f(prompts, completions, **columns) -> list[float]`, a list of
     those, or a scoring.RewardSource; `reward_processing_class` is the reward model's own tokenizer
     when it differs from the policy's. value_model: the critic; None builds one as
-    `args.value_model_init` says. callbacks: `transformers.TrainerCallback` objects
+    `args.value_model_init` says (with a LoRA `peft_config` / --use_peft: a second adapter on the
+    policy's base, critic.attach_lora_critic; the reference is the base with adapters off).
+    callbacks: `transformers.TrainerCallback` objects
     (see trainers/online.py, `OnlineTrainer`). A `data_collator` is accepted for TRL
     compatibility; train() always left-pads prompts with data.PromptCollator (masks from lengths).
     """
@@ -150,6 +160,9 @@ class PPOTrainer(OnlineTrainer):
                 "PPOTrainer ignores data_collator: prompts are left-padded by data.PromptCollator.", stacklevel=2
             )
         given_source = reward_model if isinstance(reward_model, RewardSource) else None
+        lora_roles = lora_roles_wanted(args, value_model) and (peft_config is not None or args.use_peft)
+        if lora_roles:
+            check_lora_roles_config(args)
         parts = load_parts(
             args,
             model=model,
@@ -172,12 +185,20 @@ class PPOTrainer(OnlineTrainer):
         )
         # The critic (step 3's V); new heads are initialised from the seed: every rank builds the same.
         dist.set_seed(args.seed)
-        model, critic = attach_critic(
-            parts.policy, value_model, args, reward_models, parts.reward_tokenizer, parts.tokenizer
-        )
-        model, self.ref_model = prepare_policy(
-            model, parts.reference, args, peft_config=parts.peft_config, needs_reference=True
-        )
+        if lora_roles and is_lora_config(parts.peft_config) and not isinstance(parts.policy, CausalLMWithValueHead):
+            # LoRA roles on one base: actor = adapter "default", critic = adapter "critic" + value
+            # head, reference = adapters off (critic.attach_lora_critic).
+            model, self.ref_model = prepare_policy(
+                parts.policy, parts.reference, args, peft_config=parts.peft_config, needs_reference=True
+            )
+            critic = attach_lora_critic(model, args, reward_models)
+        else:
+            model, critic = attach_critic(
+                parts.policy, value_model, args, reward_models, parts.reward_tokenizer, parts.tokenizer
+            )
+            model, self.ref_model = prepare_policy(
+                model, parts.reference, args, peft_config=parts.peft_config, needs_reference=True
+            )
         wrapper = PolicyAndValue(model, critic, entropy_grad=bool(args.entropy_coef))
         self.wrapped = self.setup(
             args,

@@ -161,7 +161,9 @@ class PPOConfig(OnPolicyConfig):
     value_model_init: str | None = flag(
         'Critic when none is given: "reward" (a copy of the reward model, as DeepSpeed-Chat and TRL\'s examples do), '
         '"policy" (a separate value model with the policy\'s trunk and a new head) or "head" (a value head on the '
-        'policy\'s own trunk). Default: "reward" with a reward model, else "policy".',
+        'policy\'s own trunk). Default: "reward" with a reward model, else "policy". With --use_peft, "reward" and '
+        '"policy" make the critic a second LoRA adapter on the policy\'s base plus a value head (for "reward" the '
+        "head starts from the reward model's score head when it fits).",
         default=None,
     )
     is_encoder_decoder: bool | None = flag(
