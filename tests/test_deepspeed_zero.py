@@ -176,11 +176,17 @@ def test_generation_under_zero3_gathers_once_with_the_hooks_off(fake_deepspeed):
         assert offload.forward_hooks == [] and not any(m._forward_pre_hooks for m in policy.modules())
     assert fake_deepspeed.gathers == 1 and offload.registered == 2
     assert all(len(m._forward_pre_hooks) == 1 for m in policy.modules())
+    # PPO samples from the bare policy inside its engine: the engine holding it has its hooks taken off.
+    wrapper = nn.ModuleDict({"policy": policy, "critic": nn.Linear(4, 1)})
+    outer = types.SimpleNamespace(module=wrapper, zero_optimization_stage=lambda: 3, optimizer=Offload(wrapper))
+    with dist.unwrap_for_generation(policy, fake_accelerator(3, models=[outer])) as model:
+        assert model is policy and outer.optimizer.forward_hooks == [] and fake_deepspeed.gathers == 2
+    assert outer.optimizer.registered == 2
     with dist.unwrap_for_generation(engine, fake_accelerator(3), gather_deepspeed3_params=False) as model:
         assert model is policy and not fake_deepspeed.inside_gather
     with dist.unwrap_for_generation(engine, fake_accelerator(2)) as model:
         assert model is policy
-    assert fake_deepspeed.gathers == 1 and offload.registered == 2
+    assert fake_deepspeed.gathers == 2 and offload.registered == 2
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])

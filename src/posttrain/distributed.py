@@ -661,7 +661,8 @@ def unwrap_for_generation(
 
     # One gather for the whole generation; the engine's per-layer fetch/release hooks are taken off
     # meanwhile, or each decoding step's forward would release (re-partition) what was just gathered.
-    with deepspeed.zero.GatheredParameters(list(model.parameters())), _zero3_hooks_suspended(model):
+    engine = _engine_holding(model, accelerator)
+    with deepspeed.zero.GatheredParameters(list(model.parameters())), _zero3_hooks_suspended(engine):
         yield unwrapped
 
 
@@ -728,6 +729,17 @@ def prepare_frozen(model: Any, accelerator: Accelerator | None) -> Any:
     engine, *_ = deepspeed.initialize(model=model, config=config)
     engine.eval()
     return engine
+
+
+def _engine_holding(model: nn.Module, accelerator: Accelerator) -> Any:
+    """The DeepSpeed engine that is `model` or holds it as a submodule (PPO samples from the policy
+    inside its policy-and-critic engine); None when no engine prepared by `accelerator` holds it."""
+    if hasattr(model, "zero_optimization_stage"):
+        return model
+    for engine in getattr(accelerator, "_models", []):
+        if any(module is model for module in unwrap(engine, accelerator).modules()):
+            return engine
+    return None
 
 
 @contextlib.contextmanager
