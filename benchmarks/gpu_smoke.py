@@ -222,7 +222,7 @@ def run_algo(algo: str, args: argparse.Namespace, tokenizer: Any, peaks: dict[st
     # The models the update trains: the policy (PPO: and its critic).
     n_params = trained_params(trainer.model if algo == "grpo" else trainer.unwrapped.lm)
     if algo == "ppo":
-        n_params += sum(p.numel() for p in trainer.unwrapped.critic.parameters() if p.requires_grad)
+        n_params += trained_params(trainer.unwrapped.critic)  # its embedding too is a lookup
     policy_bytes = sum(
         p.numel() * p.element_size() for p in (trainer.model if algo == "grpo" else trainer.unwrapped.lm).parameters()
     )

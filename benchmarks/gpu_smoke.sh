@@ -6,13 +6,15 @@
 #   bash benchmarks/gpu_smoke.sh --dry-run            # tiny model; also runs on a CPU-only machine
 #
 # Extra arguments go to gpu_smoke.py (--algos, --steps, --batch_size, --response_length, --hbm_gbps,
-# --peak_tflops, ...). The JSON result is written to ${OUT:-gpu_smoke_result.json}.
+# --peak_tflops, ...). The JSON result is written to ${OUT:-outputs/gpu_smoke_result.json}. PY: the python
+# to use (default: the repository's .venv, else python on the PATH).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(dirname "$here")"
 PY="${PY:-$root/.venv/bin/python}"
 [ -x "$PY" ] || PY=python
-OUT="${OUT:-gpu_smoke_result.json}"
+OUT="${OUT:-outputs/gpu_smoke_result.json}"
+mkdir -p "$(dirname "$OUT")"
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 else
