@@ -183,6 +183,9 @@ def _state_dict_for_saving(model: nn.Module, accelerator: Accelerator | None) ->
     # state_dict is used by the save functions.
     if accelerator is None:
         return None
+    if distributed._is_deepspeed_zero3(accelerator):
+        # accelerate gathers from the DeepSpeed engine, which `model` (unwrapped) is, or is a part of.
+        return distributed.zero3_state_dict(model, accelerator)
     return accelerator.get_state_dict(model)
 
 

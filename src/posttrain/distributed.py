@@ -127,6 +127,7 @@ def accelerator_for(config: Any, **accelerator_kwargs: Any) -> Accelerator:
     `accelerator_kwargs` go to `Accelerator` as given (the classic PPOConfig's accelerator_kwargs).
     Every trainer builds its accelerator here (unless one is passed in)."""
     check_launch_conflicts(config)
+    check_zero3_export(config.deepspeed or None)
     options = accelerator_config_kwargs(config.accelerator_config)
     return build_accelerator(
         mixed_precision=config.mixed_precision,
@@ -504,6 +505,7 @@ def check_launch_options(config: Any) -> None:
     accelerator_config_kwargs(config.accelerator_config)
     if config.deepspeed:
         require_deepspeed()
+    check_zero3_export(config.deepspeed or None)
 
 
 class EmptyCacheEvery:
@@ -657,8 +659,173 @@ def unwrap_for_generation(
         return
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+    # One gather for the whole generation; the engine's per-layer fetch/release hooks are taken off
+    # meanwhile, or each decoding step's forward would release (re-partition) what was just gathered.
+    engine = _engine_holding(model, accelerator)
+    with deepspeed.zero.GatheredParameters(list(model.parameters())), _zero3_hooks_suspended(engine):
         yield unwrapped
+
+
+# -- DeepSpeed ZeRO: frozen models, the generation gather, the 16-bit export -------------------------
+
+
+def model_hidden_size(model: nn.Module) -> int | None:
+    """The hidden size DeepSpeed's bucket sizes are derived from: `config.hidden_size`, or the largest
+    of `config.hidden_sizes` (models with several stages); None when the model has no such config."""
+    config = getattr(model, "config", None)
+    sizes = getattr(config, "hidden_sizes", None)
+    if sizes:
+        return int(max(sizes))
+    size = getattr(config, "hidden_size", None)
+    return int(size) if size else None
+
+
+def deepspeed_inference_config(train_config: dict[str, Any], hidden_size: int | None) -> dict[str, Any]:
+    """The DeepSpeed config of a frozen model (reference, reward model) from the run's training config.
+
+    A copy with the ZeRO stage kept and the "optimizer" and "scheduler" sections removed (a frozen
+    model has neither). Under stage 3 the bucket sizes are derived from `hidden_size` h as
+    transformers' HfTrainerDeepSpeedConfig does for the trained model: reduce_bucket_size = h²,
+    stage3_param_persistence_threshold = 10·h (parameters at most that large stay whole on every
+    rank), stage3_prefetch_bucket_size = int(0.9·h²). They are written inside "zero_optimization",
+    where DeepSpeed reads them (TRL's `prepare_deepspeed` writes dotted top-level keys, which
+    DeepSpeed does not read). Without a hidden size the training config's values are kept.
+    """
+    import copy
+
+    config = copy.deepcopy(train_config)
+    config.pop("optimizer", None)
+    config.pop("scheduler", None)
+    zero = config.get("zero_optimization") or {}
+    if int(zero.get("stage", 0)) == 3 and hidden_size:
+        zero["reduce_bucket_size"] = hidden_size * hidden_size
+        zero["stage3_param_persistence_threshold"] = 10 * hidden_size
+        zero["stage3_prefetch_bucket_size"] = int(0.9 * hidden_size * hidden_size)
+    return config
+
+
+def prepare_frozen(model: Any, accelerator: Accelerator | None) -> Any:
+    """A frozen model (reference policy, reward model, PPO's frozen roles) ready for no-grad forwards:
+    eval mode, requires_grad off, and then
+
+    - under DeepSpeed ZeRO-3: sharded like the policy in an inference-only DeepSpeed engine
+      (`deepspeed_inference_config`: the run's config without optimizer, buckets from the model's
+      hidden size), as TRL's `prepare_deepspeed` does; every rank must call this, in the same order;
+    - otherwise (one process, DDP, ZeRO-1/2): moved to the run's device whole, no wrapper (ZeRO-1/2
+      shard only optimizer state and gradients, which a frozen model does not have).
+
+    Anything that is not a module (a reward function, None) is returned as it is. Every trainer
+    places its frozen models through here.
+    """
+    if not isinstance(model, nn.Module):
+        return model
+    model.eval().requires_grad_(False)
+    if not _is_deepspeed_zero3(accelerator):
+        return model.to(device(accelerator))
+    import deepspeed
+
+    plugin = accelerator.state.deepspeed_plugin
+    config = deepspeed_inference_config(plugin.deepspeed_config, model_hidden_size(model))
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    return engine
+
+
+def _engine_holding(model: nn.Module, accelerator: Accelerator) -> Any:
+    """The DeepSpeed engine that is `model` or holds it as a submodule (PPO samples from the policy
+    inside its policy-and-critic engine); None when no engine prepared by `accelerator` holds it."""
+    if hasattr(model, "zero_optimization_stage"):
+        return model
+    for engine in getattr(accelerator, "_models", []):
+        if any(module is model for module in unwrap(engine, accelerator).modules()):
+            return engine
+    return None
+
+
+@contextlib.contextmanager
+def _zero3_hooks_suspended(engine: Any) -> Iterator[None]:
+    """Take a ZeRO-3 engine's parameter fetch/release hooks off for the body and put them back after
+    (DeepSpeed's own `unwrap_model_for_generation` does the same); a no-op for a module that is not
+    an engine (e.g. the PEFT policy with its adapter disabled)."""
+    optimizer = getattr(engine, "optimizer", None) if hasattr(engine, "zero_optimization_stage") else None
+    owner = getattr(optimizer, "parameter_offload", optimizer)
+    if owner is None or not hasattr(owner, "forward_hooks"):
+        yield
+        return
+    for module in owner.module.modules():
+        external = getattr(module, "ds_external_parameters", lambda: [])()
+        for param in [*module.parameters(recurse=False), *(p for _, p in external)]:
+            active = getattr(param, "ds_active_sub_modules", None)
+            if active is not None:
+                active.clear()
+    for hook in [*owner.forward_hooks, *owner.backward_hooks]:
+        hook.remove()
+    owner.forward_hooks, owner.backward_hooks = [], []
+    try:
+        yield
+    finally:
+        # Renamed in DeepSpeed 0.16.4 (deepspeedai/DeepSpeed#6847).
+        register = getattr(owner, "_register_deepspeed_module", None) or owner._register_hooks_recursively
+        register(owner.module)
+
+
+def zero3_state_dict(model: nn.Module, accelerator: Accelerator) -> dict[str, torch.Tensor]:
+    """The full 16-bit state dict of `model` (a trained model, or a part of one such as PPO's policy
+    inside its policy-and-critic wrapper) under DeepSpeed ZeRO-3, keyed as `model.state_dict()`.
+
+    The engine that holds `model` gathers its shards (accelerate's `get_state_dict`, DeepSpeed's
+    `_zero3_consolidated_16bit_state_dict`); every rank must call this, and only the main process
+    receives the tensors (the other ranks get an empty dict). Needs
+    zero_optimization.stage3_gather_16bit_weights_on_model_save (accelerate config:
+    zero3_save_16bit_model: true).
+    """
+    for engine in getattr(accelerator, "_models", []):
+        root = unwrap(engine, accelerator)
+        prefix = next((name for name, module in root.named_modules() if module is model), None)
+        if prefix is None:
+            continue
+        if not engine.zero_gather_16bit_weights_on_model_save():
+            raise ConfigError(
+                "saving a ZeRO-3 model needs its full weights gathered: set "
+                "zero_optimization.stage3_gather_16bit_weights_on_model_save: true in the DeepSpeed config "
+                "(accelerate config: zero3_save_16bit_model: true)."
+            )
+        full = accelerator.get_state_dict(engine) or {}  # None on every rank but the main one
+        if not prefix:
+            return full
+        return {key[len(prefix) + 1 :]: value for key, value in full.items() if key.startswith(prefix + ".")}
+    raise ValueError(
+        f"{type(model).__name__} is not part of a model prepared by this accelerator; only trained models "
+        "are saved under ZeRO-3."
+    )
+
+
+def check_zero3_export(ds_config: dict[str, Any] | None) -> None:
+    """ConfigError, before any model loads, when ZeRO-3 would not let the final model be saved in a
+    form transformers loads: its 16-bit weights are gathered for saving only when
+    zero_optimization.stage3_gather_16bit_weights_on_model_save is true. `ds_config` is the --deepspeed
+    config; None checks an `accelerate launch` DeepSpeed config (its zero3_save_16bit_model key,
+    which accelerate passes on in the environment) unless that config names a DeepSpeed JSON file."""
+    if ds_config is None:
+        env = os.environ
+        launched = env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("true", "1", "yes")
+        if not launched or env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none") != "none":
+            return
+        if env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+            if env.get("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", "false").lower() != "true":
+                raise ConfigError(
+                    "the accelerate launch config is DeepSpeed ZeRO-3 without zero3_save_16bit_model: true; the "
+                    "trained model could not be saved in a form transformers loads. Add zero3_save_16bit_model: "
+                    "true under deepspeed_config (as examples/accelerate_configs/deepspeed_zero3.yaml does)."
+                )
+        return
+    zero = ds_config.get("zero_optimization") or {}
+    if int(zero.get("stage", 0)) == 3 and zero.get("stage3_gather_16bit_weights_on_model_save") is not True:
+        raise ConfigError(
+            "the DeepSpeed config is ZeRO stage 3 without zero_optimization.stage3_gather_16bit_weights_on_model_save"
+            ": true; the trained model could not be saved in a form transformers loads. Add "
+            '"stage3_gather_16bit_weights_on_model_save": true to "zero_optimization".'
+        )
 
 
 def set_seed(seed: int, device_specific: bool = False) -> None:

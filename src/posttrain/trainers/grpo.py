@@ -170,11 +170,9 @@ class GRPOTrainer(OnlineTrainer):
             position_limits=parts.position_limits,
             accelerator=accelerator,
         )
-        for r in parts.rewards:
-            if isinstance(r, nn.Module):
-                r.to(self.run.device).eval()
+        self.ref_model = dist.prepare_frozen(self.ref_model, self.accelerator)
         self.reward = RewardSource(
-            parts.rewards,
+            [dist.prepare_frozen(r, self.accelerator) for r in parts.rewards],
             policy_tokenizer=self.processing_class,
             reward_tokenizer=parts.reward_tokenizer,
             weights=args.reward_weights,

@@ -76,9 +76,10 @@ class Feedback:
 
 
 def build_feedback(
-    config: Any, tokenizer: Any, device: torch.device, *, rewards: list[Any], judge: Any, reward_tokenizer: Any
+    config: Any, tokenizer: Any, accelerator: Any, *, rewards: list[Any], judge: Any, reward_tokenizer: Any
 ) -> Feedback:
-    """A judge or the rewards (reward models on `device` in eval mode, reward functions); not both."""
+    """A judge or the rewards (reward models frozen on the run's device by `dist.prepare_frozen`, reward
+    functions); not both."""
     if judge is not None and rewards:
         raise ConfigError(
             "both a judge and a reward (reward_model / reward_funcs / reward_model_path) are given; "
@@ -95,12 +96,9 @@ def build_feedback(
             "no source of preferences: pass judge= or reward_model= / reward_funcs= "
             "(CLI: --judge, --reward_model_path or --reward_funcs)."
         )
-    for r in rewards:
-        if isinstance(r, nn.Module):
-            r.to(device).eval().requires_grad_(False)
     return Feedback(
         reward=RewardSource(
-            rewards,
+            [dist.prepare_frozen(r, accelerator) for r in rewards],
             policy_tokenizer=tokenizer,
             reward_tokenizer=reward_tokenizer,
             weights=config.reward_weights,
@@ -162,12 +160,11 @@ def setup_pair_trainer(
         callbacks=callbacks,
         position_limits=parts.position_limits,
     )
-    if trainer.ref_model is not None:
-        trainer.ref_model.to(trainer.run.device)
+    trainer.ref_model = dist.prepare_frozen(trainer.ref_model, trainer.accelerator)
     trainer.feedback = build_feedback(
         args,
         trainer.processing_class,
-        trainer.run.device,
+        trainer.accelerator,
         rewards=parts.rewards,
         judge=judge,
         reward_tokenizer=parts.reward_tokenizer,

@@ -210,8 +210,7 @@ class PPOTrainer(OnlineTrainer):
             callbacks=callbacks,
             position_limits=parts.position_limits,
         )
-        if self.ref_model is not None:
-            self.ref_model.to(self.run.device)
+        self.ref_model = dist.prepare_frozen(self.ref_model, self.accelerator)
         self.reward = given_source or RewardSource(
             parts.rewards,
             policy_tokenizer=self.processing_class,
@@ -219,8 +218,7 @@ class PPOTrainer(OnlineTrainer):
             batch_size=args.local_rollout_forward_batch_size,
             missing_eos_penalty=args.missing_eos_penalty,
         )
-        for rm in self.reward.models:
-            rm.eval().requires_grad_(False).to(self.run.device)
+        self.reward.models[:] = [dist.prepare_frozen(rm, self.accelerator) for rm in self.reward.models]
 
     @classmethod
     def from_config(cls, config: PPOConfig) -> PPOTrainer:

@@ -170,12 +170,13 @@ class ClassicPPOTrainer(ClassicBuildingBlocks, PPOTrainer):
                 "num_shared_layers applies only when the trainer creates the reference model (ref_model=None)."
             )
         config.set_runtime(self.run.world_size, detected, self.is_peft_model)
-        self.ref_model = ref_model
-        if ref_model is not None:
-            ref_model.eval().requires_grad_(False).to(self.device)
+        if ref_model is not None:  # frozen before the policy is prepared: it may share layers with it
+            ref_model.eval().requires_grad_(False)
         wrapper = PolicyAndValue(vh, entropy_grad=bool(config.entropy_coef))
         optimizer = optimizer or build_optimizer(wrapper.parameters(), config)
         self.wrapped, self.optimizer = self.accelerator.prepare(wrapper, optimizer)
+        # Placed (under ZeRO-3: sharded) after the policy, whose preparation fills the DeepSpeed config.
+        self.ref_model = dist.prepare_frozen(ref_model, self.accelerator)
         self.lr_scheduler = lr_scheduler
         self.dataset, self.data_collator = dataset, data_collator or io.dict_collator
         self.dataloader = None if dataset is None else self.prepare_dataloader(dataset, self.data_collator)

@@ -65,6 +65,7 @@ import torch
 from torch import nn
 
 from posttrain import advantages as adv
+from posttrain import distributed as dist
 from posttrain.configs import ConfigError
 from posttrain.losses import ppo_policy_loss
 from posttrain.rollout import Rollout
@@ -149,6 +150,7 @@ class RLOOTrainer(OnlineTrainer):
             position_limits=parts.position_limits,
             accelerator=accelerator,
         )
+        self.ref_model = dist.prepare_frozen(self.ref_model, self.accelerator)
         self.reward = self.reward_source(parts.rewards, parts.reward_tokenizer)
 
     @classmethod
@@ -234,11 +236,8 @@ class RLOOTrainer(OnlineTrainer):
     def reward_source(self, rewards: list[Any], reward_tokenizer: Any) -> RewardSource:
         """The reward models (in eval mode on the run's device) and functions, TRL RLOO's one-argument
         callables adapted."""
-        for r in rewards:
-            if isinstance(r, nn.Module):
-                r.to(self.run.device).eval()
         return RewardSource(
-            [full_text_reward(r) for r in rewards],
+            [full_text_reward(dist.prepare_frozen(r, self.accelerator)) for r in rewards],
             policy_tokenizer=self.processing_class,
             reward_tokenizer=reward_tokenizer,
             batch_size=self.args.local_rollout_forward_batch_size,
