@@ -3,15 +3,29 @@
 A checkpoint is `output_dir/checkpoint-<step>/`:
 
     <model key>/            one folder per model ("policy", "value_model", ...): `save_pretrained`
-                            output (safetensors), or `model.safetensors` for plain modules
+                            output (safetensors), or `model.safetensors` for plain modules; what a
+                            user loads with `from_pretrained` (a resume does not read it)
+    dcp/                    torch.distributed.checkpoint: the trainable weights and buffers of every
+                            model and the optimizer's tensor state, each rank writing its own shard
+    optimizer_groups.pt     the optimizer's param groups and non-tensor state (main process)
     tokenizer/              the tokenizer, when given
     posttrain_config.json   the run's config
-    optimizer.pt, scheduler.pt
+    scheduler.pt
     trainer_state.json      counters that JSON represents exactly (step, episode, data position,
                             KL coefficient, ...); trainer_state.pt holds the entries it cannot
                             (tensors, e.g. a torch.Generator state)
-    rng_state_<rank>.pt     python / numpy / torch / CUDA generator states of each rank
-    checkpoint_complete.json  written last
+    rng_state_<rank>.pt     python / numpy / torch / CUDA generator states of each rank, and the
+                            rank's own trainer state (`rank_state`, e.g. its sampling generator)
+    checkpoint_complete.json  written last: step, models, world size and batch sizes of the run
+
+`dcp/` is one format for one process, DDP and FSDP2-sharded models alike: it is written with
+`get_model_state_dict` / `get_optimizer_state_dict` (keys are parameter names, so a shard is found
+by name, not by position) and `dcp.save`, and read back with `dcp.load`, which reshards: a run
+saved by 2 processes resumes with 1 and the other way round (see `load_checkpoint` for the RNG
+rule, and `check_resume_batch` for the batch that must stay the same). Under DeepSpeed, whose
+engine owns its optimizer partitions, the weights come from the model folders and the main
+process's optimizer state is saved as `optimizer.pt` (the layout older checkpoints have; they
+still load).
 
 Everything is written into `output_dir/.tmp-checkpoint-<step>-<random>/`, fsynced, and renamed
 into place in one `os.replace`, so a crash mid-save leaves the previous checkpoint as the newest
@@ -19,7 +33,9 @@ complete one and no half-written `checkpoint-*` directory (DESIGN.md, principle 
 file guards the cases rename cannot (a copied or hand-edited directory).
 
 Every `torch.load` here uses `weights_only=True`: resuming from a downloaded checkpoint must not
-execute pickled code, so RNG states are stored as tensors and plain containers only.
+execute pickled code, so RNG states are stored as tensors and plain containers only. For the same
+reason `dcp/` holds tensors only (DCP unpickles any other value) and its `.metadata` is read with
+an unpickler that admits only DCP's own metadata classes.
 """
 
 from __future__ import annotations
@@ -31,6 +47,7 @@ import random
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -177,10 +194,23 @@ def _write_json(path: Path, data: Any) -> None:
 # Models
 
 
+def _is_fsdp2(model: nn.Module) -> bool:
+    """A model sharded with torch's `fully_shard` (FSDP2): its parameters are DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def _state_dict_for_saving(model: nn.Module, accelerator: Accelerator | None) -> dict | None:
     # Under DeepSpeed ZeRO-3 / FSDP the full weights exist only after a gather in which every
     # rank must take part, so this runs on all ranks; without an accelerator the model's own
     # state_dict is used by the save functions.
+    bare = distributed.unwrap(model, accelerator)
+    if _is_fsdp2(bare):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # Full tensors on the main process's CPU (the other ranks get an empty dict).
+        return get_model_state_dict(bare, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if accelerator is None:
         return None
     if distributed._is_deepspeed_zero3(accelerator):
@@ -196,6 +226,7 @@ def _save_model(model: nn.Module, directory: Path, state_dict: dict | None, acce
         # transformers (and PEFT) write safetensors by default; folders stay loadable with
         # plain `from_pretrained`.
         bare.save_pretrained(directory, state_dict=state_dict)
+        _unshard_architecture_name(bare, directory)
         return
     from safetensors.torch import save_file
 
@@ -204,6 +235,20 @@ def _save_model(model: nn.Module, directory: Path, state_dict: dict | None, acce
     # the same values into both names, so duplicating them on disk is harmless.
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _unshard_architecture_name(model: nn.Module, directory: Path) -> None:
+    """`fully_shard` swaps a model's class for `FSDP<Class>`, which save_pretrained writes into
+    config.json's architectures; the saved folder names the model's own class."""
+    from torch.distributed.fsdp import FSDPModule
+
+    config_file = directory / "config.json"
+    if not isinstance(model, FSDPModule) or not config_file.is_file():
+        return
+    own = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config["architectures"] = [own.__name__]
+    _write_json(config_file, config)
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -251,6 +296,246 @@ def _load_model(model: nn.Module, directory: Path, map_location: str, accelerato
             f"missing keys {missing[:10]}, unexpected keys {list(unexpected)[:10]}. "
             "Resume with the same model architecture (and PEFT settings) the checkpoint was saved with."
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded training state (torch.distributed.checkpoint)
+
+DCP_DIR = "dcp"
+OPTIMIZER_GROUPS = "optimizer_groups.pt"
+_MODEL, _OPTIM = "model/", "optimizer/"
+# DCP's note that it runs without a process group, which is how one process saves and loads.
+_SINGLE_PROCESS = "torch.distributed is .*assuming the intent is to (save|load) in a single process"
+
+
+def _uses_deepspeed(accelerator: Accelerator | None) -> bool:
+    return accelerator is not None and getattr(accelerator.state, "deepspeed_plugin", None) is not None
+
+
+def _bare_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's AcceleratedOptimizer: its step() may skip (gradient
+    accumulation), which DCP's optimizer-state initialisation must not."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+def _container(models: Mapping[str, nn.Module], accelerator: Accelerator | None) -> nn.Module:
+    """All checkpointed models under one module, so a parameter's name is `<model key>.<name>`
+    and one optimizer may span several models (PPO's policy and critic)."""
+    return nn.ModuleDict({key: distributed.unwrap(model, accelerator) for key, model in models.items()})
+
+
+def _state_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Frozen parameters (a LoRA base, a frozen backbone) are rebuilt identically by the run's model
+    # loading, so they are not copied into every checkpoint; strict=False because of them (the
+    # names that must be there are checked against the checkpoint's metadata first).
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def _sharded_state(
+    container: nn.Module, optimizer: torch.optim.Optimizer | None, template: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """(tensors for DCP, the optimizer's param groups and non-tensor state). Tensors are this
+    rank's local views (DTensors for FSDP2-sharded parameters), keyed `model/<name>` and
+    `optimizer/<name>/<state>`. An optimizer that has not stepped yet has no tensors when saved:
+    get_optimizer_state_dict would create its state with a zero-gradient step, which a running
+    optimizer must not take; a `template` (the tensors a load fills) is made that way."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    options = _state_options()
+    tensors = {_MODEL + name: value for name, value in get_model_state_dict(container, options=options).items()}
+    if optimizer is None:
+        return tensors, None
+    if not optimizer.state and not template:
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        return tensors, {"param_groups": groups, "state": {}, "stepped": False}
+    state = get_optimizer_state_dict(container, optimizer, options=options)
+    rest: dict[str, dict[str, Any]] = {}
+    for name, entries in state["state"].items():
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{_OPTIM}{name}/{key}"] = value
+            else:
+                rest.setdefault(name, {})[key] = value
+    return tensors, {"param_groups": state["param_groups"], "state": rest, "stepped": True}
+
+
+# What a DCP .metadata file may name: DCP's own metadata records, torch sizes, dtypes and layouts.
+_DCP_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "TensorProperties",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+def _read_dcp_metadata(directory: Path) -> Any:
+    """The `.metadata` of a DCP folder, unpickled with only DCP's metadata classes admitted."""
+    import importlib
+    import pickle
+
+    class _Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            allowed = name in _DCP_METADATA_CLASSES.get(module, ())
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                allowed = True
+            if not allowed:
+                raise CheckpointError(
+                    f"{directory / '.metadata'} names {module}.{name}, which a torch.distributed.checkpoint "
+                    "metadata file never holds; it was not written by posttrain and is not loaded."
+                )
+            return getattr(importlib.import_module(module), name)
+
+    file = directory / ".metadata"
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing: the checkpoint's sharded state is incomplete.")
+    with open(file, "rb") as handle:
+        return _Unpickler(handle).load()
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    return tuple(int(n) for n in value.shape)
+
+
+def _check_against_metadata(path: Path, metadata: Any, tensors: Mapping[str, torch.Tensor], what: str) -> None:
+    """One CheckpointError naming the first differences between the checkpoint's tensors and this
+    run's (`what` describes the models), before anything is loaded."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = metadata.state_dict_metadata
+    prefix = _MODEL if what != "optimizer" else _OPTIM
+    own = {k: v for k, v in tensors.items() if k.startswith(prefix)}
+    theirs = {k for k in saved if k.startswith(prefix)}
+    problems = []
+    for key in sorted(theirs & set(own)):
+        meta = saved[key]
+        if not isinstance(meta, TensorStorageMetadata):
+            problems.append(f"{key[len(prefix) :]}: the checkpoint holds a non-tensor value")
+        elif tuple(meta.size) != _shape(own[key]):
+            name, theirs_shape, own_shape = key[len(prefix) :], list(meta.size), list(_shape(own[key]))
+            problems.append(f"{name}: shape {theirs_shape} in the checkpoint, {own_shape} in the model")
+    missing = sorted(set(own) - theirs)
+    unexpected = sorted(theirs - set(own))
+    if missing:
+        problems.append(f"missing keys (in the model, not in the checkpoint) {[k[len(prefix) :] for k in missing[:5]]}")
+    if unexpected:
+        names = [k[len(prefix) :] for k in unexpected[:5]]
+        problems.append(f"unexpected keys (in the checkpoint, not in the model) {names}")
+    if not problems:
+        return
+    if what == "optimizer":
+        raise CheckpointError(
+            f"the optimizer state in {path / DCP_DIR} does not match this run's optimizer: "
+            f"{'; '.join(problems[:5])}. Resume with the optimizer (--optim) the checkpoint was saved with."
+        )
+    raise CheckpointError(
+        f"the weights in {path / DCP_DIR} do not match {what}: {'; '.join(problems[:5])}"
+        f"{f' (and {len(problems) - 5} more)' if len(problems) > 5 else ''}. "
+        "Resume with the same model architecture (and PEFT settings, frozen parameters) the checkpoint was saved with."
+    )
+
+
+def _process_group() -> bool:
+    """Whether DCP runs as a collective (a launched multi-process run); one process reads and writes alone."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _SafeReader(directory: Path, metadata: Any) -> Any:
+    """A DCP FileSystemReader that returns `metadata` (read by `_read_dcp_metadata`) instead of
+    unpickling `.metadata` itself."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(directory)
+
+
+def _save_sharded(
+    directory: Path, models: Mapping[str, nn.Module], optimizer: Any, accelerator: Accelerator | None, main: bool
+) -> None:
+    """Every rank: write its shard of the models' and the optimizer's tensors into `directory/dcp`;
+    the main process writes the optimizer's param groups."""
+    import torch.distributed.checkpoint as dcp
+
+    container = _container(models, accelerator)
+    tensors, groups = _sharded_state(container, None if optimizer is None else _bare_optimizer(optimizer))
+    writer = dcp.FileSystemWriter(directory / DCP_DIR, overwrite=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
+        dcp.save(tensors, storage_writer=writer, no_dist=not _process_group())
+    if main and groups is not None:
+        torch.save(groups, directory / OPTIMIZER_GROUPS)
+
+
+def _load_sharded(path: Path, models: Mapping[str, nn.Module], optimizer: Any, accelerator: Accelerator | None) -> None:
+    """Every rank: read the models' (and the optimizer's) tensors from `path/dcp` into this rank's
+    shards, whatever the world size that wrote them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    container = _container(models, accelerator)
+    metadata = _read_dcp_metadata(path / DCP_DIR)
+    names = ", ".join(repr(k) for k in models)
+    # Weights first: the template of an optimizer that has not stepped is made by a zero-gradient step.
+    tensors, _ = _sharded_state(container, None)
+    _check_against_metadata(path, metadata, tensors, f"the model{'s' if len(models) > 1 else ''} {names}")
+    groups = None
+    if optimizer is not None:
+        groups_file = path / OPTIMIZER_GROUPS
+        if not groups_file.is_file():
+            raise CheckpointError(
+                f"{groups_file} is missing: the checkpoint was saved without an optimizer, so this run's "
+                "optimizer cannot resume exactly."
+            )
+        groups = torch.load(groups_file, map_location="cpu", weights_only=True)
+    optimizer = None if optimizer is None else _bare_optimizer(optimizer)
+    if groups is not None and groups.get("stepped"):
+        tensors, _ = _sharded_state(container, optimizer, template=True)
+        _check_against_metadata(path, metadata, tensors, "optimizer")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
+        dcp.load(tensors, storage_reader=_SafeReader(path / DCP_DIR, metadata), no_dist=not _process_group())
+    options = _state_options()
+    set_model_state_dict(
+        container, {k[len(_MODEL) :]: v for k, v in tensors.items() if k.startswith(_MODEL)}, options=options
+    )
+    if optimizer is None or groups is None:
+        return
+    if not groups.get("stepped"):
+        # Saved before the optimizer's first step: only the hyperparameters (lr, ...) to restore.
+        for group, saved in zip(optimizer.param_groups, groups["param_groups"]):
+            group.update(saved)
+        optimizer.state.clear()
+        return
+    state: dict[str, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        if key.startswith(_OPTIM):
+            name, entry = key[len(_OPTIM) :].rsplit("/", 1)
+            state.setdefault(name, {})[entry] = value
+    for name, entries in groups["state"].items():
+        state.setdefault(name, {}).update(entries)
+    set_optimizer_state_dict(
+        container, optimizer, {"state": state, "param_groups": groups["param_groups"]}, options=options
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,6 +688,58 @@ def resolve_checkpoint(
     )
 
 
+def check_resume_batch(
+    path: str | os.PathLike | None,
+    *,
+    world_size: int,
+    sizes: Mapping[str, int],
+    accumulation: int,
+) -> None:
+    """ConfigError, before any model step, when resuming `path` would change a batch size.
+
+    `sizes` maps names to this run's sizes, the first being the global batch of one optimizer step
+    (it grows linearly with `accumulation`, gradient_accumulation_steps); the checkpoint recorded
+    its own (save_checkpoint's `batch`). A resume continues the same optimization, so the global
+    batch stays the same when the number of processes changes: the error says which
+    --gradient_accumulation_steps gives it, or that the new number of processes does not divide it.
+    Checkpoints that recorded no sizes are not checked.
+    """
+    if path is None:
+        return
+    try:
+        marker = json.loads((Path(path) / COMPLETE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    saved_sizes, saved_world = marker.get("batch") or {}, marker.get("world_size", world_size)
+    for index, (name, current) in enumerate(sizes.items()):
+        saved = saved_sizes.get(name)
+        if saved is None or saved == current:
+            continue
+        from posttrain.configs import ConfigError
+
+        head = (
+            f"resume_from_checkpoint={os.fspath(path)!r} was saved by {saved_world} process(es) with a {name} of "
+            f"{saved}; this run ({world_size} process(es), gradient_accumulation_steps {accumulation}) has {current}. "
+            "A resume continues the same optimization, so the batch must stay the same"
+        )
+        unit = current // accumulation
+        if index > 0:
+            fix = "; set the options it is made of (e.g. --num_mini_batches) as the saved run did."
+        elif saved % world_size:
+            fix = (
+                f", and {saved} is not divisible by {world_size} processes: no per-device batch size and "
+                f"accumulation give it. Resume with a number of processes that divides {saved}."
+            )
+        elif saved % unit == 0:
+            fix = f": pass --gradient_accumulation_steps {saved // unit}."
+        else:
+            fix = (
+                f": choose --per_device_train_batch_size and --gradient_accumulation_steps whose product times "
+                f"{world_size} processes is {saved}."
+            )
+        raise ConfigError(head + fix)
+
+
 # ---------------------------------------------------------------------------------------------
 # Save / load
 
@@ -440,22 +777,27 @@ def save_checkpoint(
     best: str | os.PathLike | None = None,
     model_only: bool = False,
     on_each_node: bool = False,
+    rank_state: Mapping[str, Any] | None = None,
+    batch: Mapping[str, int] | None = None,
 ) -> Path:
     """Atomically write `output_dir/checkpoint-<step>` and return its path.
 
-    Call on every rank: weights are gathered collectively, each rank saves its RNG state, and
-    the main process writes the rest. The optimizer state saved is the main process's, which is
-    the full state under DDP (sharded ZeRO / FSDP optimizer states are not handled here).
+    Call on every rank: weights are gathered collectively for the model folders, every rank writes
+    its shard of the weights and the optimizer state into `dcp/` and its RNG state (with
+    `rank_state`, this rank's own trainer state, e.g. its sampling generator), and the main process
+    writes the rest. `trainer_state` is the main process's. `batch` (name -> size, e.g. the global
+    batch) is recorded with the world size for `check_resume_batch`.
     `save_total_limit` keeps only that many newest checkpoints (None: keep all), and never deletes
     `best` (the best model's checkpoint). `model_only` (save_only_model) writes the weights, the
     tokenizer, the config and the trainer state but no optimizer, scheduler or RNG state; such a
     checkpoint cannot be resumed from. `on_each_node` (save_on_each_node): every node's main process
-    writes its own copy, for nodes that share no disk.
+    writes its own copy, for nodes that share no disk (DCP's shards then stay on the node of the
+    rank that wrote them: gather them into one folder before resuming on several nodes).
     """
     if save_total_limit is not None and save_total_limit < 1:
         raise ValueError(f"save_total_limit={save_total_limit} must be >= 1 or None.")
     for key in models:
-        if not key or "/" in key or key.startswith(".") or key == "tokenizer":
+        if not key or "/" in key or "." in key or key in ("tokenizer", DCP_DIR):
             raise ValueError(f"model name {key!r} cannot be used as a checkpoint folder name.")
     output_dir = Path(output_dir)
     main = is_writer(accelerator, on_each_node)
@@ -493,17 +835,28 @@ def save_checkpoint(
                 tokenizer.save_pretrained(tmp / "tokenizer")
             if config is not None:
                 _write_json(tmp / CONFIG_NAME, config_to_dict(config))
-            if optimizer is not None and not model_only:
+            if optimizer is not None and not model_only and _uses_deepspeed(accelerator):
                 torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             if scheduler is not None and not model_only:
                 torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             _save_trainer_state(tmp, {"step": step, **dict(trainer_state or {})})
         if not model_only:
+            if not _uses_deepspeed(accelerator):
+                _save_sharded(tmp, models, optimizer, accelerator, main)
             rank = distributed.process_index(accelerator)
-            torch.save(_rng_state(), tmp / f"rng_state_{rank}.pt")
+            rng = _rng_state()
+            if rank_state is not None:
+                rng["rank_state"] = dict(rank_state)
+            torch.save(rng, tmp / f"rng_state_{rank}.pt")
         distributed.wait_for_everyone(accelerator)
         if main:
-            marker = {"step": step, "models": list(models), **({"model_only": True} if model_only else {})}
+            marker = {
+                "step": step,
+                "models": list(models),
+                "world_size": distributed.world_size(accelerator),
+                **({"batch": dict(batch)} if batch else {}),
+                **({"model_only": True} if model_only else {}),
+            }
             _write_json(tmp / COMPLETE_MARKER, marker)
             _fsync_tree(tmp)
             _replace_dir(tmp, final)
@@ -538,9 +891,18 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load a checkpoint into the given objects in place and return its trainer_state.
 
-    Load into models before `accelerator.prepare` under ZeRO-3 / FSDP (sharded parameters
-    cannot take a full state dict). Each rank restores its own RNG state; after a change in
-    world size, ranks without a saved state take rank 0's.
+    Call on every rank. Weights and optimizer state come from `dcp/`, resharded to this run: the
+    models may be plain, DDP-wrapped or FSDP2-sharded (`fully_shard`), before or after
+    `accelerator.prepare`, and the world size may differ from the one that saved (a mismatch in
+    parameter names or shapes is one CheckpointError naming both, before anything is loaded). A
+    checkpoint without `dcp/` (save_only_model, DeepSpeed, older posttrain) is read from its model
+    folders and `optimizer.pt`; load those into models before `accelerator.prepare` under ZeRO-3.
+
+    RNG: each rank restores the python / numpy / torch / CUDA states it saved, and its own
+    `rank_state` is returned under "rank_state". After a change in world size a rank that did not
+    exist when the checkpoint was saved takes rank 0's global RNG states (a fresh run seeds every
+    rank alike, so this is the state they would share) and gets no "rank_state": the trainer keeps
+    that rank's freshly seeded per-rank streams.
     """
     path = Path(path)
     if not is_complete(path):
@@ -555,9 +917,13 @@ def load_checkpoint(
             f"(--model_name_or_path {path / next(iter(models), 'model')}), or resume from a checkpoint saved "
             "without --save_only_model."
         )
-    for key, model in models.items():
-        _load_model(model, path / key, map_location, accelerator)
-    for name, target in (("optimizer.pt", optimizer), ("scheduler.pt", scheduler)):
+    sharded = (path / DCP_DIR).is_dir()
+    if sharded:
+        _load_sharded(path, models, optimizer, accelerator)
+    else:
+        for key, model in models.items():
+            _load_model(model, path / key, map_location, accelerator)
+    for name, target in (("optimizer.pt", None if sharded else optimizer), ("scheduler.pt", scheduler)):
         if target is None:
             continue
         file = path / name
@@ -567,13 +933,16 @@ def load_checkpoint(
                 f"{name.removesuffix('.pt')} cannot resume exactly."
             )
         target.load_state_dict(torch.load(file, map_location=map_location, weights_only=True))
-    if restore_rng:
-        rng_file = path / f"rng_state_{distributed.process_index(accelerator)}.pt"
-        if not rng_file.is_file():
-            rng_file = path / "rng_state_0.pt"
-        if rng_file.is_file():
-            _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
-    return _load_trainer_state(path, map_location)
+    state = _load_trainer_state(path, map_location)
+    own = path / f"rng_state_{distributed.process_index(accelerator)}.pt"
+    rng_file = own if own.is_file() else path / "rng_state_0.pt"
+    if rng_file.is_file():
+        rng = torch.load(rng_file, map_location="cpu", weights_only=True)
+        if restore_rng:
+            _set_rng_state(rng)
+        if own.is_file() and "rank_state" in rng:
+            state["rank_state"] = rng["rank_state"]
+    return state
 
 
 def save_final(

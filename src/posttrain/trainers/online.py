@@ -388,6 +388,13 @@ class OnlineRun:
         )
         # Sizes count the prompts that survived validation (overflow="drop" may remove some).
         derive_sizes(config, self.world_size, len(self.train_dataset))
+        # A resume at another world size keeps the global batch: checked before any model step.
+        ckpt.check_resume_batch(
+            ckpt.resolve_checkpoint(config.output_dir, config.resume_from_checkpoint),
+            world_size=self.world_size,
+            sizes=self.batch_sizes(),
+            accumulation=config.gradient_accumulation_steps,
+        )
         self.eval_dataset = (
             prompt_dataset(config, tokenizer, eval_dataset, source="eval_dataset", limits=position_limits)
             if eval_dataset is not None
@@ -431,6 +438,10 @@ class OnlineRun:
         # summary's train_loss), and whether a callback asked to stop after the current rollout batch.
         self.loss_total, self.loss_steps = 0.0, 0
         self.stop_requested = False
+
+    def batch_sizes(self) -> dict[str, int]:
+        """The global sizes a checkpoint records and a resume must keep (checkpoint.check_resume_batch)."""
+        return {"global batch per optimizer step": self.config.mini_batch_size, "rollout batch": self.config.batch_size}
 
     def autocast(self):
         """bf16/fp16 autocast for forwards when mixed precision is on (CPU AMX or GPU)."""
@@ -534,7 +545,6 @@ class OnlineRun:
                 "optimizer_steps": self.progress.optimizer_steps,
             },
             "prompts": self.prompts.state_dict(),
-            "generator": self.generator.get_state(),
             "health": self.health.state_dict(),
             **(extra or {}),
         }
@@ -553,6 +563,9 @@ class OnlineRun:
             best=best,
             model_only=self.config.save_only_model,
             on_each_node=self.config.save_on_each_node,
+            # Each rank's own sampling stream.
+            rank_state={"generator": self.generator.get_state()},
+            batch=self.batch_sizes(),
         )
 
     def maybe_resume(self, models: dict[str, nn.Module], optimizer: Any, scheduler: Any) -> dict:
@@ -569,7 +582,12 @@ class OnlineRun:
             update=run["update"], episode=run["episode"], optimizer_steps=run["optimizer_steps"]
         )
         self.prompts.load_state_dict(state.pop("prompts"))
-        self.generator.set_state(state.pop("generator"))
+        # A rank that did not exist when the checkpoint was saved keeps its freshly seeded stream;
+        # checkpoints of older versions hold the main process's stream as "generator".
+        legacy = state.pop("generator", None)
+        generator = (state.pop("rank_state", None) or {}).get("generator", legacy)
+        if generator is not None:
+            self.generator.set_state(generator)
         self.health.load_state_dict(state.pop("health", {}))
         if self.is_main:
             print(f"Resumed from {path} at rollout batch {self.progress.update} (episode {self.progress.episode}).")

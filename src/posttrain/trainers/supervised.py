@@ -311,6 +311,13 @@ class SupervisedRun:
             rank=dist.process_index(self.accelerator),
             drop_last=config.dataloader_drop_last,
         )
+        # A resume at another world size keeps the global batch: checked before any model step.
+        ckpt.check_resume_batch(
+            ckpt.resolve_checkpoint(config.output_dir, config.resume_from_checkpoint),
+            world_size=self.world_size,
+            sizes=self.batch_sizes(),
+            accumulation=config.gradient_accumulation_steps,
+        )
         self.global_step = 0
         self.num_tokens = 0.0  # input tokens seen, all ranks (TRL's num_tokens)
         # This call's training loss (Σ over steps of the step's mean loss, this rank's share) and
@@ -378,6 +385,13 @@ class SupervisedRun:
         if config.push_to_hub and self.is_main:
             # As transformers: the repository exists before training, so a bad token or name fails now.
             hub.create_repo(config, token=config.hub_token, revision=config.hub_revision)
+
+    def batch_sizes(self) -> dict[str, int]:
+        """The global batch a checkpoint records and a resume must keep (checkpoint.check_resume_batch)."""
+        config = self.config
+        return {
+            "global batch": config.per_device_train_batch_size * self.world_size * config.gradient_accumulation_steps
+        }
 
     def _set_deepspeed_batch_size(self) -> None:
         # DeepSpeed wants a micro-batch size at prepare() time; without a dataloader accelerate
@@ -612,6 +626,7 @@ class SupervisedRun:
             best=events.state.best_model_checkpoint,
             model_only=self.config.save_only_model,
             on_each_node=self.config.save_on_each_node,
+            batch=self.batch_sizes(),
         )
         events.note_checkpoint(self.config.output_dir)
 
