@@ -544,6 +544,19 @@ def compiled_decode_step(model: torch.nn.Module, mode: str) -> Any:
     return functools.partial(_COMPILED[mode], model)
 
 
+def decode_engine(cache_implementation: str | None, model: torch.nn.Module) -> dict[str, Any]:
+    """`generate` options for a trainer's `cache_implementation` (TRL's GRPOConfig field name): None or
+    "dynamic" keeps the default engine; "static" is the preallocated cache with a compiled decode step,
+    torch.compile's "reduce-overhead" mode (CUDA graphs) on CUDA and its default mode elsewhere — as
+    transformers' generate() compiles its decode step when given a static cache."""
+    if cache_implementation in (None, "dynamic"):
+        return {}
+    if cache_implementation != "static":
+        raise ValueError(f'cache_implementation must be None, "dynamic" or "static", got {cache_implementation!r}')
+    device = next(model.parameters()).device
+    return {"cache_implementation": "static", "compile_mode": "reduce-overhead" if device.type == "cuda" else "default"}
+
+
 def generate(
     model: torch.nn.Module,
     prompt_ids: torch.Tensor,
@@ -570,8 +583,8 @@ def generate(
     the model's device); the same generator state gives the same tokens for the same chunking.
     Call inside `generation_mode(model)` to get eval mode without gradient checkpointing.
 
-    Engine options (none changes which tokens a generator state samples; benchmarks/README.md
-    "decode engine" has the measurements):
+    Engine options (none changes which tokens a generator state samples, except that compiled
+    kernels round differently; benchmarks/README.md "Decode engine" has the measurements):
     - share_prefill: the num_samples completions of a prompt share one prompt prefill (its KV cache
       rows are repeated) instead of prefilling the prompt num_samples times.
     - compact: once at least half the rows of the batch have stopped, they are dropped from the
@@ -581,6 +594,16 @@ def generate(
       GPU a larger value keeps the device busy; the loop then may run up to sync_every − 1 steps
       past the last stop, whose tokens are discarded and whose random draws are undone (the
       generator is rewound), so the output and the generator's final state are the same.
+    - cache_implementation: None / "dynamic" (transformers' DynamicCache, grown each token) or
+      "static": a StaticCache preallocated for P + max_new_tokens positions, so every decode step
+      has the same shapes. The same tokens as the dynamic cache in fp32; prompts are prefilled once
+      per row (no prefill sharing). Needs a transformers model (its config sizes the cache).
+    - compile_mode: None (eager) or a torch.compile mode ("default", "reduce-overhead" = CUDA graphs,
+      ...): the one-token decode forward runs compiled, with a static cache. Each new shape (batch
+      size after compaction, prompt length) compiles on its first use; torch.compile makes the batch
+      dimension dynamic after the first recompile. Compiled kernels round differently from eager
+      ones, so a draw within float error of a token boundary can pick a neighbouring token.
+    `decode_engine` maps a trainer's `cache_implementation` field to these options.
     Prefill sharing and compaction need a KV cache whose rows can be indexed (transformers'
     DynamicCache or a tuple of per-layer tensors). With any other cache, compaction is skipped and
     each chunk's shared prefill is followed by the per-row prefill it could not replace.
@@ -594,6 +617,11 @@ def generate(
     if compile_mode is not None and compile_mode not in COMPILE_MODES:
         raise ValueError(f"compile_mode must be None or one of {list(COMPILE_MODES)}, got {compile_mode!r}")
     static = cache_implementation == "static" or compile_mode is not None
+    if static and getattr(_unwrap(model), "config", None) is None:
+        raise ValueError(
+            "cache_implementation='static' and compile_mode need a transformers causal LM (its .config sizes the "
+            "StaticCache); this model has no config: leave cache_implementation=None and compile_mode=None"
+        )
     if sync_every < 1:
         raise ValueError(f"sync_every must be >= 1, got {sync_every}")
     if prompt_ids.dim() != 2 or prompt_ids.shape != prompt_mask.shape:
