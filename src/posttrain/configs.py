@@ -224,7 +224,8 @@ class TrainingConfig:
     )
     torch_compile: bool = flag(
         "Compile the trained model's forward with torch.compile (in place: saved weights keep their names). "
-        "Online trainers generate with the uncompiled forward (decoding changes shapes every token).",
+        "Online trainers generate with the uncompiled forward (decoding changes shapes every token); "
+        'cache_implementation="static" compiles their decode step instead.',
         default=False,
     )
     torch_compile_backend: str | None = flag(
@@ -707,6 +708,13 @@ class OnPolicyConfig(TrainingConfig):
     ds3_gather_for_generation: bool = flag(
         "Under DeepSpeed ZeRO-3 gather the full policy once for generation (fast; needs the memory).", default=True
     )
+    cache_implementation: str | None = flag(
+        'KV cache of the decode loop: None (a cache that grows each token) or "static" (preallocated for the '
+        "whole completion, with the one-token decode forward compiled by torch.compile, CUDA graphs on CUDA). "
+        "static decodes faster once compiled but each new shape compiles first (tens of seconds on CPU); see "
+        'benchmarks/README.md, "Decode engine".',
+        default=None,
+    )
     exp_name: str = flag("Experiment name.", default="posttrain")
 
     # Derived by derive_sizes() (TRL names). Accepted as arguments, as in TRL, but a value given must equal
@@ -761,6 +769,11 @@ class OnPolicyConfig(TrainingConfig):
                 "while logprobs, ratios and KL use the full softmax (as training must), so updates are slightly "
                 "off-policy. TRL's online trainers force top_k=0, top_p=1.0.",
                 stacklevel=3,
+            )
+        if self.cache_implementation not in (None, "dynamic", "static"):
+            raise ConfigError(
+                f"cache_implementation={self.cache_implementation!r} is not supported by posttrain's decode loop; "
+                'use None (dynamic cache) or "static".'
             )
         if self.prompt_overflow not in ("truncate_left", "drop"):
             raise ConfigError(f'prompt_overflow={self.prompt_overflow!r} must be "truncate_left" or "drop".')

@@ -25,6 +25,7 @@ implementation details of RLHF with PPO" (temperature is applied, truncation is 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from posttrain import compat
 from posttrain.ops import lengths_to_mask
 
 
@@ -355,10 +357,14 @@ def _generate_chunk(
     compact: bool,
     sync_every: int,
     rng: torch.Generator | None,
+    static: bool = False,
+    step_fn: Any = None,
 ) -> Rollout:
     """Decode one chunk. prompt_ids / prompt_mask (U, P) are prefilled once; row_prompt (N,) maps
     each completion row to its prompt (None: one row per prompt, N = U). `rng`: the generator the
-    sampler draws from, rewound after steps run past the last stop (sync_every > 1)."""
+    sampler draws from, rewound after steps run past the last stop (sync_every > 1). static: decode
+    into a preallocated StaticCache of P + max_new positions (row_prompt must be None); step_fn:
+    the callable that runs the one-token decode forwards (the model, or its compiled call)."""
     device = prompt_ids.device
     max_new = sampling.max_new_tokens
     # Masked prompt slots get id 0: an out-of-vocabulary pad (TRL examples add [PAD] without
@@ -384,19 +390,42 @@ def _generate_chunk(
     stop_ids = sampling.stop_token_ids
     stop_tensor = torch.tensor(stop_ids, dtype=torch.long, device=device) if len(stop_ids) > 1 else None
 
-    def forward(input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, past: Any) -> Any:
-        return model(
+    def forward(
+        input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, past: Any, fn: Any = model, **kw: Any
+    ) -> Any:
+        return fn(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=position_ids,
             past_key_values=past,
             use_cache=True,
             **keep_kwargs,
+            **kw,
         )
+
+    # A static cache holds P + max_new positions from the start: every forward passes the whole
+    # (N, P + max_new) mask and the model's causal mask hides the slots not yet written, so each
+    # decode step has the same shapes (what a compiled step needs). Models whose forward takes
+    # `cache_position` (transformers < 4.56) are told the slot explicitly; newer StaticCaches count
+    # it themselves. `cache_slots[P + t]` is the slot of the token fed after step t.
+    past = None
+    cache_slots = None
+    if static and max_new > 0:
+        base = _unwrap(model)
+        past = compat.static_cache(base.config, N, P + max_new, device, next(model.parameters()).dtype)
+        if "cache_position" in inspect.signature(base.forward).parameters:
+            cache_slots = torch.arange(P + max_new, device=device)
+    step_fn = model if step_fn is None else step_fn
+
+    def step_kwargs(start: int, length: int) -> dict[str, torch.Tensor]:
+        return {} if cache_slots is None else {"cache_position": cache_slots[start : start + length]}
 
     steps = 0
     if max_new > 0:
-        out = forward(prefill_ids, prefill_mask.long(), position_ids_from_mask(prefill_mask), None)
+        if static:
+            out = forward(prefill_ids, attention, position_ids_from_mask(prefill_mask), past, **step_kwargs(0, P))
+        else:
+            out = forward(prefill_ids, prefill_mask.long(), position_ids_from_mask(prefill_mask), None)
         past, logits = out.past_key_values, out.logits[:, -1, :]
         if row_prompt is not None:
             # k samples of a prompt share its prefill: the cache rows and first-token logits are
@@ -451,7 +480,11 @@ def _generate_chunk(
                         break
                     if 2 * n_done >= rows:
                         keep = (~done).nonzero().squeeze(-1)
-                        selected = _select_cache_rows(past, keep)
+                        if static:
+                            compat.static_cache_select_rows(past, keep)
+                            selected = past
+                        else:
+                            selected = _select_cache_rows(past, keep)
                         if selected is not None:
                             scatter_back()
                             buffers = [b[keep] if b is not None else None for b in buffers]
@@ -463,8 +496,12 @@ def _generate_chunk(
         if steps == max_new:
             break
         # The sampled token (not pad) is fed even for stopped rows: it is always a valid id.
-        out = forward(tok[:, None], attention[:, : P + steps], positions[:, t : t + 1], past)
-        past, logits = out.past_key_values, out.logits[:, -1, :]
+        if static:
+            out = forward(tok[:, None], attention, positions[:, t : t + 1], past, step_fn, **step_kwargs(P + t, 1))
+            logits = out.logits[:, -1, :]
+        else:
+            out = forward(tok[:, None], attention[:, : P + steps], positions[:, t : t + 1], past, step_fn)
+            past, logits = out.past_key_values, out.logits[:, -1, :]
     scatter_back()
 
     if sync_every > 1 and N > 0 and steps > 0:
@@ -489,6 +526,37 @@ def _generate_chunk(
     )
 
 
+CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_COMPILED: dict[str, Any] = {}
+
+
+def _call(model: torch.nn.Module, **kwargs: Any) -> Any:
+    return model(**kwargs)
+
+
+def compiled_decode_step(model: torch.nn.Module, mode: str) -> Any:
+    """fn(**forward_kwargs): `model`'s one-token decode forward compiled by torch.compile in `mode`.
+    The compiled function is built once per mode and shared by every model (the model is its
+    argument, so torch.compile specialises on the model's class and shapes, not on one instance)."""
+    if mode not in _COMPILED:
+        _COMPILED[mode] = torch.compile(_call, mode=None if mode == "default" else mode)
+    return functools.partial(_COMPILED[mode], model)
+
+
+def decode_engine(cache_implementation: str | None, model: torch.nn.Module) -> dict[str, Any]:
+    """`generate` options for a trainer's `cache_implementation` (TRL's GRPOConfig field name): None or
+    "dynamic" keeps the default engine; "static" is the preallocated cache with a compiled decode step,
+    torch.compile's "reduce-overhead" mode (CUDA graphs) on CUDA and its default mode elsewhere — as
+    transformers' generate() compiles its decode step when given a static cache."""
+    if cache_implementation in (None, "dynamic"):
+        return {}
+    if cache_implementation != "static":
+        raise ValueError(f'cache_implementation must be None, "dynamic" or "static", got {cache_implementation!r}')
+    device = next(model.parameters()).device
+    return {"cache_implementation": "static", "compile_mode": "reduce-overhead" if device.type == "cuda" else "default"}
+
+
 def generate(
     model: torch.nn.Module,
     prompt_ids: torch.Tensor,
@@ -504,6 +572,8 @@ def generate(
     share_prefill: bool = True,
     compact: bool = True,
     sync_every: int = 1,
+    cache_implementation: str | None = None,
+    compile_mode: str | None = None,
 ) -> Rollout:
     """Sample completions for left-padded prompts (B, P) and return a `Rollout` of B·num_samples rows.
 
@@ -513,8 +583,8 @@ def generate(
     the model's device); the same generator state gives the same tokens for the same chunking.
     Call inside `generation_mode(model)` to get eval mode without gradient checkpointing.
 
-    Engine options (none changes which tokens a generator state samples; benchmarks/README.md
-    "decode engine" has the measurements):
+    Engine options (none changes which tokens a generator state samples, except that compiled
+    kernels round differently; benchmarks/README.md "Decode engine" has the measurements):
     - share_prefill: the num_samples completions of a prompt share one prompt prefill (its KV cache
       rows are repeated) instead of prefilling the prompt num_samples times.
     - compact: once at least half the rows of the batch have stopped, they are dropped from the
@@ -524,12 +594,34 @@ def generate(
       GPU a larger value keeps the device busy; the loop then may run up to sync_every − 1 steps
       past the last stop, whose tokens are discarded and whose random draws are undone (the
       generator is rewound), so the output and the generator's final state are the same.
+    - cache_implementation: None / "dynamic" (transformers' DynamicCache, grown each token) or
+      "static": a StaticCache preallocated for P + max_new_tokens positions, so every decode step
+      has the same shapes. The same tokens as the dynamic cache in fp32; prompts are prefilled once
+      per row (no prefill sharing). Needs a transformers model (its config sizes the cache).
+    - compile_mode: None (eager) or a torch.compile mode ("default", "reduce-overhead" = CUDA graphs,
+      ...): the one-token decode forward runs compiled, with a static cache. Each new shape (batch
+      size after compaction, prompt length) compiles on its first use; torch.compile makes the batch
+      dimension dynamic after the first recompile. Compiled kernels round differently from eager
+      ones, so a draw within float error of a token boundary can pick a neighbouring token.
+    `decode_engine` maps a trainer's `cache_implementation` field to these options.
     Prefill sharing and compaction need a KV cache whose rows can be indexed (transformers'
     DynamicCache or a tuple of per-layer tensors). With any other cache, compaction is skipped and
     each chunk's shared prefill is followed by the per-row prefill it could not replace.
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if cache_implementation not in CACHE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"cache_implementation must be one of {list(CACHE_IMPLEMENTATIONS)}, got {cache_implementation!r}"
+        )
+    if compile_mode is not None and compile_mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode must be None or one of {list(COMPILE_MODES)}, got {compile_mode!r}")
+    static = cache_implementation == "static" or compile_mode is not None
+    if static and getattr(_unwrap(model), "config", None) is None:
+        raise ValueError(
+            "cache_implementation='static' and compile_mode need a transformers causal LM (its .config sizes the "
+            "StaticCache); this model has no config: leave cache_implementation=None and compile_mode=None"
+        )
     if sync_every < 1:
         raise ValueError(f"sync_every must be >= 1, got {sync_every}")
     if prompt_ids.dim() != 2 or prompt_ids.shape != prompt_mask.shape:
@@ -546,7 +638,7 @@ def generate(
             "use a left-padding collator (data.PromptCollator) and give empty prompts a BOS token"
         )
     k = num_samples
-    if k > 1 and not share_prefill:
+    if k > 1 and (static or not share_prefill):  # a static cache is filled by one prefill per row
         prompt_ids = prompt_ids.repeat_interleave(k, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(k, dim=0)
         k = 1
@@ -582,6 +674,8 @@ def generate(
                 compact,
                 sync_every,
                 rng,
+                static,
+                None if compile_mode is None else compiled_decode_step(model, compile_mode),
             )
         )
     return chunks[0] if len(chunks) == 1 else Rollout.cat(chunks)

@@ -48,7 +48,7 @@ from posttrain.data.prompts import PromptStream, prompt_dataset
 from posttrain.health import HealthMonitor, oom_advice
 from posttrain.models import compile_for_training, model_init_kwargs, uncompiled
 from posttrain.optim import build_optimizer, build_scheduler, clip_and_step
-from posttrain.rollout import Rollout, SamplingConfig, decode_completions, generate, generation_mode
+from posttrain.rollout import Rollout, SamplingConfig, decode_completions, decode_engine, generate, generation_mode
 from posttrain.scoring import (
     RewardSource,
     batched_completion_logprobs,
@@ -643,6 +643,7 @@ def sample(
             batch_size=config.local_rollout_forward_batch_size,
             generator=run.generator if generator is None else generator,
             return_logprobs=return_logprobs,
+            **decode_engine(config.cache_implementation, m),
         )
 
 
