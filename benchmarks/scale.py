@@ -225,10 +225,16 @@ def tables(results: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Ops that return a view of memory that already exists (or a weight's transpose): not new allocations.
+VIEWS = ("view", "_unsafe_view", "as_strided", "t", "select", "slice", "detach", "expand", "transpose", "alias")
+
+
 def audit_table(results: dict[str, dict]) -> str:
-    lines = ["| run | shape | dtype | MB | phase | op | created at (innermost last) |", "|---|---|---|---|---|---|---|"]
+    """The vocabulary-sized tensors each run allocated (views left out), largest first."""
+    lines = ["| run | shape | dtype | MB | phase | op | created at (innermost first) |", "|---" * 7 + "|"]
     for job, r in results.items():
-        for a in r.get("audit", [])[:8]:
+        allocated = [a for a in r.get("audit", []) if a["op"].removeprefix("aten.").split(".")[0] not in VIEWS]
+        for a in allocated[:8]:
             where = " ← ".join(reversed(a["where"][-3:]))
             lines.append(
                 f"| {LABELS[job]} | {tuple(a['shape'])} | {a['dtype'].removeprefix('torch.')} | {a['mb']} "

@@ -220,12 +220,13 @@ def install() -> None:
     load = transformers.PreTrainedModel.from_pretrained.__func__
 
     def from_pretrained(cls, *args, **kwargs):
-        model = load(cls, *args, **kwargs)
+        loaded = load(cls, *args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True
         PROBE.vocab = PROBE.vocab or getattr(model.config, "vocab_size", None)
         if os.environ.get("PROBE_GC") == "1" and getattr(model, "supports_gradient_checkpointing", False):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
-        return model
+        return loaded
 
     transformers.PreTrainedModel.from_pretrained = classmethod(from_pretrained)
 
@@ -275,7 +276,7 @@ def install_audit(threshold: int) -> None:
                                 "dtype": str(t.dtype),
                                 "mb": round(t.numel() * t.element_size() / MB, 1),
                                 "numel": t.numel(),
-                                "phase": PROBE.phase or "(module)",
+                                "phase": PROBE.phase or "between model calls",
                                 "where": list(frames),
                                 "count": 0,
                             },
