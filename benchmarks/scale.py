@@ -43,9 +43,9 @@ BENCH = Path(os.environ.get("POSTTRAIN_BENCH", os.path.expanduser("~/.cache/post
 SIZE = "05b"
 BATCH, K, RESP_LEN, LR, SEED = 4, 2, 16, 3e-6, 42
 VOCAB = 151_936
-OURS = ("sft", "reward", "ppo", "ppo_peft", "rloo", "grpo")
+OURS = ("sft", "reward", "ppo", "ppo_peft", "rloo", "grpo", "grpo_fused")
 TRL = ("trl_rloo", "trl_ppo", "trl_grpo")
-PAIRS = {"ppo": "trl_ppo", "rloo": "trl_rloo", "grpo": "trl_grpo"}
+PAIRS = {"ppo": "trl_ppo", "rloo": "trl_rloo", "grpo": "trl_grpo", "grpo_fused": "trl_grpo"}
 LABELS = {
     "sft": "SFT",
     "reward": "Reward model (pairs)",
@@ -53,9 +53,10 @@ LABELS = {
     "ppo_peft": "PPO (critic), --use_peft",
     "rloo": "RLOO (k=2)",
     "grpo": "GRPO (k=2, beta 0.05)",
+    "grpo_fused": "GRPO, --optim adamw_torch_fused",
     "trl_rloo": "TRL 0.19.1 RLOO",
     "trl_ppo": "TRL 0.19.1 PPO",
-    "trl_grpo": "TRL newest GRPO",
+    "trl_grpo": "TRL 1.16 GRPO",
 }
 
 
@@ -84,8 +85,9 @@ def ours_argv(job: str, art: Path, out: Path, steps: int) -> list[str]:
         return ["ppo", *online, *extra, *(["--use_peft"] if job == "ppo_peft" else [])]
     if job == "rloo":
         return ["rloo", *online, "--rloo_k", str(K), "--num_ppo_epochs", "1", "--kl_coef", "0.05"]
-    if job == "grpo":
-        return ["grpo", *online, "--num_generations", str(K), "--num_iterations", "1", "--beta", "0.05"]
+    if job in ("grpo", "grpo_fused"):
+        fused = ["--optim", "adamw_torch_fused"] if job == "grpo_fused" else []  # TRL 1.x's default optimizer
+        return ["grpo", *online, "--num_generations", str(K), "--num_iterations", "1", "--beta", "0.05", *fused]
     raise SystemExit(f"unknown job {job!r}")
 
 
@@ -188,9 +190,9 @@ def fmt(x, nd=2):
 
 def tables(results: dict[str, dict]) -> str:
     lines = [
-        "| trainer | ours s/step | ours episodes/s | ours peak RSS MB | TRL episodes/s | TRL peak RSS MB "
-        "| speed ratio (ours/TRL) | RSS ratio (ours/TRL) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| trainer | ours s/step | TRL s/step | speed ratio (TRL s/step ÷ ours) | ours episodes/s | TRL episodes/s "
+        "| ours peak RSS MB | TRL peak RSS MB | RSS ratio (ours ÷ TRL) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for job in OURS:
         r = results.get(job)
@@ -198,17 +200,18 @@ def tables(results: dict[str, dict]) -> str:
             continue
         t = results.get(PAIRS.get(job, ""), {})
         t = {} if t.get("failed") else t
-        speed = r["episodes_per_s"] / t["episodes_per_s"] if t.get("episodes_per_s") else None
+        speed = t["s_per_step"] / r["s_per_step"] if t.get("s_per_step") else None
         rss = r["peak_rss_mb"] / t["peak_rss_mb"] if t.get("peak_rss_mb") else None
         lines.append(
-            f"| {r['label']} | {fmt(r['s_per_step'])} | {fmt(r['episodes_per_s'], 3)} | {fmt(r['peak_rss_mb'], 0)} "
-            f"| {fmt(t.get('episodes_per_s'), 3)} | {fmt(t.get('peak_rss_mb'), 0)} "
-            f"| {fmt(speed) + '×' if speed else '–'} | {fmt(rss)} |"
+            f"| {r['label']} | {fmt(r['s_per_step'])} | {fmt(t.get('s_per_step'))} "
+            f"| {fmt(speed) + '×' if speed else '–'} | {fmt(r['episodes_per_s'], 3)} "
+            f"| {fmt(t.get('episodes_per_s'), 3)} | {fmt(r['peak_rss_mb'], 0)} | {fmt(t.get('peak_rss_mb'), 0)} "
+            f"| {fmt(rss)} |"
         )
     lines += [
         "",
         "| run | s/step | first step s | generate s | no-grad forwards s | update forward s | backward s "
-        "| optimizer s | other s | generate tok/s | update tok/s | RSS after load MB | update RSS rise MB |",
+        "| optimizer s | other s | generate tok/s | update tok/s | RSS at step 1 start MB | update RSS rise MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results.values():
