@@ -203,7 +203,7 @@ def tables(results: dict[str, dict]) -> str:
         speed = t["s_per_step"] / r["s_per_step"] if t.get("s_per_step") else None
         rss = r["peak_rss_mb"] / t["peak_rss_mb"] if t.get("peak_rss_mb") else None
         lines.append(
-            f"| {r['label']} | {fmt(r['s_per_step'])} | {fmt(t.get('s_per_step'))} "
+            f"| {LABELS[job]} | {fmt(r['s_per_step'])} | {fmt(t.get('s_per_step'))} "
             f"| {fmt(speed) + '×' if speed else '–'} | {fmt(r['episodes_per_s'], 3)} "
             f"| {fmt(t.get('episodes_per_s'), 3)} | {fmt(r['peak_rss_mb'], 0)} | {fmt(t.get('peak_rss_mb'), 0)} "
             f"| {fmt(rss)} |"
@@ -211,19 +211,19 @@ def tables(results: dict[str, dict]) -> str:
     lines += [
         "",
         "| run | s/step | first step s | generate s | no-grad forwards s | update forward s | backward s "
-        "| optimizer s | other s | generate tok/s | update tok/s | RSS at step 1 start MB | update RSS rise MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| optimizer s | other s | generate tok/s | RSS at step 1 start MB | update RSS rise MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results.values():
         if r.get("failed"):
-            lines.append(f"| {r['label']} | failed ({r['log']}) |" + " |" * 11)
+            lines.append(f"| {LABELS[r['job']]} | failed ({r['log']}) |" + " |" * 10)
             continue
         p = r["phases_s"]
         lines.append(
-            f"| {r['label']} | {fmt(r['s_per_step'])} | {fmt(r['first_step_s'])} | {fmt(p.get('generate'))} "
+            f"| {LABELS[r['job']]} | {fmt(r['s_per_step'])} | {fmt(r['first_step_s'])} | {fmt(p.get('generate'))} "
             f"| {fmt(p.get('forward_nograd'))} | {fmt(p.get('forward_grad'))} | {fmt(p.get('backward'))} "
             f"| {fmt(p.get('optimizer'))} | {fmt(p.get('other'))} | {fmt(r['generate_tok_s'], 1)} "
-            f"| {fmt(r['update_tok_s'], 1)} | {fmt(r['rss_after_load_mb'], 0)} | {fmt(r['update_rss_rise_mb'], 0)} |"
+            f"| {fmt(r['rss_after_load_mb'], 0)} | {fmt(r['update_rss_rise_mb'], 0)} |"
         )
     return "\n".join(lines) + "\n"
 

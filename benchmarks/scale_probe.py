@@ -212,7 +212,8 @@ def install() -> None:
         finally:
             PROBE.depth -= 1
             ids = _input_ids(args, kwargs)
-            PROBE.leave(event, int(ids.numel()) if isinstance(ids, torch.Tensor) and event else 0)
+            token_ids = isinstance(ids, torch.Tensor) and not ids.is_floating_point()
+            PROBE.leave(event, int(ids.numel()) if token_ids and event else 0)
         return out
 
     nn.Module.__call__ = module_call
