@@ -184,8 +184,8 @@ def test_every_trainer_pushes_at_saves_and_at_the_end_and_writes_its_card(
         assert kw["token"] == "hf_secret_token" and kw["revision"] is None
         # The model (as plain transformers loads it), tokenizer and card; no checkpoint, no optimizer state.
         assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= set(kw["files"]), kw["files"]
-        assert not any(f.startswith("checkpoint-") or f.endswith("optimizer.pt") for f in kw["files"])
-        assert (out / "checkpoint-1" / "optimizer.pt").is_file()  # it exists, it is just not sent
+        assert not any(f.startswith(("checkpoint-", "dcp/")) or f.endswith("optimizer_groups.pt") for f in kw["files"])
+        assert (out / "checkpoint-1" / "optimizer_groups.pt").is_file()  # it exists, it is just not sent
     # At the save the card has the metrics logged so far; at the end the training summary too.
     assert "Training summary" not in at_save["readme"] and "Last training log (step 1)" in at_save["readme"]
     assert "Training summary (step 2)" in at_end["readme"]
@@ -263,11 +263,11 @@ def test_hub_strategy_decides_what_is_pushed_and_when(algo, strategy, tmp_path, 
     assert all(kw["private"] is None for name, kw in hub_calls if name == "create_repo")
     for kw in uploads(hub_calls):
         if kw["folder_path"] == ckpt:
-            assert "optimizer.pt" in kw["files"] and "checkpoint_complete.json" in kw["files"]
+            assert {"optimizer_groups.pt", "dcp/.metadata", "checkpoint_complete.json"} <= set(kw["files"])
             assert kw["delete_patterns"] == (["*"] if strategy == "checkpoint" else None)
     end = next(kw for kw in uploads(hub_calls) if kw["commit_message"] == "End of training")
     in_checkpoints = [f for f in end["files"] if f.startswith("checkpoint-1/")]
-    assert ("checkpoint-1/optimizer.pt" in in_checkpoints) == (strategy == "all_checkpoints")
+    assert ("checkpoint-1/optimizer_groups.pt" in in_checkpoints) == (strategy == "all_checkpoints")
 
 
 @pytest.mark.parametrize("algo", ["sft", "rloo"])

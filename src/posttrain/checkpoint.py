@@ -40,6 +40,7 @@ an unpickler that admits only DCP's own metadata classes.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -48,7 +49,7 @@ import re
 import shutil
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -469,6 +470,24 @@ def _SafeReader(directory: Path, metadata: Any) -> Any:
     return Reader(directory)
 
 
+@contextlib.contextmanager
+def _dcp_errors() -> Iterator[None]:
+    """Re-raise the error behind a `torch.distributed.checkpoint` failure (this rank's, else the first
+    rank's). DCP wraps them in a CheckpointException, which is a BaseException: `except Exception`
+    would not see a full disk, and the message would name no cause."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as err:
+        failures = err.failures
+        rank = torch.distributed.get_rank() if _process_group() else 0
+        wrapped = failures.get(rank) or next(iter(failures.values()), None)
+        if wrapped is None:
+            raise RuntimeError(str(err)) from err
+        raise wrapped[0] from err  # (exception, traceback)
+
+
 def _save_sharded(
     directory: Path, models: Mapping[str, nn.Module], optimizer: Any, accelerator: Accelerator | None, main: bool
 ) -> None:
@@ -481,7 +500,8 @@ def _save_sharded(
     writer = dcp.FileSystemWriter(directory / DCP_DIR, overwrite=False)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
-        dcp.save(tensors, storage_writer=writer, no_dist=not _process_group())
+        with _dcp_errors():
+            dcp.save(tensors, storage_writer=writer, no_dist=not _process_group())
     if main and groups is not None:
         torch.save(groups, directory / OPTIMIZER_GROUPS)
 
@@ -513,7 +533,8 @@ def _load_sharded(path: Path, models: Mapping[str, nn.Module], optimizer: Any, a
         _check_against_metadata(path, metadata, tensors, "optimizer")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
-        dcp.load(tensors, storage_reader=_SafeReader(path / DCP_DIR, metadata), no_dist=not _process_group())
+        with _dcp_errors():
+            dcp.load(tensors, storage_reader=_SafeReader(path / DCP_DIR, metadata), no_dist=not _process_group())
     options = _state_options()
     set_model_state_dict(
         container, {k[len(_MODEL) :]: v for k, v in tensors.items() if k.startswith(_MODEL)}, options=options
