@@ -183,7 +183,8 @@ def _state_dict_for_saving(model: nn.Module, accelerator: Accelerator | None) ->
     # state_dict is used by the save functions.
     if accelerator is None:
         return None
-    return accelerator.get_state_dict(model)
+    full = distributed.full_state_dict(model, accelerator)  # FSDP2: gathered by posttrain
+    return accelerator.get_state_dict(model) if full is None else full
 
 
 def _save_model(model: nn.Module, directory: Path, state_dict: dict | None, accelerator) -> None:

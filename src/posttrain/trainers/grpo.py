@@ -172,7 +172,7 @@ class GRPOTrainer(OnlineTrainer):
         )
         for r in parts.rewards:
             if isinstance(r, nn.Module):
-                r.to(self.run.device).eval()
+                dist.prepare_frozen(r.eval(), self.run.accelerator)
         self.reward = RewardSource(
             parts.rewards,
             policy_tokenizer=self.processing_class,

@@ -162,8 +162,6 @@ def setup_pair_trainer(
         callbacks=callbacks,
         position_limits=parts.position_limits,
     )
-    if trainer.ref_model is not None:
-        trainer.ref_model.to(trainer.run.device)
     trainer.feedback = build_feedback(
         args,
         trainer.processing_class,
@@ -172,6 +170,8 @@ def setup_pair_trainer(
         judge=judge,
         reward_tokenizer=parts.reward_tokenizer,
     )
+    for r in trainer.feedback.reward.models if trainer.feedback.reward is not None else ():
+        dist.prepare_frozen(r, trainer.accelerator)  # under --fsdp sharded like the policy
 
 
 # ---------------------------------------------------------------------------------------------

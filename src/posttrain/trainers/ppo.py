@@ -189,8 +189,6 @@ class PPOTrainer(OnlineTrainer):
             callbacks=callbacks,
             position_limits=parts.position_limits,
         )
-        if self.ref_model is not None:
-            self.ref_model.to(self.run.device)
         self.reward = given_source or RewardSource(
             parts.rewards,
             policy_tokenizer=self.processing_class,
@@ -199,7 +197,7 @@ class PPOTrainer(OnlineTrainer):
             missing_eos_penalty=args.missing_eos_penalty,
         )
         for rm in self.reward.models:
-            rm.eval().requires_grad_(False).to(self.run.device)
+            dist.prepare_frozen(rm.eval().requires_grad_(False), self.run.accelerator)
 
     @classmethod
     def from_config(cls, config: PPOConfig) -> PPOTrainer:

@@ -175,6 +175,11 @@ class ClassicPPOTrainer(ClassicBuildingBlocks, PPOTrainer):
             ref_model.eval().requires_grad_(False).to(self.device)
         wrapper = PolicyAndValue(vh, entropy_grad=bool(config.entropy_coef))
         optimizer = optimizer or build_optimizer(wrapper.parameters(), config)
+        if dist.sharding_plan(self.accelerator) is not None:
+            raise ConfigError(
+                "the classic PPOTrainer (step() API) does not shard with FSDP; drop --fsdp / the FSDP accelerate "
+                "config, or train with `posttrain ppo` (PPOTrainer(args=...)), which does."
+            )
         self.wrapped, self.optimizer = self.accelerator.prepare(wrapper, optimizer)
         self.lr_scheduler = lr_scheduler
         self.dataset, self.data_collator = dataset, data_collator or io.dict_collator

@@ -65,6 +65,7 @@ import torch
 from torch import nn
 
 from posttrain import advantages as adv
+from posttrain import distributed as dist
 from posttrain.configs import ConfigError
 from posttrain.losses import ppo_policy_loss
 from posttrain.rollout import Rollout
@@ -236,7 +237,7 @@ class RLOOTrainer(OnlineTrainer):
         callables adapted."""
         for r in rewards:
             if isinstance(r, nn.Module):
-                r.to(self.run.device).eval()
+                dist.prepare_frozen(r.eval(), self.run.accelerator)
         return RewardSource(
             [full_text_reward(r) for r in rewards],
             policy_tokenizer=self.processing_class,
