@@ -2,8 +2,8 @@
 and reward models with PyTorch's fully_shard (accelerate shards only on GPUs), and the sharded update
 equals the 1-process update with the same global batch.
 
-One torchrun launch trains RLOO, PPO (separate critic), GRPO and XPO in turn under --fsdp, recording
-each rank's local share of every parameter; one plain process trains the same four unsharded with the
+One torchrun launch trains RLOO, PPO (separate critic), GRPO, XPO, SFT and reward in turn under --fsdp,
+recording each rank's local share of every parameter; one plain process trains the same unsharded with the
 same global batch (gradient accumulation 2 instead of 2 ranks). The final models are compared as saved
 (plain safetensors folders read back with transformers). A second launch is the command line a user
 types: `torchrun --nproc_per_node 2 -m posttrain rloo ... --fsdp "full_shard auto_wrap"`.
@@ -23,7 +23,7 @@ import torch
 
 from posttrain.configs import ConfigError
 
-ALGOS = ("rloo", "ppo", "grpo", "xpo")
+ALGOS = ("rloo", "ppo", "grpo", "xpo", "sft", "reward")
 
 SCRIPT = textwrap.dedent("""
     import sys, torch
@@ -110,6 +110,23 @@ def build(algo: str, out: str, world: int):
         )
         trainer = GRPOTrainer(policy, [rm, letter_fraction], cfg, prompts, processing_class=tok, ref_model=ref)
         return trainer, {"policy": trainer.wrapped, "ref": trainer.ref_model, "reward": rm}
+    if algo in ("sft", "reward"):
+        from posttrain.trainers.reward import RewardConfig, RewardTrainer
+        from posttrain.trainers.sft import SFTConfig, SFTTrainer
+
+        texts = [f"Prompt number {i} says" + " something nice" * (i % 3) for i in range(8)]
+        data = Dataset.from_dict(
+            {"text": texts}
+            if algo == "sft"
+            else {"chosen": [t + " good." for t in texts], "rejected": [t + " bad bad." for t in texts]}
+        )
+        del common["num_sample_generations"], common["temperature"]
+        common.update(per_device_train_batch_size=2, max_steps=2)
+        if algo == "sft":
+            trainer = SFTTrainer(policy, SFTConfig(**common), train_dataset=data, processing_class=tok)
+        else:
+            trainer = RewardTrainer(rm, RewardConfig(**common), train_dataset=data, processing_class=tok)
+        return trainer, {"policy": trainer.model}
     from posttrain.trainers.xpo import XPOConfig, XPOTrainer
 
     cfg = XPOConfig(**common, per_device_train_batch_size=2, total_episodes=8, max_new_tokens=6)
@@ -168,7 +185,7 @@ def test_fsdp_two_cpu_processes_equal_one_process(tmp_path):
     for algo in ALGOS:
         assert report[algo]["world"] == 2
         rank0, rank1 = report[algo]["shares"]
-        for model in ("policy", "ref", "reward"):
+        for model in rank0:
             assert rank0[model].keys() == rank1[model].keys()
             for key, (local0, full, rows) in rank0[model].items():
                 local1 = rank1[model][key][0]
@@ -177,8 +194,9 @@ def test_fsdp_two_cpu_processes_equal_one_process(tmp_path):
         # the update moved the policy; 2 sharded ranks == 1 process with the same global batch
         a, b = saved_weights(one / algo), saved_weights(two / algo)
         assert a.keys() == b.keys()
-        AutoModelForCausalLM.from_pretrained(two / algo)  # a plain transformers folder
-        start = _initial_policy()
+        auto = AutoModelForSequenceClassification if algo == "reward" else AutoModelForCausalLM
+        auto.from_pretrained(two / algo)  # a plain transformers folder
+        start = _initial(algo)
         assert max(float((a[k] - start[k]).abs().max()) for k in a) > 1e-4, f"{algo} did not move the policy"
         for key in a:
             torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-5, msg=f"{algo} {key}")
@@ -188,9 +206,11 @@ def test_fsdp_two_cpu_processes_equal_one_process(tmp_path):
     AutoModelForSequenceClassification.from_pretrained(two / "ppo" / "value_model")
 
 
-def _initial_policy() -> dict[str, torch.Tensor]:
-    from posttrain.testing import build_tiny_causal_lm, build_tiny_tokenizer
+def _initial(algo: str) -> dict[str, torch.Tensor]:
+    from posttrain.testing import build_tiny_causal_lm, build_tiny_reward_model, build_tiny_tokenizer
 
+    if algo == "reward":
+        return build_tiny_reward_model(build_tiny_tokenizer(), seed=5).state_dict()
     return build_tiny_causal_lm(build_tiny_tokenizer()).state_dict()
 
 
