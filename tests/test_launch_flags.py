@@ -2,8 +2,8 @@
 (posttrain.distributed.accelerator_for): use_cpu / no_cuda, tf32, torch_empty_cache_steps, the ddp_*
 fields, accelerator_config, fsdp / fsdp_config and deepspeed.
 
-FSDP itself shards only on GPUs (accelerate runs CPU processes as plain DDP), so here the plugin is
-built from the flags and checked field by field, and a CPU run with --fsdp is a clear error.
+Here the FSDP plugin is built from the flags and checked field by field, and a one-process run with
+--fsdp is a clear error (sharded runs of several CPU processes: tests/test_fsdp.py).
 """
 
 from __future__ import annotations
@@ -338,8 +338,8 @@ def test_bad_fsdp_values_are_config_errors(values, message):
         TrainingConfig(**values)
 
 
-def test_fsdp_on_cpu_is_refused_rather_than_silently_unsharded():
-    with pytest.raises(ConfigError, match="--fsdp needs several accelerator processes"):
+def test_fsdp_on_one_process_is_refused_rather_than_silently_unsharded():
+    with pytest.raises(ConfigError, match="--fsdp needs several processes"):
         distributed.accelerator_for(TrainingConfig(fsdp="full_shard auto_wrap"))
     # accelerate's "FSDP on" mark is taken back with the refusal.
     assert "ACCELERATE_USE_FSDP" not in os.environ

@@ -1,7 +1,6 @@
 """The launch flags through the CLI under `torchrun --nproc_per_node 2` (gloo on CPU): the DDP
-settings reach a real 2-process run, and --fsdp on CPU processes stops with one clear error
-instead of silently training unsharded (accelerate shards only GPU processes; the sharded run
-itself needs GPUs)."""
+settings reach a real 2-process run, and an --fsdp option that CPU processes cannot honour stops with
+one clear error (the sharded runs themselves: tests/test_fsdp.py)."""
 
 from __future__ import annotations
 
@@ -61,10 +60,11 @@ def test_ddp_flags_in_a_two_process_run(files, tmp_path, name):
 
 
 @pytest.mark.multiproc
-def test_fsdp_on_cpu_processes_is_one_clear_error(files, tmp_path):
-    fsdp = ["--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"fsdp_version": 2}']
+def test_fsdp_option_cpu_processes_cannot_honour_is_one_clear_error(files, tmp_path):
+    # --fsdp shards CPU processes too (tests/test_fsdp.py); offloading to CPU memory has no meaning there.
+    fsdp = ["--fsdp", "full_shard auto_wrap offload", "--fsdp_config", '{"fsdp_version": 2}']
     result = torchrun(command("sft", files, tmp_path / "out") + fsdp)
     assert result.returncode != 0
     # Each rank prints the one-line ConfigError (torchrun then reports the failed children).
-    assert "--fsdp needs several accelerator processes" in result.stderr, result.stderr[-3000:]
+    assert "--fsdp offload (cpu_offload)" in result.stderr, result.stderr[-3000:]
     assert 'File "' + str(Path(__file__).parents[1] / "src") not in result.stderr

@@ -214,6 +214,9 @@ def _state_dict_for_saving(model: nn.Module, accelerator: Accelerator | None) ->
         return get_model_state_dict(bare, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if accelerator is None:
         return None
+    full = distributed.full_state_dict(model, accelerator)  # FSDP2: gathered by posttrain
+    if full is not None:
+        return full
     if distributed._is_deepspeed_zero3(accelerator):
         # accelerate gathers from the DeepSpeed engine, which `model` (unwrapped) is, or is a part of.
         return distributed.zero3_state_dict(model, accelerator)

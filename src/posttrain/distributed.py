@@ -9,8 +9,10 @@ friends are imported inside the functions so that `import posttrain` stays light
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -95,20 +97,22 @@ def build_accelerator(
     )
     # accelerate records a given plugin in the environment; remember that it was us, not a launcher.
     _ENV_SET_HERE.update(name for name, value in before.items() if os.environ.get(name) != value)
-    if fsdp_plugin is not None and accelerator.distributed_type.value != "FSDP":
-        # accelerate uses an FSDP plugin only for multi-GPU (or NPU, XPU, ...) processes; anywhere
-        # else it would quietly train unsharded.
-        for name, value in before.items():
-            _ENV_SET_HERE.discard(name)
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        raise ConfigError(
-            f"--fsdp needs several accelerator processes (GPUs launched with torchrun / accelerate launch); this run "
-            f"is {accelerator.distributed_type.value} on {accelerator.device.type}, where accelerate does not shard. "
-            "Drop --fsdp here."
-        )
+    if fsdp_plugin is None and _launched_with("ACCELERATE_USE_FSDP"):
+        # accelerate launch --config_file with FSDP: accelerate keeps its plugin only where it shards itself.
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        fsdp_plugin = getattr(accelerator.state, "fsdp_plugin", None) or FullyShardedDataParallelPlugin()
+    if fsdp_plugin is not None:
+        try:
+            _register_sharding(accelerator, fsdp_plugin)
+        except ConfigError:
+            for name, value in before.items():
+                _ENV_SET_HERE.discard(name)
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            raise
     if tf32 is not None and accelerator.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = tf32
         torch.backends.cudnn.allow_tf32 = tf32
@@ -150,6 +154,11 @@ def accelerator_for(config: Any, **accelerator_kwargs: Any) -> Accelerator:
 # (accelerate also sets them itself when it is given a plugin: those are remembered in _ENV_SET_HERE).
 _PLUGIN_ENV = {"FSDP": "ACCELERATE_USE_FSDP", "DeepSpeed": "ACCELERATE_USE_DEEPSPEED"}
 _ENV_SET_HERE: set[str] = set()
+
+
+def _launched_with(env: str) -> bool:
+    """Whether the launcher (not an earlier accelerator of this process) turned `env` on."""
+    return env not in _ENV_SET_HERE and os.environ.get(env, "false").strip().lower() in ("true", "1", "yes")
 
 
 def check_tf32_available(cpu: bool = False) -> None:
@@ -483,13 +492,10 @@ def check_launch_conflicts(config: Any) -> None:
     """--fsdp and --deepspeed exclude each other and an `accelerate launch --config_file` that already
     turned FSDP or DeepSpeed on (the two plugins would fight over the model)."""
 
-    def env_on(name: str) -> bool:
-        return os.environ.get(name, "false").strip().lower() in ("true", "1", "yes")
-
     flags = [name for name in ("fsdp", "deepspeed") if getattr(config, name)]
     if len(flags) == 2:
         raise ConfigError("--fsdp and --deepspeed are both set; choose one.")
-    launched = [what for what, env in _PLUGIN_ENV.items() if env not in _ENV_SET_HERE and env_on(env)]
+    launched = [what for what, env in _PLUGIN_ENV.items() if _launched_with(env)]
     if flags and launched:
         raise ConfigError(
             f"--{flags[0]} is set, and accelerate launch's config already turns {launched[0]} on; configure it in "
@@ -651,9 +657,17 @@ def unwrap_for_generation(
     Under DeepSpeed ZeRO-3 every forward would all-gather each layer's shards again, which for
     hundreds of decoding steps dominates the rollout; gathering the full parameters once for the
     whole generation (as TRL's `unwrap_model_for_generation` does) trades memory for that time.
-    `gather_deepspeed3_params=False` keeps the sharded path for models too big to gather.
+    Under FSDP2 the same: the parameters are gathered once (unshard) before the decoding loop and
+    sharded again after it. `gather_deepspeed3_params=False` keeps the sharded path for models too big
+    to gather.
     """
     unwrapped = unwrap(model, accelerator)
+    if _sharded_root(unwrapped) is not None:
+        # FSDP2: every unit of the generating model gathered once for the whole rollout; or, with
+        # gather off, only the root's own unit (each layer then all-gathers at every decoding step).
+        with gathered(unwrapped, everything=gather_deepspeed3_params):
+            yield unwrapped
+        return
     if not (_is_deepspeed_zero3(accelerator) and gather_deepspeed3_params):
         yield unwrapped
         return
@@ -711,17 +725,22 @@ def prepare_frozen(model: Any, accelerator: Accelerator | None) -> Any:
     - under DeepSpeed ZeRO-3: sharded like the policy in an inference-only DeepSpeed engine
       (`deepspeed_inference_config`: the run's config without optimizer, buckets from the model's
       hidden size), as TRL's `prepare_deepspeed` does; every rank must call this, in the same order;
+    - under FSDP2 (--fsdp): sharded like the policy, without optimizer state; its units gather their
+      parameters as they run;
     - otherwise (one process, DDP, ZeRO-1/2): moved to the run's device whole, no wrapper (ZeRO-1/2
       shard only optimizer state and gradients, which a frozen model does not have).
 
     Anything that is not a module (a reward function, None) is returned as it is. Every trainer
     places its frozen models through here.
     """
-    if not isinstance(model, nn.Module):
-        return model
+    if not isinstance(model, nn.Module) or hasattr(model, "zero_optimization_stage") or _is_fsdp2(model):
+        return model  # not a model, or prepared already (a DeepSpeed engine, an FSDP2-sharded model)
     model.eval().requires_grad_(False)
     if not _is_deepspeed_zero3(accelerator):
-        return model.to(device(accelerator))
+        plan = sharding_plan(accelerator)
+        if plan is None:
+            return model.to(device(accelerator))
+        return _shard(model, accelerator, plan)
     import deepspeed
 
     plugin = accelerator.state.deepspeed_plugin
@@ -866,7 +885,19 @@ def no_sync_unless_last(accelerator: Accelerator | None, model: nn.Module, is_la
     accelerator_config asks for sync_each_batch)."""
     if is_last or world_size(accelerator) == 1 or _sync_each_batch(accelerator):
         return contextlib.nullcontext()
+    if _is_fsdp2(model):
+        return _fsdp_no_sync(model)
     return accelerator.no_sync(model)
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
+    """FSDP2's no_sync: gradients accumulate unsharded until the last micro-batch reduce-scatters them."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def _sync_each_batch(accelerator: Accelerator) -> bool:
@@ -886,3 +917,279 @@ def global_moments(
     mean = sums[0] / sums[1]
     var = reduce_sum(((x - mean).square() * m).sum(), accelerator) / (sums[1] - 1)
     return mean, var
+
+
+# -- FSDP2: sharded models -------------------------------------------------------------------------
+#
+# accelerate shards with FSDP only on several GPUs (NPUs, ...); on CPU processes (gloo) it would quietly
+# train unsharded. There posttrain shards itself with PyTorch's `fully_shard` over the process group
+# accelerate created. Either way the trainers call the same functions: prepare_trained (the trained
+# model and its optimizer), prepare_frozen (reference and reward models), unwrap_for_generation (the
+# parameters gathered once per rollout), no_sync_unless_last, clip_grad_norm and full_state_dict.
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """How models are cut into FSDP2 units: each module of `layer_classes` (by class name; empty: the
+    model's own `_no_split_modules`) or, with `min_num_params` > 0, each smallest module holding that
+    many parameters; then every other module that holds parameters, then the root.
+    `reshard_after_forward` (full_shard: True, shard_grad_op: False) applies to all units but the root.
+    `native`: posttrain shards the trained model itself (accelerate cannot on this device)."""
+
+    reshard_after_forward: bool = True
+    layer_classes: tuple[str, ...] = ()
+    min_num_params: int = 0
+    auto_wrap: bool = True
+    native: bool = True
+
+
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # accelerator -> ShardingPlan
+_MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # accelerator -> DeviceMesh
+_ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sharded root module -> ShardingPlan
+
+
+def _plan_from_plugin(plugin: Any, native: bool) -> ShardingPlan:
+    """The ShardingPlan of accelerate's FSDP plugin (built from --fsdp or from accelerate launch's config).
+    Options posttrain cannot honour where it shards itself are ConfigErrors."""
+    if native:
+        if int(plugin.fsdp_version) != 2:
+            raise ConfigError(
+                "FSDP1 needs GPUs; on CPU processes posttrain shards with FSDP2. Drop fsdp_config version 1 "
+                "(or fsdp_version: 1 in the accelerate config)."
+            )
+        offload = plugin.cpu_offload  # a bool, FSDP1's CPUOffload or FSDP2's (CPU)OffloadPolicy
+        if offload is True or type(offload).__name__ == "CPUOffloadPolicy" or getattr(offload, "offload_params", 0):
+            raise ConfigError(
+                "--fsdp offload (cpu_offload) moves parameters to CPU memory, where they already are on a CPU run; "
+                "drop offload."
+            )
+        if plugin.activation_checkpointing:
+            raise ConfigError(
+                "fsdp_config activation_checkpointing is applied by accelerate on GPUs only; use "
+                "--gradient_checkpointing instead."
+            )
+    policy = getattr(plugin.auto_wrap_policy, "__name__", plugin.auto_wrap_policy)
+    min_num_params = int(getattr(plugin, "min_num_params", 0) or 0) if policy == "size_based_auto_wrap_policy" else 0
+    reshard = plugin.reshard_after_forward
+    return ShardingPlan(
+        reshard_after_forward=reshard if isinstance(reshard, bool) else str(reshard).upper() != "SHARD_GRAD_OP",
+        layer_classes=tuple(getattr(plugin, "transformer_cls_names_to_wrap", None) or ()),
+        min_num_params=min_num_params,
+        auto_wrap=policy is not None,
+        native=native,
+    )
+
+
+def sharding_plan(accelerator: Accelerator | None) -> ShardingPlan | None:
+    """The run's FSDP2 plan (None: models are not sharded)."""
+    return None if accelerator is None else _PLANS.get(accelerator)
+
+
+def _register_sharding(accelerator: Accelerator, plugin: Any) -> None:
+    """Remember how this run shards: accelerate's FSDP (GPUs), or posttrain's own FSDP2 over the gloo
+    group of several CPU processes. ConfigError where neither can (one process)."""
+    if accelerator.distributed_type.value == "FSDP":
+        _PLANS[accelerator] = _plan_from_plugin(plugin, native=False)
+        return
+    if accelerator.distributed_type.value == "MULTI_CPU" and accelerator.num_processes > 1:
+        _PLANS[accelerator] = _plan_from_plugin(plugin, native=True)
+        return
+    raise ConfigError(
+        f"--fsdp needs several processes (torchrun / accelerate launch with 2 or more); this run is "
+        f"{accelerator.distributed_type.value} on {accelerator.device.type} with {accelerator.num_processes} "
+        "process(es), where nothing can be sharded. Drop --fsdp here."
+    )
+
+
+def _mesh(accelerator: Accelerator) -> Any:
+    if accelerator not in _MESHES:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESHES[accelerator] = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
+    return _MESHES[accelerator]
+
+
+def _tied_param_owners(model: nn.Module) -> dict[int, int]:
+    """id(parameter) -> how many modules hold it directly (2 or more: tied weights)."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return owners
+
+
+def _layer_classes(model: nn.Module, plan: ShardingPlan) -> set[str]:
+    if plan.layer_classes:
+        return set(plan.layer_classes)
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    return names
+
+
+def shard_units(model: nn.Module, plan: ShardingPlan) -> list[nn.Module]:
+    """The submodules that become FSDP units, children before parents (the root is not listed).
+
+    First the layers (plan.layer_classes, else the classes the model's `_no_split_modules` name; or by
+    size with min_num_params), then every other module that holds parameters itself, so that whichever
+    module a trainer calls (a backbone, a score head, a value head) gathers its own parameters. Modules
+    holding a tied weight (e.g. embeddings tied to the LM head) stay in the root's unit, so a tied weight
+    lives in one unit. ConfigError when auto_wrap finds no layer to wrap."""
+    owners = _tied_param_owners(model)
+
+    def has_tied(module: nn.Module) -> bool:
+        return any(owners[id(p)] > 1 for p in module.parameters())
+
+    layers: list[nn.Module] = []
+    if plan.auto_wrap and plan.min_num_params > 0:
+
+        def visit(module: nn.Module) -> int:
+            count = sum(p.numel() for p in module.parameters(recurse=False))
+            for child in module.children():
+                count += visit(child)
+            if module is not model and count >= plan.min_num_params and not has_tied(module):
+                layers.append(module)
+                return 0
+            return count
+
+        visit(model)
+    elif plan.auto_wrap:
+        classes = _layer_classes(model, plan)
+        layers = [m for m in model.modules() if type(m).__name__ in classes and m is not model]
+        if not layers:
+            where = f"the class(es) {sorted(classes)}" if classes else "no _no_split_modules (no known layer class)"
+            raise ConfigError(
+                f"--fsdp auto_wrap cannot shard {type(model).__name__}: it has {where} to wrap as units. Set "
+                '--fsdp_config \'{"transformer_layer_cls_to_wrap": "<its decoder layer class>"}\' or '
+                "'{\"min_num_params\": 1000000}'."
+            )
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    rest = [
+        m
+        for m in model.modules()
+        if m is not model and id(m) not in inside and any(True for _ in m.parameters(recurse=False))
+    ]
+    return layers + [m for m in rest if not has_tied(m)]
+
+
+def _shard(model: nn.Module, accelerator: Accelerator, plan: ShardingPlan) -> nn.Module:
+    """fully_shard every unit of `model`, then the root (in place); the root is initialised at once, so it
+    stays the root whichever submodule runs first (e.g. PPO generates with the LM inside the wrapper)."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _mesh(accelerator)
+    model.to(accelerator.device)
+    for unit in shard_units(model, plan):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=plan.reshard_after_forward)
+    fully_shard(model, mesh=mesh)
+    _init_root(model)
+    _ROOTS[model] = plan
+    return model
+
+
+def _init_root(model: nn.Module) -> None:
+    # FSDP2 makes the first module to run forward the root; run its lazy init now (torch has no public call).
+    model._get_fsdp_state()._lazy_init()
+
+
+def prepare_trained(model: nn.Module, optimizer: Any, accelerator: Accelerator) -> tuple[nn.Module, Any]:
+    """(model, optimizer) ready to train: `accelerator.prepare` (DDP, DeepSpeed, accelerate's FSDP), or,
+    where posttrain shards itself, the model sharded in place and the optimizer moved onto the sharded
+    (DTensor) parameters, so each rank keeps the optimizer state of its own shards only."""
+    plan = sharding_plan(accelerator)
+    if plan is None or not plan.native:
+        wrapped, optimizer = accelerator.prepare(model, optimizer)
+        if plan is not None and _is_fsdp2(wrapped):
+            _init_root(wrapped)
+            _ROOTS[wrapped] = plan
+        return wrapped, optimizer
+    names = {id(p): name for name, p in model.named_parameters()}
+    owned = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(id(p) not in names for p in owned):
+        raise ConfigError(
+            "the optimizer holds parameters that are not the model's; under --fsdp build it over model.parameters()."
+        )
+    _shard(model, accelerator, plan)
+    sharded = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        full_params, group["params"] = group["params"], [sharded[names[id(p)]] for p in group["params"]]
+        for old, new in zip(full_params, group["params"]):
+            if old in optimizer.state:  # restored from a checkpoint before sharding: keep this rank's shard
+                optimizer.state[new] = {k: _shard_like(v, new) for k, v in optimizer.state.pop(old).items()}
+    return model, accelerator.prepare(optimizer)
+
+
+def _shard_like(value: Any, param: Any) -> Any:
+    """An optimizer state tensor of a full parameter, cut like its sharded (DTensor) parameter."""
+    if not isinstance(value, torch.Tensor) or value.shape != param.shape:
+        return value  # e.g. Adam's step count
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+
+
+def _is_fsdp2(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def _sharded_root(module: nn.Module) -> nn.Module | None:
+    """The sharded root model that `module` is (part of), or None."""
+    for root in list(_ROOTS.keys()):
+        if root is module or any(m is module for m in root.modules()):
+            return root
+    return None
+
+
+@contextlib.contextmanager
+def gathered(module: nn.Module, everything: bool = True) -> Iterator[None]:
+    """Within the body, the parameters of the sharded root that holds `module` stay gathered: its own
+    unit's (what a call of a submodule needs) and, with `everything`, those of every unit inside
+    `module`, all-gathered once instead of at every forward (FSDP2's unshard / reshard). A no-op for
+    a model that is not sharded."""
+    root = _sharded_root(module)
+    if root is None:
+        yield
+        return
+    plan = _ROOTS[root]
+    units = [root]
+    if everything:
+        units += [m for m in module.modules() if m is not root and _is_fsdp2(m)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(plan.reshard_after_forward and unit is not root, recurse=False)
+
+
+def clip_grad_norm(accelerator: Accelerator, parameters: Any, max_norm: float) -> float:
+    """Clip the global gradient norm over all ranks (sharded gradients included); returns the norm before clipping."""
+    norm = accelerator.clip_grad_norm_(parameters, max_norm)
+    full = getattr(norm, "full_tensor", None)  # a DTensor norm of sharded gradients
+    return float(full() if full is not None else norm)
+
+
+def full_state_dict(model: nn.Module, accelerator: Accelerator | None) -> dict[str, torch.Tensor] | None:
+    """The full weights of a sharded `model` (or of a module inside one), gathered by every rank (a
+    collective): on the main process a CPU state dict, {} elsewhere. None when `model` is not sharded."""
+    root = _sharded_root(model)
+    if root is None:
+        return None
+    for unit in root.modules():
+        if _is_fsdp2(unit):
+            unit.reshard()
+    main, out, seen = is_main(accelerator), {}, {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if id(value) not in seen:
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            seen[id(value)] = full.detach().cpu() if main else None
+        if main:
+            out[key] = seen[id(value)]
+    return out

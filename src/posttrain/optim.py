@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from posttrain import distributed
 from posttrain.configs import BNB_OPTIMIZERS, ConfigError
 
 
@@ -134,7 +135,7 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, config: An
     """Clip the global grad norm (if max_grad_norm) and take an optimizer step; returns the norm."""
     norm = float("nan")
     if config.max_grad_norm:
-        norm = float(accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm))
+        norm = distributed.clip_grad_norm(accelerator, model.parameters(), config.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm

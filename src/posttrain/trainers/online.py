@@ -1015,7 +1015,9 @@ class OnlineTrainer(hub.PushToHub):
         compile_for_training(model, config)
         steps = config.num_total_batches * (1 if self.schedule_per_update else config.num_mini_batches)
         self.lr_scheduler = scheduler or build_scheduler(optimizer, config, num_training_steps=steps)
-        self.wrapped, self.optimizer = self.run.accelerator.prepare(model, optimizer)
+        self.wrapped, self.optimizer = dist.prepare_trained(model, optimizer, self.run.accelerator)
+        if getattr(self, "ref_model", None) is not None:
+            self.ref_model = dist.prepare_frozen(self.ref_model, self.accelerator)
         # Imported here: transformers' callback module pulls in peft, which importing a trainer must not.
         from posttrain.callbacks import TrainerEvents
 

@@ -169,6 +169,8 @@ def setup_pair_trainer(
         judge=judge,
         reward_tokenizer=parts.reward_tokenizer,
     )
+    for r in trainer.feedback.reward.models if trainer.feedback.reward is not None else ():
+        dist.prepare_frozen(r, trainer.accelerator)  # under --fsdp sharded like the policy
 
 
 # ---------------------------------------------------------------------------------------------

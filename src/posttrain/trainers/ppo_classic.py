@@ -174,6 +174,11 @@ class ClassicPPOTrainer(ClassicBuildingBlocks, PPOTrainer):
             ref_model.eval().requires_grad_(False)
         wrapper = PolicyAndValue(vh, entropy_grad=bool(config.entropy_coef))
         optimizer = optimizer or build_optimizer(wrapper.parameters(), config)
+        if dist.sharding_plan(self.accelerator) is not None:
+            raise ConfigError(
+                "the classic PPOTrainer (step() API) does not shard with FSDP; drop --fsdp / the FSDP accelerate "
+                "config, or train with `posttrain ppo` (PPOTrainer(args=...)), which does."
+            )
         self.wrapped, self.optimizer = self.accelerator.prepare(wrapper, optimizer)
         # Placed (under ZeRO-3: sharded) after the policy, whose preparation fills the DeepSpeed config.
         self.ref_model = dist.prepare_frozen(ref_model, self.accelerator)

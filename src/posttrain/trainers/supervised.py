@@ -352,7 +352,7 @@ class SupervisedRun:
             )
         self._set_deepspeed_batch_size()
         self._check_load_best_sharding()
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.model, self.optimizer = dist.prepare_trained(model, optimizer, self.accelerator)
         self.scheduler = scheduler
         # Imported here: transformers' callback module pulls in peft, which importing a trainer must not.
         from posttrain.callbacks import TrainerEvents
@@ -521,7 +521,7 @@ class SupervisedRun:
         evaluate = evaluate or self.evaluate
         lr = self.scheduler.get_last_lr()[0]
         max_norm = self.config.max_grad_norm or math.inf
-        grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
+        grad_norm = dist.clip_grad_norm(self.accelerator, self.model.parameters(), max_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
