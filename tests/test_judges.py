@@ -85,9 +85,17 @@ class ScriptedServer:
                 with server.lock:
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                self.counted = True
                 try:
                     self._answer(payload, prompt, r0, r1)
                 finally:
+                    self._leave()
+
+            def _leave(self):
+                # A request stops counting before its answer is written: once the client has read it,
+                # the client may send its next request while this thread is still finishing.
+                if getattr(self, "counted", False):
+                    self.counted = False
                     with server.lock:
                         server.in_flight -= 1
 
@@ -135,6 +143,7 @@ class ScriptedServer:
                 self._send(200, json.dumps(body).encode())
 
             def _send(self, code, body, headers=None):
+                self._leave()
                 try:
                     self.send_response(code)
                     self.send_header("Content-Type", "application/json")

@@ -982,7 +982,12 @@ def _plan_from_plugin(plugin: Any, native: bool) -> ShardingPlan:
 
 def sharding_plan(accelerator: Accelerator | None) -> ShardingPlan | None:
     """The run's FSDP2 plan (None: models are not sharded)."""
-    return None if accelerator is None else _PLANS.get(accelerator)
+    if accelerator is None:
+        return None
+    try:
+        return _PLANS.get(accelerator)
+    except TypeError:  # a stand-in object that takes no weak reference was never registered
+        return None
 
 
 def _register_sharding(accelerator: Accelerator, plugin: Any) -> None:
