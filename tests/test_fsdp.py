@@ -169,6 +169,9 @@ def child_env() -> dict[str, str]:
     return {**env, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+RUN = dict(env=child_env(), capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.multiproc
 def test_fsdp_two_cpu_processes_equal_one_process(tmp_path):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -230,18 +233,34 @@ def test_fsdp_command_line_under_torchrun(tmp_path):
     out = tmp_path / "out"
     argv = ["rloo", "--dataset_name", str(tmp_path / "prompts.jsonl"), "--model_name_or_path", str(tmp_path / "policy")]
     argv += ["--reward_model_path", str(tmp_path / "rm"), "--response_length", "4", "--rloo_k", "2"]
-    argv += ["--per_device_train_batch_size", "2", "--max_steps", "2", "--output_dir", str(out)]
-    argv += ["--logging_steps", "1", "--report_to", "none", "--fsdp", "full_shard auto_wrap"]
+    argv += ["--per_device_train_batch_size", "2", "--num_ppo_epochs", "1", "--output_dir", str(out)]
+    argv += ["--logging_steps", "1", "--save_steps", "1", "--report_to", "none"]
+    fsdp = ["--fsdp", "full_shard auto_wrap"]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "posttrain"]
-    result = subprocess.run([*launcher, *argv], env=child_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run([*launcher, *argv, *fsdp, "--max_steps", "2"], **RUN)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     logs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # 2 ranks × 2 completions per rollout batch: 4 episodes a step (1 process would count 2)
-    assert [entry["episode"] for entry in logs if "episode" in entry][0] == 4
+    assert [entry["episode"] for entry in logs if "episode" in entry][:2] == [4, 8]
     trained = AutoModelForCausalLM.from_pretrained(out)
     start = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
     assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), start.parameters()))
+    assert (out / "checkpoint-1" / "dcp" / ".metadata").is_file()  # the last step ends with the final save
+
+    # The sharded checkpoint-1 resumes sharded (2 processes: steps 2-3, checkpoint-2), and checkpoint-2
+    # unsharded in one process (the same global batch of 4 completions in 2 accumulation steps: 3-4).
+    resume = ["--resume_from_checkpoint", "latest"]
+    result = subprocess.run([*launcher, *argv, *fsdp, *resume, "--max_steps", "3"], **RUN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    one = [sys.executable, "-m", "posttrain", *argv, *resume, "--max_steps", "4", "--gradient_accumulation_steps", "2"]
+    result = subprocess.run(one, **RUN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(entry["step"], entry["episode"]) for entry in logs if "episode" in entry][-2:] == [(3, 12), (4, 16)]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [f"checkpoint-{i}" for i in range(1, 4)]
+    resumed = AutoModelForCausalLM.from_pretrained(out)
+    assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), resumed.parameters()))
 
 
 def test_units_are_layers_then_every_module_holding_parameters():
