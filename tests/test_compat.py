@@ -7,6 +7,7 @@ pyproject.toml accepts (`make test-floor`), so each switch is checked on both si
 import torch
 import transformers
 
+from posttrain import compat
 from posttrain.compat import dtype_kwargs, transformers_version
 from posttrain.models import load_policy, load_reward_model
 
@@ -28,3 +29,24 @@ def test_loaders_pass_the_dtype_through(tiny_policy_dir, tiny_reward_model_dir):
     assert next(load_policy(tiny_policy_dir, dtype="bfloat16").parameters()).dtype == torch.bfloat16
     assert next(load_reward_model(tiny_reward_model_dir, dtype="float16").parameters()).dtype == torch.float16
     assert next(load_policy(tiny_policy_dir).parameters()).dtype == torch.float32
+
+
+def test_the_kv_cache_goes_by_the_name_the_model_takes(tiny_policy):
+    import inspect
+    from types import SimpleNamespace
+
+    # transformers 5 calls it `cache` (the old `past_key_values` warns and goes in 5.40); older
+    # releases and models with the old signature take `past_key_values`.
+    name = compat.cache_argument(tiny_policy.forward)
+    params = inspect.signature(tiny_policy.forward).parameters
+    assert name in params and name == ("cache" if "cache" in params else "past_key_values")
+
+    def old_style(input_ids, attention_mask=None, past_key_values=None, use_cache=None):
+        return None
+
+    assert compat.cache_argument(old_style) == "past_key_values"
+    assert compat.output_cache(SimpleNamespace(past_key_values="kv")) == "kv"
+    assert compat.output_cache(SimpleNamespace(cache="kv", past_key_values=None)) == "kv"
+    ids = torch.tensor([[1, 2, 3]])
+    out = tiny_policy(input_ids=ids, use_cache=True)
+    assert compat.output_cache(out) is not None

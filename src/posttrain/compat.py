@@ -8,6 +8,7 @@ Each switch between versions is a small function here, so the rest of the code c
 from __future__ import annotations
 
 import functools
+import inspect
 from importlib.metadata import version
 from typing import Any
 
@@ -34,6 +35,27 @@ def dtype_kwargs(dtype: Any) -> dict[str, Any]:
     pass an unknown `dtype` on to the model's `__init__`, which fails.
     """
     return {"dtype": dtype} if transformers_version() >= (4, 56) else {"torch_dtype": dtype}
+
+
+def cache_argument(forward: Any) -> str:
+    """The keyword a model's `forward` takes its KV cache by.
+
+    transformers 5 renamed the inputs and outputs `past_key_values` / `cache_params` to `cache` (the old
+    names warn, and are removed in 5.40); older releases, and remote-code or wrapper models that keep the
+    old signature, take `past_key_values`.
+    """
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(output: Any) -> Any:
+    """The KV cache a model returned: `output.cache` where transformers names it so, else
+    `output.past_key_values` (read without the deprecation warning the old name gives on new outputs)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
 
 
 def static_cache(config: Any, batch_size: int, max_cache_len: int, device: Any, dtype: Any) -> Any:

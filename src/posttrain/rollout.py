@@ -390,6 +390,8 @@ def _generate_chunk(
     stop_ids = sampling.stop_token_ids
     stop_tensor = torch.tensor(stop_ids, dtype=torch.long, device=device) if len(stop_ids) > 1 else None
 
+    cache_name = compat.cache_argument(_unwrap(model).forward)
+
     def forward(
         input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, past: Any, fn: Any = model, **kw: Any
     ) -> Any:
@@ -397,7 +399,7 @@ def _generate_chunk(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=position_ids,
-            past_key_values=past,
+            **{cache_name: past},
             use_cache=True,
             **keep_kwargs,
             **kw,
@@ -426,7 +428,7 @@ def _generate_chunk(
             out = forward(prefill_ids, attention, position_ids_from_mask(prefill_mask), past, **step_kwargs(0, P))
         else:
             out = forward(prefill_ids, prefill_mask.long(), position_ids_from_mask(prefill_mask), None)
-        past, logits = out.past_key_values, out.logits[:, -1, :]
+        past, logits = compat.output_cache(out), out.logits[:, -1, :]
         if row_prompt is not None:
             # k samples of a prompt share its prefill: the cache rows and first-token logits are
             # repeated, so the sampler sees exactly the (N, V) logits a prefill per row gives.
@@ -434,7 +436,7 @@ def _generate_chunk(
             if expanded is None:  # a cache layout we cannot index: prefill every row
                 row_ids = prompt_ids.masked_fill(~prompt_mask, 0)
                 out = forward(row_ids, attention[:, :P], position_ids_from_mask(prompt_mask), None)
-                past, logits = out.past_key_values, out.logits[:, -1, :]
+                past, logits = compat.output_cache(out), out.logits[:, -1, :]
             else:
                 past, logits = expanded, logits[row_prompt]
 
@@ -501,7 +503,7 @@ def _generate_chunk(
             logits = out.logits[:, -1, :]
         else:
             out = forward(tok[:, None], attention[:, : P + steps], positions[:, t : t + 1], past, step_fn)
-            past, logits = out.past_key_values, out.logits[:, -1, :]
+            past, logits = compat.output_cache(out), out.logits[:, -1, :]
     scatter_back()
 
     if sync_every > 1 and N > 0 and steps > 0:

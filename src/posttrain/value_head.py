@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
+from posttrain import compat
 from posttrain.compat import dtype_kwargs
 from posttrain.models import CausalLMWithValueHead
 
@@ -392,8 +393,13 @@ class PreTrainedModelWrapper(nn.Module):
         kwargs["output_hidden_states"] = True
         # Passed on only when given: recent transformers deprecate the keyword itself.
         if past_key_values is not None and not self._prefix_tuning():
-            kwargs["past_key_values"] = past_key_values
+            kwargs[compat.cache_argument(self._base_forward())] = past_key_values
         return kwargs
+
+    def _base_forward(self) -> Any:
+        """The forward of the transformers model under the wrapper (behind PEFT's get_base_model())."""
+        get_base = getattr(self.pretrained_model, "get_base_model", None)
+        return (get_base() if callable(get_base) else self.pretrained_model).forward
 
     def _prefix_tuning(self) -> bool:
         """A PEFT prefix-tuning adapter supplies its own past_key_values (TRL drops the caller's)."""
@@ -411,7 +417,7 @@ class PreTrainedModelWrapper(nn.Module):
         if lm_logits.dtype != torch.float32:
             lm_logits = lm_logits.float()
         if return_past_key_values:
-            return lm_logits, base_output.loss, value, base_output.past_key_values
+            return lm_logits, base_output.loss, value, compat.output_cache(base_output)
         return lm_logits, base_output.loss, value
 
 
