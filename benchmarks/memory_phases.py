@@ -8,6 +8,12 @@ reward_model) are wrapped, and inside train() the first grad-enabled module call
 the first backward, and every optimizer step (torch's global step hooks) mark the phases. At each mark
 it prints RSS now and the peak RSS since the previous mark (the kernel's VmHWM, reset through
 /proc/self/clear_refs), in MB; the largest of these peaks is what /usr/bin/time reports as maximum RSS.
+The RESULT line adds train()'s user/sys CPU seconds and minor page faults (allocator settings show there).
+
+Experiment knobs (environment; glibc only): PROBE_SMAPS=1 prints resident MB per mapping at each mark;
+PROBE_TRIM=1 calls malloc_trim(0) after every optimizer step; PROBE_TRIM_BEFORE_UPDATE=1 (posttrain RLOO)
+before each update; PROBE_ARENA_MAX=N sets mallopt(M_ARENA_MAX, N). benchmarks/README.md, "Memory", has
+what they measured.
 """
 
 import os
