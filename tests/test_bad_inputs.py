@@ -18,6 +18,7 @@ import pytest
 import torch
 from datasets import Dataset
 
+from helpers import write_jsonl
 from posttrain import checkpoint as ckpt
 from posttrain.configs import ConfigError, load_config_file
 from posttrain.data import DataError, load_any_dataset
@@ -39,18 +40,6 @@ def assert_user_error(result: subprocess.CompletedProcess, *needles: str) -> str
     for needle in needles:
         assert needle in result.stderr, (needle, result.stderr[-3000:])
     return result.stderr
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
-@pytest.fixture
-def tok(tiny_tokenizer):
-    import copy
-
-    return copy.deepcopy(tiny_tokenizer)
 
 
 # --------------------------------------------------------------------------------------------

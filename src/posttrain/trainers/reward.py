@@ -41,9 +41,9 @@ from posttrain.trainers.supervised import (
     SupervisedRun,
     SupervisedTrainerAPI,
     begin_supervised,
-    check_output_dir,
     eval_shards,
     rows,
+    run_command,
 )
 
 if TYPE_CHECKING:
@@ -289,24 +289,4 @@ class RewardTrainer(SupervisedTrainerAPI):
 
 def main(config: RewardConfig) -> int:
     """`posttrain reward`: load tokenizer, model and data from the config, train, save. Exit code."""
-    from posttrain.data import DataError, load_split
-    from posttrain.models import peft_config_from
-
-    try:
-        check_output_dir(config)
-        if not config.model_name_or_path:
-            raise ConfigError("model_name_or_path is not set: pass --model_name_or_path (a folder or a hub name).")
-        train_dataset = load_split(config, config.dataset_train_split)
-        eval_dataset = load_split(config, config.dataset_test_split, required=False)
-        trainer = RewardTrainer(
-            config.model_name_or_path,
-            args=config,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            peft_config=peft_config_from(config, task_type="SEQ_CLS"),
-        )
-        trainer.train()
-    except (ConfigError, DataError, ckpt.CheckpointError) as err:
-        print(f"posttrain reward: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(RewardTrainer, config, task_type="SEQ_CLS")

@@ -32,7 +32,6 @@ Callbacks are `transformers.TrainerCallback` objects; `trainer.state` is the run
 from __future__ import annotations
 
 import inspect
-import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,9 +55,9 @@ from posttrain.trainers.supervised import (
     SupervisedRun,
     SupervisedTrainerAPI,
     begin_supervised,
-    check_output_dir,
     eval_shards,
     rows,
+    run_command,
 )
 
 if TYPE_CHECKING:
@@ -309,24 +308,4 @@ def _forward_kwargs(model: nn.Module, router_aux_loss_coef: float) -> dict[str, 
 
 def main(config: SFTConfig) -> int:
     """`posttrain sft`: load tokenizer, model and data from the config, train, save. Exit code."""
-    from posttrain.data import DataError, load_split
-    from posttrain.models import peft_config_from
-
-    try:
-        check_output_dir(config)
-        if not config.model_name_or_path:
-            raise ConfigError("model_name_or_path is not set: pass --model_name_or_path (a folder or a hub name).")
-        train_dataset = load_split(config, config.dataset_train_split)
-        eval_dataset = load_split(config, config.dataset_test_split, required=False)
-        trainer = SFTTrainer(
-            config.model_name_or_path,
-            args=config,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            peft_config=peft_config_from(config),
-        )
-        trainer.train()
-    except (ConfigError, DataError, ckpt.CheckpointError) as err:
-        print(f"posttrain sft: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(SFTTrainer, config)

@@ -827,3 +827,24 @@ def begin_supervised(
     )
     apply_chat_template_path(tokenizer, args.chat_template_path)
     return args, accelerator, model, tokenizer
+
+
+def run_command(trainer_cls: type, config: TrainingConfig, **peft: Any) -> int:
+    """`posttrain sft` / `posttrain reward`: refuse to overwrite a finished run, load the model named by
+    model_name_or_path (with a LoRA adapter from the --use_peft flags; `peft` to `peft_config_from`) and
+    the dataset's train / test splits, train, save. Errors are reported by cli.main."""
+    from posttrain.data import load_split
+    from posttrain.models import peft_config_from
+
+    check_output_dir(config)
+    if not config.model_name_or_path:
+        raise ConfigError("model_name_or_path is not set: pass --model_name_or_path (a folder or a hub name).")
+    trainer = trainer_cls(
+        config.model_name_or_path,
+        args=config,
+        train_dataset=load_split(config, config.dataset_train_split),
+        eval_dataset=load_split(config, config.dataset_test_split, required=False),
+        peft_config=peft_config_from(config, **peft),
+    )
+    trainer.train()
+    return 0
