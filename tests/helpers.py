@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from datasets import Dataset
 
 from posttrain.rollout import Rollout, generate
@@ -406,6 +407,51 @@ def tensorboard_scalars(folder) -> dict[str, list[int]]:
     events = EventAccumulator(str(folder))
     events.Reload()
     return {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+# -- encoder-decoder models (64-word vocabulary) -------------------------------------------------------------
+
+VOCAB = 64
+
+
+def tiny_t5(seed: int = 0) -> transformers.PreTrainedModel:
+    """A 1-layer T5 (d_model 16) over VOCAB ids, initialised from `seed` (pad 0, eos 1, decoder start 0)."""
+    torch.manual_seed(seed)
+    config = transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=1,
+        num_heads=2,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def tiny_bart(seed: int = 0) -> transformers.PreTrainedModel:
+    """A 1-layer BART (d_model 16) over VOCAB ids, initialised from `seed` (pad 1, eos 2, decoder start 2)."""
+    torch.manual_seed(seed)
+    config = transformers.BartConfig(
+        vocab_size=VOCAB,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=32,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        forced_bos_token_id=None,
+        forced_eos_token_id=None,
+    )
+    return transformers.BartForConditionalGeneration(config)
 
 
 # -- the command line in subprocesses ----------------------------------------------------------------------
