@@ -459,6 +459,13 @@ def tiny_bart(seed: int = 0) -> transformers.PreTrainedModel:
 CLI_PROMPTS = [f"Prompt number {i} says" for i in range(16)]
 
 
+def train_argv(command: str, model, data, out, *flags) -> list[str]:
+    """`posttrain <command> --model_name_or_path model --dataset_name data --output_dir out *flags`, as
+    the argument list `cli.main` takes (every item a str)."""
+    argv = [command, "--model_name_or_path", model, "--dataset_name", data, "--output_dir", out, *flags]
+    return [str(a) for a in argv]
+
+
 def write_cli_files(root: Path) -> Path:
     """What the command-line tests start from, in `root`: a saved tiny policy (policy/) and reward model
     (rm/) with their tokenizer, and the datasets prompts.jsonl (CLI_PROMPTS), text.jsonl (each prompt +

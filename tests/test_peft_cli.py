@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 peft = pytest.importorskip("peft")
 
+from helpers import train_argv  # noqa: E402
 from posttrain.cli import main  # noqa: E402
 from posttrain.configs import TrainingConfig  # noqa: E402
 from posttrain.models import PEFT_INSTALL_HINT, peft_config_from  # noqa: E402
@@ -68,8 +69,7 @@ def check_only_adapter_trained(model, start_dir, out_dir, head: str | None = Non
 def train_with_lora(captured, command, model_dir, data, out, *flags):
     """`posttrain <command>` of the model in `model_dir` on `data` into `out` with the LoRA flags; the one
     PEFT model it trained."""
-    argv = [command, "--model_name_or_path", str(model_dir), "--dataset_name", str(data), "--output_dir", str(out)]
-    assert main([*argv, *flags, *COMMON, *LORA]) == 0
+    assert main(train_argv(command, model_dir, data, out, *flags, *COMMON, *LORA)) == 0
     (model,) = captured
     return model
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from datasets import Dataset
 
-from helpers import read_metrics
+from helpers import read_metrics, train_argv
 from helpers import reward_config as config
 from helpers import reward_trainer as make_trainer
 from posttrain.configs import ConfigError
@@ -213,13 +213,7 @@ def test_cli_reward(tmp_path, tiny_tokenizer, tiny_reward_model_dir):
     out = tmp_path / "cli"
     code = main(
         [
-            "reward",
-            "--model_name_or_path",
-            str(tiny_reward_model_dir),
-            "--dataset_name",
-            str(data),
-            "--output_dir",
-            str(out),
+            *train_argv("reward", tiny_reward_model_dir, data, out),
             "--max_steps",
             "2",
             "--per_device_train_batch_size",

@@ -9,7 +9,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from helpers import SENTENCES, read_metrics, reference_loss_sum
+from helpers import SENTENCES, read_metrics, reference_loss_sum, train_argv
 from helpers import sft_config as config
 from helpers import sft_trainer as make_trainer
 from posttrain.configs import ConfigError
@@ -256,13 +256,7 @@ def test_cli_sft(tmp_path, tiny_tokenizer, tiny_policy_dir):
     out = tmp_path / "cli"
     code = main(
         [
-            "sft",
-            "--model_name_or_path",
-            str(tiny_policy_dir),
-            "--dataset_name",
-            str(data),
-            "--output_dir",
-            str(out),
+            *train_argv("sft", tiny_policy_dir, data, out),
             "--max_steps",
             "2",
             "--per_device_train_batch_size",
@@ -282,13 +276,7 @@ def test_cli_sft(tmp_path, tiny_tokenizer, tiny_policy_dir):
     assert (
         main(
             [
-                "sft",
-                "--model_name_or_path",
-                str(tiny_policy_dir),
-                "--dataset_name",
-                str(data),
-                "--output_dir",
-                str(out),
+                *train_argv("sft", tiny_policy_dir, data, out),
                 "--max_steps",
                 "1",
             ]
