@@ -34,11 +34,9 @@ from posttrain.data.collators import PreferenceCollator
 from posttrain.health import oom_advice
 from posttrain.losses import bradley_terry_loss
 from posttrain.models import apply_peft
-from posttrain.positions import check_sequence_lengths
 from posttrain.tracking import MetricAccumulator
 from posttrain.trainers.reward_config import RewardConfig
 from posttrain.trainers.supervised import (
-    SupervisedRun,
     SupervisedTrainerAPI,
     begin_supervised,
     eval_shards,
@@ -115,19 +113,8 @@ class RewardTrainer(SupervisedTrainerAPI):
         model = apply_peft(model, peft_config)
         self.train_dataset = self._prepare(train_dataset, "train_dataset")
         self.eval_dataset = self._prepare(eval_dataset, "eval_dataset") if eval_dataset is not None else None
-        for data, source in ((self.train_dataset, "train_dataset"), (self.eval_dataset, "eval_dataset")):
-            check_sequence_lengths(data, model, max_length=args.max_length, source=source)
         self.data_collator = PreferenceCollator(self.processing_class.pad_token_id, args.pad_to_multiple_of)
-        self.run = SupervisedRun(
-            args,
-            model,
-            self.processing_class,
-            self.train_dataset,
-            accelerator=self.accelerator,
-            activation_offloading=args.activation_offloading,
-            callbacks=callbacks,
-            evaluate=self.evaluate if self.eval_dataset is not None else None,
-        )
+        self._start_run(model, callbacks)
         self.head = score_head(self.run.unwrapped())
 
     def _prepare(self, dataset: Any, source: str) -> Any:

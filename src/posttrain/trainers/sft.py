@@ -47,12 +47,10 @@ from posttrain.health import oom_advice
 from posttrain.losses import chunked_nll, dft_loss
 from posttrain.models import apply_peft
 from posttrain.ops import entropy_from_logits
-from posttrain.positions import check_sequence_lengths
 from posttrain.tracking import MetricAccumulator
 from posttrain.trainers.sft_config import SFTConfig
 from posttrain.trainers.supervised import (
     IGNORE_INDEX,
-    SupervisedRun,
     SupervisedTrainerAPI,
     begin_supervised,
     eval_shards,
@@ -130,19 +128,8 @@ class SFTTrainer(SupervisedTrainerAPI):
             if eval_dataset is not None
             else None
         )
-        for data, source in ((self.train_dataset, "train_dataset"), (self.eval_dataset, "eval_dataset")):
-            check_sequence_lengths(data, model, max_length=args.max_length, source=source)
         self.data_collator = SFTCollator(self.processing_class.pad_token_id, args.pad_to_multiple_of, args.padding_free)
-        self.run = SupervisedRun(
-            args,
-            model,
-            self.processing_class,
-            self.train_dataset,
-            accelerator=self.accelerator,
-            activation_offloading=args.activation_offloading,
-            callbacks=callbacks,
-            evaluate=self.evaluate if self.eval_dataset is not None else None,
-        )
+        self._start_run(model, callbacks)
         self._forward_kwargs = _forward_kwargs(self.run.unwrapped(), args.router_aux_loss_coef)
 
     def _prepare(self, dataset: Any, packing: bool, source: str) -> Any:

@@ -38,6 +38,7 @@ from posttrain.configs import ConfigError, TrainingConfig
 from posttrain.distributed import no_sync_unless_last
 from posttrain.models import compile_for_training, enable_gradient_checkpointing
 from posttrain.optim import build_optimizer, build_scheduler
+from posttrain.positions import check_sequence_lengths
 from posttrain.tracking import MetricAccumulator, ProgressBar, Tracker
 
 IGNORE_INDEX = -100
@@ -711,6 +712,23 @@ class SupervisedTrainerAPI(hub.PushToHub):
     @property
     def collator(self) -> Any:  # posttrain's earlier name for data_collator
         return self.data_collator
+
+    def _start_run(self, model: nn.Module, callbacks: list | None) -> None:
+        """The constructors' last step, once `args`, `accelerator`, `processing_class` and the prepared
+        datasets are set: refuse rows longer than the model's positions, then set up `run` (evaluating
+        only with an eval_dataset)."""
+        for data, source in ((self.train_dataset, "train_dataset"), (self.eval_dataset, "eval_dataset")):
+            check_sequence_lengths(data, model, max_length=self.args.max_length, source=source)
+        self.run = SupervisedRun(
+            self.args,
+            model,
+            self.processing_class,
+            self.train_dataset,
+            accelerator=self.accelerator,
+            activation_offloading=self.args.activation_offloading,
+            callbacks=callbacks,
+            evaluate=self.evaluate if self.eval_dataset is not None else None,
+        )
 
     def add_callback(self, callback: Any) -> None:
         """Add a `transformers.TrainerCallback` (an instance, or a class, which is instantiated)."""
