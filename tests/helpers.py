@@ -190,11 +190,11 @@ RL_METRICS = (
 )
 
 
-def ppo_config(tmp_path, **overrides) -> PPOConfig:
-    """Rollout batches of 4 completions of 6 tokens, 8 episodes, no checkpoints, into tmp_path / "out";
-    `overrides` win."""
+def online_config(config_cls, tmp_path, name="out", **overrides):
+    """A PPO / RLOO / GRPO config (`config_cls`): rollout batches of 4 completions of 6 tokens at
+    temperature 1, 8 episodes, lr 1e-3, no checkpoints, into tmp_path / name; `overrides` win."""
     values = dict(
-        output_dir=str(tmp_path / "out"),
+        output_dir=str(tmp_path / name),
         per_device_train_batch_size=4,
         total_episodes=8,
         response_length=6,
@@ -205,46 +205,22 @@ def ppo_config(tmp_path, **overrides) -> PPOConfig:
         temperature=1.0,
     )
     values.update(overrides)
-    return PPOConfig(**values)
+    return config_cls(**values)
+
+
+def ppo_config(tmp_path, **overrides) -> PPOConfig:
+    return online_config(PPOConfig, tmp_path, **overrides)
 
 
 def rloo_config(tmp_path, name="out", **overrides) -> RLOOConfig:
-    """8 episodes of 2 samples per prompt, 4 completions of 6 tokens per rollout batch, one PPO epoch,
-    no checkpoints, into tmp_path / name; `overrides` win."""
-    values = dict(
-        output_dir=str(tmp_path / name),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=1,
-        rloo_k=2,
-        num_ppo_epochs=1,
-        total_episodes=8,
-        response_length=6,
-        learning_rate=1e-3,
-        report_to=["none"],
-        num_sample_generations=0,
-        save_steps=0,
-        temperature=1.0,
-    )
-    values.update(overrides)
-    return RLOOConfig(**values)
+    """online_config with 2 samples per prompt and one PPO epoch."""
+    one_epoch = dict(gradient_accumulation_steps=1, rloo_k=2, num_ppo_epochs=1)
+    return online_config(RLOOConfig, tmp_path, name, **{**one_epoch, **overrides})
 
 
 def grpo_config(tmp_path, name="out", **overrides) -> GRPOConfig:
-    """Rollout batches of 4 completions (one group of 4), 8 episodes, completions of 6 tokens, no
-    checkpoints, into tmp_path / name; `overrides` win."""
-    values = dict(
-        output_dir=str(tmp_path / name),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        total_episodes=8,
-        response_length=6,
-        learning_rate=1e-3,
-        report_to=["none"],
-        num_sample_generations=0,
-        save_steps=0,
-    )
-    values.update(overrides)
-    return GRPOConfig(**values)
+    """online_config with one group of 4 per rollout batch."""
+    return online_config(GRPOConfig, tmp_path, name, **{"num_generations": 4, **overrides})
 
 
 def per_row_generate(

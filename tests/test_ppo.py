@@ -526,17 +526,9 @@ def train_dp_run(out_path: str) -> None:
     online.generate = per_row_generate
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tok = build_tiny_tokenizer()
-    cfg = PPOConfig(
-        output_dir=tempfile.mkdtemp(),
-        per_device_train_batch_size=4,
+    cfg = train_config(
+        Path(tempfile.mkdtemp()),
         gradient_accumulation_steps=2 // world,
-        total_episodes=8,
-        response_length=6,
-        learning_rate=1e-3,
-        report_to="none",
-        num_sample_generations=0,
-        save_steps=0,
-        temperature=1.0,
         num_ppo_epochs=2,
         value_model_init="policy",
         seed=5,
