@@ -21,6 +21,8 @@ if "HF_DATASETS_CACHE" not in os.environ:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from helpers import one_thread, write_cli_files  # noqa: E402, F401  (one_thread: a fixture modules take)
+
 # Under pytest-xdist (`make test` runs two workers on two cores) each worker computes on one thread,
 # and the torchrun launches of different workers rendezvous on different ports (torchrun reads
 # PET_MASTER_PORT); the subprocesses inherit both settings.
@@ -42,6 +44,14 @@ def tiny_tokenizer():
     from posttrain.testing import build_tiny_tokenizer
 
     return build_tiny_tokenizer()
+
+
+@pytest.fixture
+def tok(tiny_tokenizer):
+    """A private copy of tiny_tokenizer, for tests that change its chat template or padding side."""
+    import copy
+
+    return copy.deepcopy(tiny_tokenizer)
 
 
 @pytest.fixture(scope="session")
@@ -86,3 +96,10 @@ def tiny_reward_model_dir(tmp_path_factory, tiny_tokenizer):
     path = tmp_path_factory.mktemp("tiny_reward_model")
     build_tiny_reward_model(tiny_tokenizer, seed=1, save_dir=path)
     return path
+
+
+@pytest.fixture(scope="session")
+def cli_files(tmp_path_factory):
+    """The files the command-line tests start from (helpers.write_cli_files); tests write their runs
+    elsewhere (tmp_path), never here."""
+    return write_cli_files(tmp_path_factory.mktemp("cli"))

@@ -18,6 +18,7 @@ import pytest
 import torch
 from datasets import Dataset
 
+from helpers import train_argv, write_jsonl
 from posttrain import checkpoint as ckpt
 from posttrain.configs import ConfigError, load_config_file
 from posttrain.data import DataError, load_any_dataset
@@ -39,18 +40,6 @@ def assert_user_error(result: subprocess.CompletedProcess, *needles: str) -> str
     for needle in needles:
         assert needle in result.stderr, (needle, result.stderr[-3000:])
     return result.stderr
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
-@pytest.fixture
-def tok(tiny_tokenizer):
-    import copy
-
-    return copy.deepcopy(tiny_tokenizer)
 
 
 # --------------------------------------------------------------------------------------------
@@ -154,13 +143,7 @@ def test_cli_sft_with_a_truncated_model(tmp_path, tiny_policy_dir):
     _truncate(policy / "model.safetensors")
     data = write_jsonl(tmp_path / "text.jsonl", [{"text": "Hello world"}, {"text": "Good morning"}])
     result = posttrain(
-        "sft",
-        "--model_name_or_path",
-        policy,
-        "--dataset_name",
-        data,
-        "--output_dir",
-        tmp_path / "out",
+        *train_argv("sft", policy, data, tmp_path / "out"),
         "--max_steps",
         "1",
         "--report_to",
@@ -206,13 +189,7 @@ def test_cli_sft_with_an_unknown_role(tmp_path, tiny_policy_dir):
     ]
     data = write_jsonl(tmp_path / "chats.jsonl", rows)
     result = posttrain(
-        "sft",
-        "--model_name_or_path",
-        tiny_policy_dir,
-        "--dataset_name",
-        data,
-        "--output_dir",
-        tmp_path / "out",
+        *train_argv("sft", tiny_policy_dir, data, tmp_path / "out"),
         "--max_steps",
         "1",
         "--report_to",
@@ -245,13 +222,7 @@ def test_tied_preference_pairs_are_dropped_with_a_count(tok, caplog):
 def test_cli_reward_with_only_tied_pairs(tmp_path, tiny_reward_model_dir):
     data = write_jsonl(tmp_path / "pairs.jsonl", [{"chosen": f"text {i}", "rejected": f"text {i}"} for i in range(4)])
     result = posttrain(
-        "reward",
-        "--model_name_or_path",
-        tiny_reward_model_dir,
-        "--dataset_name",
-        data,
-        "--output_dir",
-        tmp_path / "out",
+        *train_argv("reward", tiny_reward_model_dir, data, tmp_path / "out"),
         "--max_steps",
         "1",
         "--report_to",
@@ -368,13 +339,7 @@ def test_cli_output_dir_is_a_file_fails_before_any_model_loads(tmp_path):
     data = write_jsonl(tmp_path / "text.jsonl", [{"text": "Hello"}])
     # The model path does not exist: the output_dir error must come first, before loading is tried.
     result = posttrain(
-        "sft",
-        "--model_name_or_path",
-        tmp_path / "no_model_here",
-        "--dataset_name",
-        data,
-        "--output_dir",
-        a_file,
+        *train_argv("sft", tmp_path / "no_model_here", data, a_file),
         "--report_to",
         "none",
     )
@@ -490,13 +455,7 @@ def test_cli_sft_disk_full_at_the_second_checkpoint(tmp_path, tiny_policy_dir, m
     out = tmp_path / "out"
     code = main(
         [
-            "sft",
-            "--model_name_or_path",
-            str(tiny_policy_dir),
-            "--dataset_name",
-            str(data),
-            "--output_dir",
-            str(out),
+            *train_argv("sft", tiny_policy_dir, data, out),
             "--max_steps",
             "3",
             "--save_steps",

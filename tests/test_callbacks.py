@@ -5,7 +5,6 @@ checkpoint, log_history across a resume, the callback list, evaluate(), and LogC
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import shutil
@@ -17,25 +16,12 @@ from datasets import Dataset
 from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.trainer_utils import TrainOutput
 
-from helpers import online_trainer
+import helpers
+from helpers import SENTENCES, online_trainer, reward_trainer
 from posttrain.callbacks import LogCompletionsCallback
 from posttrain.configs import ConfigError
-from posttrain.testing import build_tiny_causal_lm, build_tiny_reward_model
-from posttrain.trainers.reward import RewardTrainer
-from posttrain.trainers.reward_config import RewardConfig
-from posttrain.trainers.sft import SFTTrainer
-from posttrain.trainers.sft_config import SFTConfig
+from posttrain.testing import build_tiny_causal_lm
 
-SENTENCES = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Hello world! Good morning.",
-    "Once upon a time there was a little robot.",
-    "The sea is wide and blue.",
-    "Thank you very much.",
-    "How many legs does a spider have? Eight.",
-    "I think this answer is good.",
-    "Numbers: 0 1 2 3 4 5 6 7 8 9.",
-]
 PAIRS = [{"chosen": f"Q: {w}? A: The sea is blue.", "rejected": f"Q: {w}? A: dog."} for w in SENTENCES[:4]]
 SUMMARY_KEYS = {
     "train_runtime",
@@ -76,24 +62,15 @@ class Recorder(TrainerCallback):
 
 
 def sft_trainer(tmp_path, tokenizer, callbacks=None, eval_dataset=True, **overrides):
-    values = dict(
-        output_dir=str(tmp_path / "sft"),
-        max_steps=4,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        logging_steps=2,
-        save_steps=0,
-        report_to="none",
-        max_length=64,
-    )
-    values.update(overrides)
-    return SFTTrainer(
-        build_tiny_causal_lm(tokenizer),
-        args=SFTConfig(**values),
-        train_dataset=Dataset.from_list([{"text": s} for s in SENTENCES]),
-        eval_dataset=Dataset.from_list([{"text": s} for s in SENTENCES[:2]]) if eval_dataset else None,
-        processing_class=copy.deepcopy(tokenizer),
+    """4 steps over the 8 SENTENCES at batch 2, logging every 2, evaluated on the first 2 when asked."""
+    return helpers.sft_trainer(
+        tmp_path,
+        tokenizer,
+        [{"text": s} for s in SENTENCES],
+        [{"text": s} for s in SENTENCES[:2]] if eval_dataset else None,
+        name="sft",
         callbacks=callbacks,
+        **{"max_steps": 4, "logging_steps": 2, **overrides},
     )
 
 
@@ -247,22 +224,7 @@ def test_trainer_log_and_evaluate_reach_the_state_and_callbacks(tmp_path, tiny_t
 
 def test_reward_training_fires_the_events(tmp_path, tiny_tokenizer):
     recorder = Recorder()
-    trainer = RewardTrainer(
-        build_tiny_reward_model(tiny_tokenizer),
-        args=RewardConfig(
-            output_dir=str(tmp_path / "rm"),
-            max_steps=2,
-            per_device_train_batch_size=2,
-            logging_steps=1,
-            save_steps=1,
-            report_to="none",
-            max_length=64,
-        ),
-        train_dataset=Dataset.from_list(PAIRS),
-        eval_dataset=Dataset.from_list(PAIRS[:2]),
-        processing_class=copy.deepcopy(tiny_tokenizer),
-        callbacks=[recorder],
-    )
+    trainer = reward_trainer(tmp_path, tiny_tokenizer, PAIRS, PAIRS[:2], name="rm", callbacks=[recorder], save_steps=1)
     output = trainer.train()
     assert names(recorder) == [
         ("train_begin", 0),
@@ -612,20 +574,14 @@ with open(f"{out}/rank{trainer.accelerator.process_index}.json", "w") as f:
 def test_two_processes_sft_state_equals_one_process(tmp_path):
     """2 ranks × batch 2 train on the examples of 1 rank × batch 4: every rank's state and TrainOutput
     hold the all-rank numbers, equal to the one-process run's."""
-    import os
-    import subprocess
-    import sys
+    from helpers import run_processes
 
     script = tmp_path / "train.py"
     script.write_text(TWO_PROCESS_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
     runs = {}
-    for name, launcher, batch in (
-        ("two", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"], 2),
-        ("one", [sys.executable], 4),
-    ):
+    for name, nproc, batch in (("two", 2, 2), ("one", 1, 4)):
         out = tmp_path / name
-        subprocess.run([*launcher, str(script), str(out), str(batch), json.dumps(SENTENCES)], env=env, check=True)
+        run_processes([str(script), str(out), str(batch), json.dumps(SENTENCES)], nproc, check=True)
         runs[name] = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     (one,), (rank0, rank1) = runs["one"], runs["two"]
     assert rank0["world_zero"] and not rank1["world_zero"]

@@ -2,19 +2,10 @@
 
 from __future__ import annotations
 
-import copy
-
-import pytest
 import torch
 from datasets import Dataset
 
 from posttrain.data import PromptCollator, prepare_prompt_dataset
-
-
-@pytest.fixture
-def tok(tiny_tokenizer):
-    """A private copy: several tests change the chat template or padding side."""
-    return copy.deepcopy(tiny_tokenizer)
 
 
 def test_prompt_collator_left_pads_with_masks_from_lengths(tiny_tokenizer_pad_eos):

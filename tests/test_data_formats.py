@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 from datasets import Dataset, DatasetDict
 
+from helpers import CHATML, conv
 from posttrain.data import (
     SIMPLE_CHAT_TEMPLATE,
     DataError,
@@ -15,22 +14,6 @@ from posttrain.data import (
     is_conversational,
     render_chat,
 )
-
-CHATML = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-
-def conv(*pairs):
-    return [{"role": r, "content": c} for r, c in pairs]
-
-
-@pytest.fixture
-def tok(tiny_tokenizer):
-    """A private copy: several tests change the chat template or padding side."""
-    return copy.deepcopy(tiny_tokenizer)
-
 
 # --------------------------------------------------------------------------------------------
 # formats and chat templates

@@ -7,13 +7,8 @@ import json
 import pytest
 from datasets import Dataset, DatasetDict
 
+from helpers import write_jsonl
 from posttrain.data import DataError, load_any_dataset
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
-
 
 # --------------------------------------------------------------------------------------------
 # loading

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
 
 import pytest
 from datasets import Dataset
 
+from helpers import CHATML, conv, write_jsonl
 from posttrain.data import (
     IGNORE_INDEX,
     DataError,
@@ -17,26 +16,6 @@ from posttrain.data import (
     prepare_prompt_dataset,
     prepare_sft_dataset,
 )
-
-CHATML = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-
-def conv(*pairs):
-    return [{"role": r, "content": c} for r, c in pairs]
-
-
-@pytest.fixture
-def tok(tiny_tokenizer):
-    """A private copy: several tests change the chat template or padding side."""
-    return copy.deepcopy(tiny_tokenizer)
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
 
 
 def trained_text(tok, row):

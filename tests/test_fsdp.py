@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import checkpoint_steps, launch, letter_fraction, read_metrics, run_processes
 from posttrain.configs import ConfigError
 
 ALGOS = ("rloo", "ppo", "grpo", "xpo", "sft", "reward")
@@ -34,10 +33,6 @@ SCRIPT = textwrap.dedent("""
     from posttrain.distributed import shutdown
     shutdown()
 """)
-
-
-def letter_fraction(prompts, completions, **columns):
-    return [c.count("e") / len(c) if c else 0.0 for c in completions]
 
 
 def local_shares(models: dict) -> dict:
@@ -164,14 +159,6 @@ def saved_weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))
 
 
-def child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    return {**env, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-RUN = dict(env=child_env(), capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.multiproc
 def test_fsdp_two_cpu_processes_equal_one_process(tmp_path):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -180,10 +167,8 @@ def test_fsdp_two_cpu_processes_equal_one_process(tmp_path):
     script.write_text(SCRIPT)
     here = str(Path(__file__).parent)
     one, two = tmp_path / "one", tmp_path / "two"
-    env = child_env()
-    subprocess.run([sys.executable, str(script), str(one), here], check=True, env=env, timeout=300)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    subprocess.run([*launcher, str(script), str(two), here], check=True, env=env, timeout=300)
+    run_processes([str(script), str(one), here], nproc=1, check=True)
+    run_processes([str(script), str(two), here], check=True)
     report = json.loads((two / "run.json").read_text())
     for algo in ALGOS:
         assert report[algo]["world"] == 2
@@ -218,47 +203,43 @@ def _initial(algo: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.multiproc
-def test_fsdp_command_line_under_torchrun(tmp_path):
+def test_fsdp_command_line_under_torchrun(cli_files, tmp_path):
     """The command a user types; the final model is a plain transformers folder."""
     from transformers import AutoModelForCausalLM
 
-    from posttrain.testing import build_tiny_causal_lm, build_tiny_reward_model, build_tiny_tokenizer
-
-    tok = build_tiny_tokenizer()
-    build_tiny_causal_lm(tok, save_dir=tmp_path / "policy")
-    build_tiny_reward_model(tok, save_dir=tmp_path / "rm")
-    (tmp_path / "prompts.jsonl").write_text(
-        "".join(json.dumps({"prompt": f"Prompt {i} says"}) + "\n" for i in range(8))
-    )
     out = tmp_path / "out"
-    argv = ["rloo", "--dataset_name", str(tmp_path / "prompts.jsonl"), "--model_name_or_path", str(tmp_path / "policy")]
-    argv += ["--reward_model_path", str(tmp_path / "rm"), "--response_length", "4", "--rloo_k", "2"]
+    argv = [
+        "rloo",
+        "--dataset_name",
+        str(cli_files / "prompts.jsonl"),
+        "--model_name_or_path",
+        str(cli_files / "policy"),
+    ]
+    argv += ["--reward_model_path", str(cli_files / "rm"), "--response_length", "4", "--rloo_k", "2"]
     argv += ["--per_device_train_batch_size", "2", "--num_ppo_epochs", "1", "--output_dir", str(out)]
     argv += ["--logging_steps", "1", "--save_steps", "1", "--report_to", "none"]
     fsdp = ["--fsdp", "full_shard auto_wrap"]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "posttrain"]
-    result = subprocess.run([*launcher, *argv, *fsdp, "--max_steps", "2"], **RUN)
+    result = launch([*argv, *fsdp, "--max_steps", "2"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
-    logs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logs = read_metrics(out)
     # 2 ranks × 2 completions per rollout batch: 4 episodes a step (1 process would count 2)
     assert [entry["episode"] for entry in logs if "episode" in entry][:2] == [4, 8]
     trained = AutoModelForCausalLM.from_pretrained(out)
-    start = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
+    start = AutoModelForCausalLM.from_pretrained(cli_files / "policy")
     assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), start.parameters()))
     assert (out / "checkpoint-1" / "dcp" / ".metadata").is_file()  # the last step ends with the final save
 
     # The sharded checkpoint-1 resumes sharded (2 processes: steps 2-3, checkpoint-2), and checkpoint-2
     # unsharded in one process (the same global batch of 4 completions in 2 accumulation steps: 3-4).
     resume = ["--resume_from_checkpoint", "latest"]
-    result = subprocess.run([*launcher, *argv, *fsdp, *resume, "--max_steps", "3"], **RUN)
+    result = launch([*argv, *fsdp, *resume, "--max_steps", "3"])
     assert result.returncode == 0, result.stderr[-3000:]
-    one = [sys.executable, "-m", "posttrain", *argv, *resume, "--max_steps", "4", "--gradient_accumulation_steps", "2"]
-    result = subprocess.run(one, **RUN)
+    result = launch([*argv, *resume, "--max_steps", "4", "--gradient_accumulation_steps", "2"], nproc=1)
     assert result.returncode == 0, result.stderr[-3000:]
-    logs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logs = read_metrics(out)
     assert [(entry["step"], entry["episode"]) for entry in logs if "episode" in entry][-2:] == [(3, 12), (4, 16)]
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == [f"checkpoint-{i}" for i in range(1, 4)]
+    assert checkpoint_steps(out) == [1, 2, 3]
     resumed = AutoModelForCausalLM.from_pretrained(out)
     assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), resumed.parameters()))
 

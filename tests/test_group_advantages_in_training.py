@@ -21,9 +21,10 @@ import pytest
 import torch
 from datasets import Dataset
 
+import helpers
 import posttrain.trainers.grpo as grpo
 import posttrain.trainers.rloo as rloo
-from helpers import train_and_last_log
+from helpers import prompt_dataset, train_and_last_log
 from posttrain.rollout import decode_completions, decode_prompts
 from posttrain.scoring import batched_completion_logprobs
 from posttrain.testing import build_tiny_causal_lm
@@ -32,17 +33,7 @@ from posttrain.trainers.grpo_config import GRPOConfig
 from posttrain.trainers.rloo import RLOOTrainer
 from posttrain.trainers.rloo_config import RLOOConfig
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def prompt_dataset(n: int = 64) -> Dataset:
-    return Dataset.from_dict({"prompt": [f"Prompt number {i} says" for i in range(n)], "number": list(range(n))})
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def prompt_and_length(prompts, completions, number, **columns):
@@ -64,40 +55,13 @@ def by_row(prompts, completions, **columns):
 
 
 def rloo_config(tmp_path, **overrides) -> RLOOConfig:
-    values = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=1,
-        rloo_k=2,
-        num_ppo_epochs=1,
-        total_episodes=4,
-        response_length=6,
-        learning_rate=1e-3,
-        kl_coef=0.0,
-        report_to=["none"],
-        num_sample_generations=0,
-        save_steps=0,
-        temperature=1.0,
-    )
-    values.update(overrides)
-    return RLOOConfig(**values)
+    """One rollout batch: 2 prompts × 2 samples, no KL term."""
+    return helpers.rloo_config(tmp_path, **{"total_episodes": 4, "kl_coef": 0.0, **overrides})
 
 
 def grpo_config(tmp_path, **overrides) -> GRPOConfig:
-    values = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        total_episodes=4,
-        response_length=6,
-        learning_rate=1e-3,
-        beta=0.0,
-        report_to=["none"],
-        num_sample_generations=0,
-        save_steps=0,
-    )
-    values.update(overrides)
-    return GRPOConfig(**values)
+    """One rollout batch: 2 groups of 2, no KL term."""
+    return helpers.grpo_config(tmp_path, **{"num_generations": 2, "total_episodes": 4, "beta": 0.0, **overrides})
 
 
 def capture(monkeypatch, module):
@@ -199,7 +163,12 @@ def test_rloo_advantage_is_leave_one_out_within_each_prompt(tmp_path, tiny_token
         local_rollout_forward_batch_size=5,
     )
     RLOOTrainer(
-        cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, prompt_and_length, prompt_dataset()
+        cfg,
+        tiny_tokenizer,
+        build_tiny_causal_lm(tiny_tokenizer),
+        None,
+        prompt_and_length,
+        prompt_dataset(64, numbered=True),
     ).train()
     (record,) = records
     prompts, scores = row_scores(tiny_tokenizer, record["rollout"])
@@ -229,7 +198,11 @@ def test_grpo_advantage_is_normalized_within_each_prompt(tmp_path, tiny_tokenize
         local_rollout_forward_batch_size=5,
     )
     GRPOTrainer(
-        build_tiny_causal_lm(tiny_tokenizer), prompt_and_length, cfg, prompt_dataset(), processing_class=tiny_tokenizer
+        build_tiny_causal_lm(tiny_tokenizer),
+        prompt_and_length,
+        cfg,
+        prompt_dataset(64, numbered=True),
+        processing_class=tiny_tokenizer,
     ).train()
     (record,) = records
     prompts, scores = row_scores(tiny_tokenizer, record["rollout"])
@@ -270,7 +243,7 @@ def test_rloo_hand_computed_advantages(tmp_path, tiny_tokenizer, monkeypatch, op
         build_tiny_causal_lm(tiny_tokenizer),
         None,
         by_row,
-        prompt_dataset(),
+        prompt_dataset(64, numbered=True),
     )
     last = train_and_last_log(trainer)
     covered = check_micro_batches(records[0], torch.tensor(expected, dtype=torch.float64))
@@ -295,7 +268,7 @@ def test_grpo_hand_computed_advantages(tmp_path, tiny_tokenizer, monkeypatch, sc
         build_tiny_causal_lm(tiny_tokenizer),
         by_row,
         grpo_config(tmp_path, scale_rewards=scale),
-        prompt_dataset(),
+        prompt_dataset(64, numbered=True),
         processing_class=tiny_tokenizer,
     )
     last = train_and_last_log(trainer)
@@ -323,7 +296,14 @@ def test_rloo_kl_entropy_metrics_and_temperature(tmp_path, tiny_tokenizer, monke
         response_length=8,
     )
     last = train_and_last_log(
-        RLOOTrainer(cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), ref, prompt_and_length, prompt_dataset())
+        RLOOTrainer(
+            cfg,
+            tiny_tokenizer,
+            build_tiny_causal_lm(tiny_tokenizer),
+            ref,
+            prompt_and_length,
+            prompt_dataset(64, numbered=True),
+        )
     )
     rollout = records[0]["rollout"]
     mask = rollout.completion_mask
@@ -381,7 +361,7 @@ def test_grpo_reward_weights_pair_with_their_reward(tmp_path, tiny_tokenizer, ti
             build_tiny_causal_lm(tiny_tokenizer),
             [one, tiny_reward_model, three],
             cfg,
-            prompt_dataset(),
+            prompt_dataset(64, numbered=True),
             processing_class=tiny_tokenizer,
         )
     )
@@ -394,7 +374,11 @@ def test_grpo_k3_term_against_the_initial_policy(tmp_path, tiny_tokenizer):
     first update (one iteration, the update forward before any step) KL3 = e^0 − 0 − 1 = 0."""
     cfg = grpo_config(tmp_path, beta=0.1, per_device_train_batch_size=8, num_generations=4, total_episodes=8)
     trainer = GRPOTrainer(
-        build_tiny_causal_lm(tiny_tokenizer), prompt_and_length, cfg, prompt_dataset(), processing_class=tiny_tokenizer
+        build_tiny_causal_lm(tiny_tokenizer),
+        prompt_and_length,
+        cfg,
+        prompt_dataset(64, numbered=True),
+        processing_class=tiny_tokenizer,
     )
     assert trainer.ref_model is not None
     last = train_and_last_log(trainer)
@@ -416,7 +400,7 @@ def test_grpo_reward_model_path_brings_its_own_tokenizer(tmp_path, tiny_tokenize
         build_tiny_causal_lm(tiny_tokenizer),
         str(path),
         grpo_config(tmp_path),
-        prompt_dataset(),
+        prompt_dataset(64, numbered=True),
         processing_class=tiny_tokenizer,
     )
     reward = trainer.reward
@@ -445,7 +429,7 @@ def test_grpo_resume_equals_uninterrupted(tmp_path, tiny_tokenizer):
             build_tiny_causal_lm(tiny_tokenizer),
             prompt_and_length,
             cfg,
-            prompt_dataset(),
+            prompt_dataset(64, numbered=True),
             processing_class=tiny_tokenizer,
         )
 

@@ -10,52 +10,21 @@ import textwrap
 
 import pytest
 import torch
-from datasets import Dataset, DatasetDict
+from datasets import DatasetDict
 
 import posttrain.trainers.grpo as grpo
-from helpers import train_and_last_log
+from helpers import flat, grpo_config, letter_fraction, prompt_dataset, train_and_last_log
 from posttrain import cli
 from posttrain.testing import build_tiny_causal_lm
 from posttrain.trainers.grpo import GRPOTrainer
 from posttrain.trainers.grpo_config import GRPOConfig
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads; with other processes on the cores OpenMP's
-    barriers make two threads 10-20x slower than one. Restored after this module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def prompt_dataset(n: int = 32) -> Dataset:
-    return Dataset.from_dict({"prompt": [f"Prompt number {i} says" for i in range(n)], "number": list(range(n))})
-
-
-def letter_fraction(prompts, completions, **columns):
-    return [c.count("e") / len(c) if c else 0.0 for c in completions]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def config(tmp_path, **overrides) -> GRPOConfig:
-    values = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        total_episodes=16,
-        response_length=6,
-        learning_rate=1e-3,
-        report_to=["none"],
-        num_sample_generations=0,
-        save_steps=0,
-    )
-    values.update(overrides)
-    return GRPOConfig(**values)
-
-
-def flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    """2 groups of 4 per rollout batch, 16 episodes."""
+    return grpo_config(tmp_path, **{"per_device_train_batch_size": 8, "total_episodes": 16, **overrides})
 
 
 def test_command_line_with_reward_functions_and_a_reward_model(
@@ -71,7 +40,9 @@ def test_command_line_with_reward_functions_and_a_reward_model(
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     data = tmp_path / "prompts"
-    DatasetDict({"train": prompt_dataset(), "test": prompt_dataset(4)}).save_to_disk(data)
+    DatasetDict({"train": prompt_dataset(32, numbered=True), "test": prompt_dataset(4, numbered=True)}).save_to_disk(
+        data
+    )
     out = tmp_path / "run"
     argv = [
         "grpo",
@@ -139,7 +110,11 @@ def test_learnable_reward_raises_scores(tmp_path, tiny_tokenizer):
         lr_scheduler_type="constant",
     )
     trainer = GRPOTrainer(
-        build_tiny_causal_lm(tiny_tokenizer), letter_fraction, cfg, prompt_dataset(64), processing_class=tiny_tokenizer
+        build_tiny_causal_lm(tiny_tokenizer),
+        letter_fraction,
+        cfg,
+        prompt_dataset(64, numbered=True),
+        processing_class=tiny_tokenizer,
     )
     assert trainer.ref_model is None  # beta = 0: no reference model
     trainer.train()
@@ -158,7 +133,11 @@ def test_groups_are_the_completions_of_one_prompt(tmp_path, tiny_tokenizer):
     policy = build_tiny_causal_lm(tiny_tokenizer)
     before = flat(policy).clone()
     trainer = GRPOTrainer(
-        policy, prompt_number, config(tmp_path, beta=0.0), prompt_dataset(), processing_class=tiny_tokenizer
+        policy,
+        prompt_number,
+        config(tmp_path, beta=0.0),
+        prompt_dataset(32, numbered=True),
+        processing_class=tiny_tokenizer,
     )
     last = train_and_last_log(trainer)
     assert last["frac_reward_zero_std"] == 1.0
@@ -183,7 +162,7 @@ def test_loss_is_a_global_token_mean(tmp_path, tiny_tokenizer):
             policy,
             letter_fraction,
             cfg,
-            prompt_dataset(),
+            prompt_dataset(32, numbered=True),
             processing_class=tiny_tokenizer,
             ref_model=build_tiny_causal_lm(tiny_tokenizer, seed=3),
             optimizers=(optimizer, None),
@@ -208,7 +187,11 @@ def test_mask_truncated_completions(tmp_path, tiny_tokenizer, monkeypatch):
     monkeypatch.setattr(grpo, "grpo_advantages", lambda r, **kw: seen.append(r) or original_group(r, **kw))
     cfg = config(tmp_path, mask_truncated_completions=True, response_length=3, total_episodes=8)
     trainer = GRPOTrainer(
-        build_tiny_causal_lm(tiny_tokenizer), letter_fraction, cfg, prompt_dataset(), processing_class=tiny_tokenizer
+        build_tiny_causal_lm(tiny_tokenizer),
+        letter_fraction,
+        cfg,
+        prompt_dataset(32, numbered=True),
+        processing_class=tiny_tokenizer,
     )
     last = train_and_last_log(trainer)
     (mask,) = masks
@@ -235,7 +218,11 @@ def test_static_cache_implementation_selects_the_compiled_static_engine(tmp_path
     monkeypatch.setattr(online, "generate", spy)
     cfg = config(tmp_path, cache_implementation="static", total_episodes=8, response_length=4)
     trainer = GRPOTrainer(
-        build_tiny_causal_lm(tiny_tokenizer), letter_fraction, cfg, prompt_dataset(), processing_class=tiny_tokenizer
+        build_tiny_causal_lm(tiny_tokenizer),
+        letter_fraction,
+        cfg,
+        prompt_dataset(32, numbered=True),
+        processing_class=tiny_tokenizer,
     )
     last = train_and_last_log(trainer)
     assert options and all(o["cache_implementation"] == "static" for o in options)

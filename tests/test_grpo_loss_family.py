@@ -8,57 +8,32 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from datasets import Dataset
 
-from helpers import train_and_last_log
+from helpers import (
+    flat,
+    grpo_config,
+    letter_fraction,
+    per_row_generate,
+    prompt_dataset,
+    run_processes,
+    train_and_last_log,
+)
 from posttrain import cli
 from posttrain.configs import ConfigError
 from posttrain.testing import build_tiny_causal_lm
 from posttrain.trainers.grpo import GRPOTrainer, rank_rows
 from posttrain.trainers.grpo_config import GRPOConfig
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def prompt_dataset(n: int = 32) -> Dataset:
-    return Dataset.from_dict({"prompt": [f"Prompt number {i} says" for i in range(n)], "number": list(range(n))})
-
-
-def letter_fraction(prompts, completions, **columns):
-    return [c.count("e") / len(c) if c else 0.0 for c in completions]
-
-
-def flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def config(tmp_path, **overrides) -> GRPOConfig:
-    values = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        total_episodes=8,
-        response_length=6,
-        learning_rate=1e-2,
-        report_to=["none"],
-        num_sample_generations=0,
-        save_steps=0,
-    )
-    values.update(overrides)
-    return GRPOConfig(**values)
+    return grpo_config(tmp_path, **{"learning_rate": 1e-2, **overrides})
 
 
 # -- the config: TRL 1.16's fields, defaults and checks ------------------------------------------------
@@ -229,7 +204,7 @@ def test_each_loss_type_trains(tmp_path, tiny_tokenizer, loss_type, level):
         policy,
         letter_fraction,
         cfg,
-        prompt_dataset(),
+        prompt_dataset(32, numbered=True),
         processing_class=tiny_tokenizer,
         ref_model=build_tiny_causal_lm(tiny_tokenizer, seed=3),
     )
@@ -262,7 +237,7 @@ def test_top_entropy_quantile_keeps_the_high_entropy_tokens(tmp_path, tiny_token
     policy = build_tiny_causal_lm(tiny_tokenizer)
     before = flat(policy).clone()
     last = train_and_last_log(
-        GRPOTrainer(policy, letter_fraction, cfg, prompt_dataset(), processing_class=tiny_tokenizer)
+        GRPOTrainer(policy, letter_fraction, cfg, prompt_dataset(32, numbered=True), processing_class=tiny_tokenizer)
     )
     assert all(math.isfinite(v) for v in last.values()), last
     assert not torch.equal(before, flat(policy))
@@ -296,7 +271,11 @@ def advantages_of(tmp_path, tiny_tokenizer, monkeypatch, rewards, **overrides) -
     cfg = config(tmp_path, num_generations=2, total_episodes=4, **overrides)
     last = train_and_last_log(
         GRPOTrainer(
-            build_tiny_causal_lm(tiny_tokenizer), rewards, cfg, prompt_dataset(), processing_class=tiny_tokenizer
+            build_tiny_causal_lm(tiny_tokenizer),
+            rewards,
+            cfg,
+            prompt_dataset(32, numbered=True),
+            processing_class=tiny_tokenizer,
         )
     )
     (advantages,) = seen
@@ -371,30 +350,9 @@ SPAN_SCRIPT = textwrap.dedent("""
 """)
 
 
-def spanning_generate(model, prompt_ids, prompt_mask, sampling, *, pad_token_id, generator=None, **kw):
-    from posttrain.rollout import Rollout, generate
-
-    first = 4 * int(os.environ.get("RANK", "0"))  # this rank's first sample index of the one group
-    seen: dict[tuple, int] = {}
-    rows = []
-    for ids, mask in zip(prompt_ids, prompt_mask):
-        key = tuple(ids[mask.bool()].tolist())
-        seen[key] = seen.get(key, first - 1) + 1
-        seed = (sum((i + 1) * t for i, t in enumerate(key)) * 1009 + seen[key]) % (2**31)
-        g = torch.Generator(device=ids.device).manual_seed(seed)
-        kw.pop("batch_size", None)
-        rows.append(
-            generate(
-                model,
-                ids[mask.bool()][None],
-                mask[mask.bool()][None],
-                sampling,
-                pad_token_id=pad_token_id,
-                generator=g,
-                **kw,
-            )
-        )
-    return Rollout.cat(rows)
+def spanning_generate(*args, **kw):
+    """per_row_generate, with this rank's first sample index of the one group (4 per rank)."""
+    return per_row_generate(*args, first_index=4 * int(os.environ.get("RANK", "0")), **kw)
 
 
 def span_run(out_path: str, top_entropy_quantile: float) -> None:
@@ -437,7 +395,7 @@ def span_run(out_path: str, top_entropy_quantile: float) -> None:
         policy,
         letter_fraction,
         cfg,
-        prompt_dataset(),
+        prompt_dataset(32, numbered=True),
         processing_class=tok,
         ref_model=build_tiny_causal_lm(tok, seed=3),
         optimizers=(torch.optim.SGD(policy.parameters(), lr=0.5), None),
@@ -453,13 +411,10 @@ def span_run(out_path: str, top_entropy_quantile: float) -> None:
 def run_span(tmp_path: Path, top_entropy_quantile: float) -> tuple[dict, list[dict]]:
     script = tmp_path / "span.py"
     script.write_text(SPAN_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = [str(script), str(tmp_path / "one.pt"), str(Path(__file__).parent), str(top_entropy_quantile)]
-    subprocess.run([sys.executable, *args], check=True, env=env, timeout=150)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    env = {**env, "ACCELERATE_USE_CPU": "true"}
+    run_processes(args, nproc=1, timeout=150, check=True)
     args[1] = str(tmp_path / "two.pt")
-    subprocess.run([*launcher, *args], check=True, env=env, timeout=150)
+    run_processes(args, timeout=150, check=True)
     return torch.load(tmp_path / "one.pt.0"), [torch.load(tmp_path / f"two.pt.{r}") for r in range(2)]
 
 

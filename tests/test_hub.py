@@ -17,6 +17,7 @@ import pytest
 import yaml
 from datasets import Dataset
 
+from helpers import count_e
 from posttrain import hub
 from posttrain.configs import ConfigError
 from posttrain.testing import build_tiny_causal_lm, build_tiny_reward_model
@@ -43,10 +44,6 @@ PAPERS = {  # the paper each algorithm's card must cite (arXiv / DOI link)
     "online_dpo": "https://arxiv.org/abs/2402.04792",
     "xpo": "https://arxiv.org/abs/2405.21046",
 }
-
-
-def count_e(prompts, completions, **columns):
-    return [float(c.count("e")) for c in completions]
 
 
 def make_trainer(algo: str, output_dir: Path, tokenizer, base_dir: Path, **fields):

@@ -6,33 +6,16 @@ line in its own process, killed once checkpoint 2 of 5 is complete, and resumed 
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from tests.test_torchrun_save_resume import PROMPTS
+
+from helpers import checkpoint_steps, child_env, posttrain_command, read_metrics
 
 STEPS, KILL_AFTER = 5, 2
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    from posttrain.testing import build_tiny_causal_lm, build_tiny_reward_model, build_tiny_tokenizer
-
-    root = tmp_path_factory.mktemp("kill")
-    tok = build_tiny_tokenizer()
-    build_tiny_causal_lm(tok, save_dir=root / "policy")
-    build_tiny_reward_model(tok, save_dir=root / "rm")
-    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    (root / "text.jsonl").write_text("".join(json.dumps({"text": p + " something nice."}) + "\n" for p in PROMPTS))
-    pairs = [{"chosen": p + " good.", "rejected": p + " bad bad."} for p in PROMPTS]
-    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
-    return root
 
 
 def command(name: str, root: Path, out: Path) -> list[str]:
@@ -61,10 +44,10 @@ def command(name: str, root: Path, out: Path) -> list[str]:
     # max_steps counts optimizer steps: 2 epochs x 2 mini-batches = 4 per rollout batch for PPO and RLOO
     steps = STEPS * (4 if name in ("ppo", "rloo") else 1)
     args += ["--per_device_train_batch_size", "4", "--max_steps", str(steps), "--learning_rate", "1e-3"]
-    return [sys.executable, "-m", "posttrain", name, *args, "--output_dir", str(out), "--save_steps", "1"]
+    return [*posttrain_command(1), name, *args, "--output_dir", str(out), "--save_steps", "1"]
 
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+ENV = child_env()
 
 
 def run(argv: list[str]) -> None:
@@ -84,20 +67,20 @@ def weights(out: Path) -> dict[str, bytes]:
 
 def metrics(out: Path) -> dict[int, dict]:
     """step -> the metrics logged at that step (wall-clock entries dropped)."""
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(out)
     timing = ("eps", "train_runtime", "train_samples_per_second", "train_steps_per_second", "time", "timestamp")
     return {r["step"]: {k: v for k, v in r.items() if k not in timing} for r in rows if "step" in r}
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", ["ppo", "rloo", "grpo", "online-dpo", "xpo", "sft", "reward"])
-def test_sigkill_then_resume_equals_the_uninterrupted_run(files, tmp_path, name):
+def test_sigkill_then_resume_equals_the_uninterrupted_run(cli_files, tmp_path, name):
     full, killed = tmp_path / "full", tmp_path / "killed"
-    run(command(name, files, full))
-    saved = sorted(int(p.name.split("-")[1]) for p in full.glob("checkpoint-*"))
+    run(command(name, cli_files, full))
+    saved = checkpoint_steps(full)
     assert saved[: KILL_AFTER + 1] == list(range(1, KILL_AFTER + 2))  # steps left to run after the kill
 
-    argv = command(name, files, killed)
+    argv = command(name, cli_files, killed)
     proc = subprocess.Popen(
         [*argv, "--logging_steps", "1", "--report_to", "none"],
         env=ENV,

@@ -12,13 +12,13 @@ One script runs all five trainers to pay the process start-up once.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import count_e, flat, run_processes
 
 ALGOS = ("rloo", "grpo", "ppo", "online_dpo", "xpo")
 
@@ -33,14 +33,6 @@ SCRIPT = textwrap.dedent("""
 """)
 
 PROMPTS = ["Hello world", "The quick brown fox", "Once upon a time", "Thank you very much"]
-
-
-def count_e(prompts, completions, **columns):
-    return [float(c.count("e")) for c in completions]
-
-
-def flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
 
 
 def build(algo: str, out: str):
@@ -121,11 +113,7 @@ def run_all(out_dir: str) -> None:
 def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     script = tmp_path / "nonfinite.py"
     script.write_text(SCRIPT)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    subprocess.run(
-        [*launcher, str(script), str(tmp_path), str(Path(__file__).parent)], check=True, env=env, timeout=400
-    )
+    run_processes([str(script), str(tmp_path), str(Path(__file__).parent)], timeout=400, check=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for algo in ALGOS:
         zero, one = ranks[0][algo], ranks[1][algo]

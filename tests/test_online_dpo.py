@@ -11,7 +11,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from helpers import tensorboard_scalars
+from helpers import WORDS, pair_config, tensorboard_scalars, word_prompts
 from posttrain.configs import ConfigError
 from posttrain.judges import CallableJudge, win_rate
 from posttrain.rollout import Rollout
@@ -27,24 +27,13 @@ from posttrain.trainers.online_dpo import (
 )
 from posttrain.trainers.online_dpo_config import OnlineDPOConfig
 
-WORDS = [
-    "Hello world",
-    "The quick brown fox",
-    "What is the capital",
-    "Once upon a time",
-    "Write a poem",
-    "Numbers 1 2 3",
-    "Thank you",
-    "Good morning",
-]
-
 
 def standard_prompts(n: int = 16) -> Dataset:
-    return Dataset.from_dict({"prompt": [WORDS[i % len(WORDS)] for i in range(n)]})
+    return word_prompts(n)
 
 
 def conversational_prompts(n: int = 16) -> Dataset:
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": WORDS[i % len(WORDS)]}] for i in range(n)]})
+    return word_prompts(n, conversational=True)
 
 
 def shorter(prompt, completion) -> float:
@@ -53,21 +42,7 @@ def shorter(prompt, completion) -> float:
 
 
 def make_config(tmp_path, **overrides) -> OnlineDPOConfig:
-    values = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=2,  # prompts: 4 completions per micro-batch
-        gradient_accumulation_steps=2,
-        total_episodes=16,
-        max_new_tokens=6,
-        logging_steps=1,
-        learning_rate=1e-3,
-        report_to="none",
-        save_steps=0,
-        num_sample_generations=0,
-        seed=0,
-    )
-    values.update(overrides)
-    return OnlineDPOConfig(**values)
+    return pair_config(OnlineDPOConfig, tmp_path, **overrides)
 
 
 def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:

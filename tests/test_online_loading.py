@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from datasets import Dataset
 
-from helpers import train_and_last_log
+from helpers import count_e, train_and_last_log
 from posttrain.testing import build_tiny_causal_lm, build_tiny_reward_model
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
@@ -15,10 +15,6 @@ from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 from posttrain.trainers.xpo import XPOConfig, XPOTrainer
 
 PROMPTS = ["Hello world", "The quick brown fox", "Once upon a time", "Thank you very much"] * 2
-
-
-def count_e(prompts, completions, **columns):
-    return [float(c.count("e")) for c in completions]
 
 
 def prompts():

@@ -3,7 +3,6 @@ attention, padding-free batches, and losses that equal each sequence's loss on i
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import random
@@ -12,21 +11,10 @@ import pytest
 import torch
 from datasets import Dataset
 
+from helpers import SENTENCES, sft_trainer
 from posttrain.data import SFTCollator, best_fit_decreasing, prepare_sft_dataset
 from posttrain.testing import build_tiny_causal_lm
-from posttrain.trainers.sft import SFTTrainer, num_trained_tokens, packed_attention_inputs
-from posttrain.trainers.sft_config import SFTConfig
-
-SENTENCES = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Hello world! Good morning.",
-    "Once upon a time there was a little robot who loved to read books.",
-    "The sea is wide and blue.",
-    "Thank you very much.",
-    "Question: how many legs does a spider have? Answer: eight legs.",
-    "I think this answer is good.",
-    "Numbers: 0 1 2 3 4 5 6 7 8 9.",
-]
+from posttrain.trainers.sft import num_trained_tokens, packed_attention_inputs
 
 
 def naive_bfd(lengths, capacity):
@@ -94,11 +82,6 @@ def test_best_fit_decreasing_at_scale_places_everything_and_fills_bins():
 # --------------------------------------------------------------------------------------------
 # dataset preparation
 # --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def tok(tiny_tokenizer):
-    return copy.deepcopy(tiny_tokenizer)
 
 
 @pytest.mark.parametrize("truncation", ["keep_start", "keep_end"])
@@ -225,24 +208,8 @@ def test_position_ids_alone_isolate_sequences_in_transformers(tiny_tokenizer):
 
 
 def make_trainer(tmp_path, tokenizer, train, name="run", eval_dataset=None, **overrides):
-    values = dict(
-        output_dir=str(tmp_path / name),
-        max_steps=2,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_steps=0,
-        report_to="none",
-        max_length=32,
-        loss_chunk_tokens=5,
-    )
-    values.update(overrides)
-    return SFTTrainer(
-        build_tiny_causal_lm(tokenizer),
-        args=SFTConfig(**values),
-        train_dataset=train,
-        eval_dataset=eval_dataset,
-        processing_class=copy.deepcopy(tokenizer),
+    return sft_trainer(
+        tmp_path, tokenizer, train, eval_dataset, name=name, **{"max_length": 32, "loss_chunk_tokens": 5, **overrides}
     )
 
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 peft = pytest.importorskip("peft")
 
+from helpers import train_argv  # noqa: E402
 from posttrain.cli import main  # noqa: E402
 from posttrain.configs import TrainingConfig  # noqa: E402
 from posttrain.models import PEFT_INSTALL_HINT, peft_config_from  # noqa: E402
@@ -23,6 +24,8 @@ from posttrain.models import PEFT_INSTALL_HINT, peft_config_from  # noqa: E402
 LORA = ["--use_peft", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj"]
 COMMON = ["--report_to", "none", "--logging_steps", "1", "--learning_rate", "1e-2", "--save_steps", "0"]
 WORDS = ["sea", "sky", "dog", "fox", "robot", "book", "poem", "tree"]
+# Online DPO / XPO: a random judge, one rollout batch of 4 prompts.
+JUDGED = ["--judge", "random:0", "--per_device_train_batch_size", "4", "--total_episodes", "4", "--max_new_tokens", "4"]
 
 
 @pytest.fixture
@@ -63,6 +66,14 @@ def check_only_adapter_trained(model, start_dir, out_dir, head: str | None = Non
         assert any(head in k for k in adapter)
 
 
+def train_with_lora(captured, command, model_dir, data, out, *flags):
+    """`posttrain <command>` of the model in `model_dir` on `data` into `out` with the LoRA flags; the one
+    PEFT model it trained."""
+    assert main(train_argv(command, model_dir, data, out, *flags, *COMMON, *LORA)) == 0
+    (model,) = captured
+    return model
+
+
 def prompts_file(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"Write about the {w}."}) + "\n" for w in WORDS))
@@ -75,27 +86,8 @@ def test_sft(tmp_path, captured, tiny_policy_dir):
         "".join(json.dumps({"prompt": f"Q: {w}? ", "completion": f"The {w} is here."}) + "\n" for w in WORDS)
     )
     out = tmp_path / "sft"
-    assert (
-        main(
-            [
-                "sft",
-                "--model_name_or_path",
-                str(tiny_policy_dir),
-                "--dataset_name",
-                str(data),
-                "--output_dir",
-                str(out),
-                "--max_steps",
-                "2",
-                "--per_device_train_batch_size",
-                "2",
-                *COMMON,
-                *LORA,
-            ]
-        )
-        == 0
-    )
-    (model,) = captured
+    flags = ["--max_steps", "2", "--per_device_train_batch_size", "2"]
+    model = train_with_lora(captured, "sft", tiny_policy_dir, data, out, *flags)
     check_only_adapter_trained(model, tiny_policy_dir, out)
 
 
@@ -103,62 +95,17 @@ def test_reward(tmp_path, captured, tiny_reward_model_dir):
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps({"chosen": f"The {w} is good.", "rejected": f"{w}."}) + "\n" for w in WORDS))
     out = tmp_path / "reward"
-    assert (
-        main(
-            [
-                "reward",
-                "--model_name_or_path",
-                str(tiny_reward_model_dir),
-                "--dataset_name",
-                str(data),
-                "--output_dir",
-                str(out),
-                "--max_steps",
-                "2",
-                "--per_device_train_batch_size",
-                "2",
-                *COMMON,
-                *LORA,
-            ]
-        )
-        == 0
-    )
-    (model,) = captured
+    flags = ["--max_steps", "2", "--per_device_train_batch_size", "2"]
+    model = train_with_lora(captured, "reward", tiny_reward_model_dir, data, out, *flags)
     assert model.peft_config["default"].task_type == "SEQ_CLS"
     check_only_adapter_trained(model, tiny_reward_model_dir, out, head="score")
 
 
 def test_rloo(tmp_path, captured, tiny_policy_dir, tiny_reward_model_dir):
     out = tmp_path / "rloo"
-    assert (
-        main(
-            [
-                "rloo",
-                "--model_name_or_path",
-                str(tiny_policy_dir),
-                "--reward_model_path",
-                str(tiny_reward_model_dir),
-                "--dataset_name",
-                prompts_file(tmp_path),
-                "--output_dir",
-                str(out),
-                "--rloo_k",
-                "2",
-                "--per_device_train_batch_size",
-                "4",
-                "--total_episodes",
-                "4",
-                "--response_length",
-                "4",
-                "--num_sample_generations",
-                "0",
-                *COMMON,
-                *LORA,
-            ]
-        )
-        == 0
-    )
-    (model,) = captured
+    flags = ["--reward_model_path", str(tiny_reward_model_dir), "--rloo_k", "2", "--per_device_train_batch_size", "4"]
+    flags += ["--total_episodes", "4", "--response_length", "4", "--num_sample_generations", "0"]
+    model = train_with_lora(captured, "rloo", tiny_policy_dir, prompts_file(tmp_path), out, *flags)
     check_only_adapter_trained(model, tiny_policy_dir, out)
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     # The reference is the adapter-disabled base: identical to the policy before the first update.
@@ -167,33 +114,9 @@ def test_rloo(tmp_path, captured, tiny_policy_dir, tiny_reward_model_dir):
 
 def test_ppo(tmp_path, captured, tiny_policy_dir, tiny_reward_model_dir):
     out = tmp_path / "ppo"
-    assert (
-        main(
-            [
-                "ppo",
-                "--model_name_or_path",
-                str(tiny_policy_dir),
-                "--reward_model_path",
-                str(tiny_reward_model_dir),
-                "--dataset_name",
-                prompts_file(tmp_path),
-                "--output_dir",
-                str(out),
-                "--per_device_train_batch_size",
-                "4",
-                "--total_episodes",
-                "4",
-                "--response_length",
-                "4",
-                "--num_sample_generations",
-                "0",
-                *COMMON,
-                *LORA,
-            ]
-        )
-        == 0
-    )
-    (model,) = captured
+    flags = ["--reward_model_path", str(tiny_reward_model_dir), "--per_device_train_batch_size", "4"]
+    flags += ["--total_episodes", "4", "--response_length", "4", "--num_sample_generations", "0"]
+    model = train_with_lora(captured, "ppo", tiny_policy_dir, prompts_file(tmp_path), out, *flags)
     check_only_adapter_trained(model, tiny_policy_dir, out)
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert record["objective/kl"] == pytest.approx(0.0, abs=1e-5)
@@ -201,31 +124,7 @@ def test_ppo(tmp_path, captured, tiny_policy_dir, tiny_reward_model_dir):
 
 def test_online_dpo(tmp_path, captured, tiny_policy_dir):
     out = tmp_path / "odpo"
-    assert (
-        main(
-            [
-                "online-dpo",
-                "--model_name_or_path",
-                str(tiny_policy_dir),
-                "--dataset_name",
-                prompts_file(tmp_path),
-                "--judge",
-                "random:0",
-                "--output_dir",
-                str(out),
-                "--per_device_train_batch_size",
-                "4",
-                "--total_episodes",
-                "4",
-                "--max_new_tokens",
-                "4",
-                *COMMON,
-                *LORA,
-            ]
-        )
-        == 0
-    )
-    (model,) = captured
+    model = train_with_lora(captured, "online-dpo", tiny_policy_dir, prompts_file(tmp_path), out, *JUDGED)
     check_only_adapter_trained(model, tiny_policy_dir, out)
 
 
@@ -270,37 +169,10 @@ def test_missing_peft_names_the_extra(monkeypatch):
 
 def test_grpo(tmp_path, captured, tiny_policy_dir, tiny_reward_model_dir):
     out = tmp_path / "grpo"
-    assert (
-        main(
-            [
-                "grpo",
-                "--model_name_or_path",
-                str(tiny_policy_dir),
-                "--reward_model_path",
-                str(tiny_reward_model_dir),
-                "--dataset_name",
-                prompts_file(tmp_path),
-                "--output_dir",
-                str(out),
-                "--num_generations",
-                "2",
-                "--per_device_train_batch_size",
-                "4",
-                "--total_episodes",
-                "4",
-                "--max_completion_length",
-                "4",
-                "--beta",
-                "0.1",
-                "--num_sample_generations",
-                "0",
-                *COMMON,
-                *LORA,
-            ]
-        )
-        == 0
-    )
-    (model,) = captured
+    flags = ["--reward_model_path", str(tiny_reward_model_dir), "--num_generations", "2"]
+    flags += ["--per_device_train_batch_size", "4", "--total_episodes", "4", "--max_completion_length", "4"]
+    flags += ["--beta", "0.1", "--num_sample_generations", "0"]
+    model = train_with_lora(captured, "grpo", tiny_policy_dir, prompts_file(tmp_path), out, *flags)
     check_only_adapter_trained(model, tiny_policy_dir, out)
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert record["objective/kl"] == pytest.approx(0.0, abs=1e-5)
@@ -308,29 +180,5 @@ def test_grpo(tmp_path, captured, tiny_policy_dir, tiny_reward_model_dir):
 
 def test_xpo(tmp_path, captured, tiny_policy_dir):
     out = tmp_path / "xpo"
-    assert (
-        main(
-            [
-                "xpo",
-                "--model_name_or_path",
-                str(tiny_policy_dir),
-                "--dataset_name",
-                prompts_file(tmp_path),
-                "--judge",
-                "random:0",
-                "--output_dir",
-                str(out),
-                "--per_device_train_batch_size",
-                "4",
-                "--total_episodes",
-                "4",
-                "--max_new_tokens",
-                "4",
-                *COMMON,
-                *LORA,
-            ]
-        )
-        == 0
-    )
-    (model,) = captured
+    model = train_with_lora(captured, "xpo", tiny_policy_dir, prompts_file(tmp_path), out, *JUDGED)
     check_only_adapter_trained(model, tiny_policy_dir, out)

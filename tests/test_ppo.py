@@ -6,15 +6,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import train_and_last_log
+from helpers import RL_METRICS, flat, run_processes, train_and_last_log
+from helpers import ppo_config as train_config
 from posttrain.configs import ConfigError
 from posttrain.models import CausalLMWithValueHead
 from posttrain.testing import build_tiny_causal_lm
@@ -39,21 +38,6 @@ def prompt_dataset(n: int = 16):
     return Dataset.from_dict({"prompt": [PROMPTS[i % len(PROMPTS)] for i in range(n)]})
 
 
-def train_config(tmp_path, **kw) -> PPOConfig:
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        total_episodes=8,
-        response_length=6,
-        learning_rate=1e-3,
-        report_to="none",
-        num_sample_generations=0,
-        save_steps=0,
-        temperature=1.0,
-    )
-    return PPOConfig(**{**base, **kw})
-
-
 def step_data(tok, n: int, seed: int = 0):
     """n ragged (query, response) pairs of real token ids and hand-made scores."""
     g = torch.Generator().manual_seed(seed)
@@ -62,10 +46,6 @@ def step_data(tok, n: int, seed: int = 0):
     responses = [torch.randint(2, vocab, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g) for _ in range(n)]
     scores = [torch.tensor(float(s)) for s in torch.linspace(-1.0, 1.0, n)]
     return queries, responses, scores
-
-
-def flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
 
 
 # -- config ---------------------------------------------------------------------------------------
@@ -154,25 +134,7 @@ def test_train_changes_policy_and_critic_and_saves(tmp_path, tiny_tokenizer, tin
     )
     logs = train_and_last_log(trainer)
     assert not torch.equal(before, flat(trainer.model)) and not torch.equal(critic_before, flat(trainer.value_model))
-    for name in (
-        "eps",
-        "objective/kl",
-        "objective/entropy",
-        "objective/non_score_reward",
-        "objective/rlhf_reward",
-        "objective/scores",
-        "policy/approxkl_avg",
-        "policy/clipfrac_avg",
-        "loss/policy_avg",
-        "loss/value_avg",
-        "val/clipfrac_avg",
-        "policy/entropy_avg",
-        "val/ratio",
-        "val/ratio_var",
-        "val/num_eos_tokens",
-        "lr",
-        "episode",
-    ):
+    for name in (*RL_METRICS, "loss/value_avg"):
         assert name in logs and logs[name] == logs[name], name
     assert logs["objective/entropy"] >= 0 and logs["policy/entropy_avg"] > 0 and logs["episode"] == 8
     out = Path(cfg.output_dir)
@@ -437,16 +399,12 @@ MULTIPROC_SCRIPT = textwrap.dedent("""
 def test_two_processes_equal_one_process(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(MULTIPROC_SCRIPT)
-    # A clean launch environment: no accelerate settings left behind by in-process tests.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env["OMP_NUM_THREADS"] = "1"
+    # A clean launch environment (helpers.child_env): no accelerate settings left behind by in-process tests.
     here = str(Path(__file__).parent)
-    subprocess.run([sys.executable, str(script), str(tmp_path / "one.pt"), here], check=True, env=env, timeout=120)
+    run_processes([str(script), str(tmp_path / "one.pt"), here], nproc=1, timeout=120, check=True)
     # `accelerate launch --cpu --num_processes 2` starts a single process with accelerate 1.15;
     # torchrun with ACCELERATE_USE_CPU gives accelerate a real 2-rank gloo group.
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    env = {**env, "ACCELERATE_USE_CPU": "true"}
-    subprocess.run([*launcher, str(script), str(tmp_path / "two.pt"), here], check=True, env=env, timeout=120)
+    run_processes([str(script), str(tmp_path / "two.pt"), here], timeout=120, check=True)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert two["kl"] == pytest.approx(one["kl"], rel=1e-5)
     torch.testing.assert_close(two["params"], one["params"], rtol=0, atol=2e-6)
@@ -559,7 +517,6 @@ def ends_with_e(prompts, completions, **kw):
 
 
 def train_dp_run(out_path: str) -> None:
-    import os
     import tempfile
 
     import posttrain.trainers.online as online
@@ -569,17 +526,9 @@ def train_dp_run(out_path: str) -> None:
     online.generate = per_row_generate
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tok = build_tiny_tokenizer()
-    cfg = PPOConfig(
-        output_dir=tempfile.mkdtemp(),
-        per_device_train_batch_size=4,
+    cfg = train_config(
+        Path(tempfile.mkdtemp()),
         gradient_accumulation_steps=2 // world,
-        total_episodes=8,
-        response_length=6,
-        learning_rate=1e-3,
-        report_to="none",
-        num_sample_generations=0,
-        save_steps=0,
-        temperature=1.0,
         num_ppo_epochs=2,
         value_model_init="policy",
         seed=5,
@@ -610,16 +559,9 @@ def train_dp_run(out_path: str) -> None:
 def test_train_on_two_processes_equals_one_process(tmp_path):
     script = tmp_path / "train_dp.py"
     script.write_text(TRAIN_DP_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     here = str(Path(__file__).parent)
-    subprocess.run([sys.executable, str(script), str(tmp_path / "one.pt"), here], check=True, env=env, timeout=150)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    subprocess.run(
-        [*launcher, str(script), str(tmp_path / "two.pt"), here],
-        check=True,
-        env={**env, "ACCELERATE_USE_CPU": "true"},
-        timeout=150,
-    )
+    run_processes([str(script), str(tmp_path / "one.pt"), here], nproc=1, timeout=150, check=True)
+    run_processes([str(script), str(tmp_path / "two.pt"), here], timeout=150, check=True)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert (one["policy"] - one["initial"]).abs().max() > 1e-4  # the update really moved the policy
     assert two["kl"] == pytest.approx(one["kl"], rel=1e-5, abs=1e-7)

@@ -12,13 +12,15 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from helpers import VOCAB
+from helpers import tiny_bart as bart
+from helpers import tiny_t5 as t5
 from posttrain.configs import ConfigError
 from posttrain.trainers.ppo import PPOTrainer
 from posttrain.trainers.ppo_classic import STEP_STATS
 from posttrain.trainers.ppo_config import PPOConfig
 from posttrain.value_head import AutoModelForSeq2SeqLMWithValueHead
 
-VOCAB = 64
 QUERIES = [torch.tensor([5, 6, 7]), torch.tensor([8, 9]), torch.tensor([10, 11, 12, 13]), torch.tensor([14])]
 SCORES = [torch.tensor(1.0), torch.tensor(-1.0), torch.tensor(0.5), torch.tensor(0.0)]
 # Every stat step() returns for a causal LM: the classic names plus the derived ones.
@@ -49,44 +51,6 @@ def word_tokenizer(pad: int, eos: int) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w3"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="w3")
-
-
-def t5(seed: int = 0) -> transformers.PreTrainedModel:
-    torch.manual_seed(seed)
-    config = transformers.T5Config(
-        vocab_size=VOCAB,
-        d_model=16,
-        d_kv=8,
-        d_ff=32,
-        num_layers=1,
-        num_heads=2,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    return transformers.T5ForConditionalGeneration(config)
-
-
-def bart(seed: int = 0) -> transformers.PreTrainedModel:
-    torch.manual_seed(seed)
-    config = transformers.BartConfig(
-        vocab_size=VOCAB,
-        d_model=16,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=32,
-        decoder_ffn_dim=32,
-        max_position_embeddings=32,
-        pad_token_id=1,
-        bos_token_id=0,
-        eos_token_id=2,
-        decoder_start_token_id=2,
-        forced_bos_token_id=None,
-        forced_eos_token_id=None,
-    )
-    return transformers.BartForConditionalGeneration(config)
 
 
 ARCHS = {"t5": (t5, 0, 1), "bart": (bart, 1, 2)}  # builder, pad id, eos id

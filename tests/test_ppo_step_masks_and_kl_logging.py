@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import ppo_config
 from posttrain.models import CausalLMWithValueHead
 from posttrain.testing import build_tiny_causal_lm
 from posttrain.trainers.ppo import PPOTrainer
@@ -100,16 +101,9 @@ def test_train_logs_the_kl_coef_that_shaped_the_logged_rewards(tmp_path, tiny_to
     """objective/kl_coef is the β used for the batch it is logged with (as step() reports it), not
     the value the adaptive controller moved it to afterwards: per logged batch, with the k1
     estimator, objective/non_score_reward = mean_b Σ_t −β·kl_t = −β · objective/kl exactly."""
-    cfg = PPOConfig(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
+    cfg = ppo_config(
+        tmp_path,
         total_episodes=12,
-        response_length=6,
-        learning_rate=1e-3,
-        report_to="none",
-        num_sample_generations=0,
-        save_steps=0,
-        temperature=1.0,
         logging_steps=1,
         adap_kl_ctrl=True,
         kl_coef=0.05,

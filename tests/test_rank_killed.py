@@ -9,12 +9,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from tests.test_torchrun_save_resume import command, files  # noqa: F401  (files: the module's fixture)
+
+from helpers import checkpoint_steps, child_env, cli_command, launch, posttrain_command
 
 
 def workers(parent: int) -> dict[int, int]:
@@ -37,13 +37,11 @@ def workers(parent: int) -> dict[int, int]:
 
 @pytest.mark.multiproc
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the workers through /proc (Linux)")
-def test_a_killed_rank_ends_the_job_in_bounded_time_naming_it_and_the_checkpoint_resumes(files, tmp_path):  # noqa: F811
+def test_a_killed_rank_ends_the_job_in_bounded_time_naming_it_and_the_checkpoint_resumes(cli_files, tmp_path):
     out = tmp_path / "out"
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "posttrain"]
     proc = subprocess.Popen(
-        [*launcher, *command("rloo", files, out, steps=40)],
-        env=env,
+        [*posttrain_command(2), *cli_command("rloo", cli_files, out, steps=40)],
+        env=child_env(ACCELERATE_USE_CPU="true"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -68,16 +66,8 @@ def test_a_killed_rank_ends_the_job_in_bounded_time_naming_it_and_the_checkpoint
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
     # the last complete checkpoint is intact: the same command resumes from it and finishes
-    done = sorted(
-        int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if (p / "checkpoint_complete.json").exists()
-    )
+    done = checkpoint_steps(out, complete_only=True)
     assert done
-    resumed = subprocess.run(
-        [*launcher, *command("rloo", files, out, steps=done[-1] + 1), "--resume_from_checkpoint", "latest"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    resumed = launch([*cli_command("rloo", cli_files, out, steps=done[-1] + 1), "--resume_from_checkpoint", "latest"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (out / "model.safetensors").is_file()

@@ -4,7 +4,6 @@ held-out accuracy, exact gradient accumulation, resume, the DeepSpeed-Chat eval 
 
 from __future__ import annotations
 
-import copy
 import json
 import random
 
@@ -13,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from datasets import Dataset
 
+from helpers import read_metrics, train_argv
+from helpers import reward_config as config
+from helpers import reward_trainer as make_trainer
 from posttrain.configs import ConfigError
-from posttrain.testing import build_tiny_reward_model
 from posttrain.trainers.reward import RewardTrainer, last_token_scores
 from posttrain.trainers.reward_config import RewardConfig
 
@@ -52,36 +53,6 @@ FORMATS = {
     * 4,
     "margin": [{"chosen": "The sea is blue.", "rejected": "dog.", "margin": float(m)} for m in range(4)],
 }
-
-
-def config(tmp_path, name="run", **overrides) -> RewardConfig:
-    values = dict(
-        output_dir=str(tmp_path / name),
-        max_steps=2,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_steps=0,
-        report_to="none",
-        max_length=64,
-    )
-    values.update(overrides)
-    return RewardConfig(**values)
-
-
-def make_trainer(tmp_path, tokenizer, train, eval_dataset=None, name="run", seed=0, **overrides):
-    model = build_tiny_reward_model(tokenizer, seed=seed)
-    return RewardTrainer(
-        model,
-        args=config(tmp_path, name, **overrides),
-        train_dataset=Dataset.from_list(train),
-        eval_dataset=Dataset.from_list(eval_dataset) if eval_dataset else None,
-        processing_class=copy.deepcopy(tokenizer),
-    )
-
-
-def read_metrics(path) -> list[dict]:
-    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -201,7 +172,7 @@ def test_resume_is_bitwise_identical(tmp_path, tiny_tokenizer):
         tiny_tokenizer,
         pairs,
         name="resumed",
-        seed=5,
+        model_seed=5,
         max_steps=4,
         save_steps=2,
         resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-2"),
@@ -242,13 +213,7 @@ def test_cli_reward(tmp_path, tiny_tokenizer, tiny_reward_model_dir):
     out = tmp_path / "cli"
     code = main(
         [
-            "reward",
-            "--model_name_or_path",
-            str(tiny_reward_model_dir),
-            "--dataset_name",
-            str(data),
-            "--output_dir",
-            str(out),
+            *train_argv("reward", tiny_reward_model_dir, data, out),
             "--max_steps",
             "2",
             "--per_device_train_batch_size",

@@ -11,85 +11,25 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from datasets import Dataset, DatasetDict
+from datasets import DatasetDict
 from transformers import TrainerCallback
 
 import posttrain.advantages as adv
 import posttrain.trainers.online as online
 import posttrain.trainers.rloo as rloo
-from helpers import train_and_last_log
+from helpers import RL_METRICS, flat, letter_fraction, prompt_dataset, read_metrics, run_processes, train_and_last_log
+from helpers import rloo_config as config
 from posttrain import cli
 from posttrain.testing import build_tiny_causal_lm
 from posttrain.trainers.rloo import RLOOTrainer
 from posttrain.trainers.rloo_config import RLOOConfig
 
-SEED_METRICS = [
-    "eps",
-    "objective/kl",
-    "objective/entropy",
-    "objective/non_score_reward",
-    "objective/rlhf_reward",
-    "objective/scores",
-    "policy/approxkl_avg",
-    "policy/clipfrac_avg",
-    "loss/policy_avg",
-    "val/clipfrac_avg",
-    "policy/entropy_avg",
-    "val/ratio",
-    "val/ratio_var",
-    "val/num_eos_tokens",
-    "lr",
-    "episode",
-]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and when other processes share the cores
-    OpenMP's barriers make two threads 10-20x slower than one; restored after this module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def prompt_dataset(n: int = 64) -> Dataset:
-    return Dataset.from_dict({"prompt": [f"Prompt number {i} says" for i in range(n)]})
-
-
-def letter_fraction(prompts, completions, **columns):
-    """Learnable toy reward: the fraction of the completion's characters that are 'e'."""
-    return [c.count("e") / len(c) if c else 0.0 for c in completions]
-
-
-def config(tmp_path: Path, **overrides) -> RLOOConfig:
-    values = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=1,
-        rloo_k=2,
-        num_ppo_epochs=1,
-        total_episodes=8,
-        response_length=6,
-        learning_rate=1e-3,
-        report_to=["none"],
-        num_sample_generations=0,
-        save_steps=0,
-        temperature=1.0,
-    )
-    values.update(overrides)
-    return RLOOConfig(**values)
-
-
-def flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- TRL's documented command lines ---------------------------------------------------------------------
@@ -106,10 +46,10 @@ def prompts_on_disk(tmp_path_factory) -> Path:
 
 
 def check_run_dir(out: Path, updates: int) -> list[dict]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(out)
     assert len(records) == updates
     for record in records:
-        for name in SEED_METRICS:
+        for name in RL_METRICS:
             assert name in record and math.isfinite(record[name]), name
         assert record["objective/entropy"] >= 0 and record["policy/entropy_avg"] >= 0
     from transformers import AutoModelForCausalLM
@@ -484,16 +424,11 @@ def dp_run(algo: str, out_path: str) -> None:
 def run_dp_equivalence(tmp_path: Path, algo: str) -> None:
     script = tmp_path / "dp.py"
     script.write_text(DP_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     here = str(Path(__file__).parent)
-    subprocess.run(
-        [sys.executable, str(script), algo, str(tmp_path / "one.pt"), here], check=True, env=env, timeout=150
-    )
+    run_processes([str(script), algo, str(tmp_path / "one.pt"), here], nproc=1, timeout=150, check=True)
     # `accelerate launch --cpu --num_processes 2` starts a single process with accelerate 1.15;
     # torchrun with ACCELERATE_USE_CPU gives accelerate a real 2-rank gloo group.
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    env = {**env, "ACCELERATE_USE_CPU": "true"}
-    subprocess.run([*launcher, str(script), algo, str(tmp_path / "two.pt"), here], check=True, env=env, timeout=150)
+    run_processes([str(script), algo, str(tmp_path / "two.pt"), here], timeout=150, check=True)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     from posttrain.testing import build_tiny_tokenizer
 
@@ -596,7 +531,7 @@ def test_max_steps_overrides_the_episode_budget(tmp_path, prompts_on_disk, tiny_
         "none",
     ]
     assert cli.main(argv) == 0
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(out)
     assert len(records) == updates
     assert records[-1]["episode"] == updates * 4
 

@@ -3,72 +3,19 @@ full-logits cross-entropy, learning, exact gradient accumulation, bitwise resume
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from datasets import Dataset
 
+from helpers import SENTENCES, read_metrics, reference_loss_sum, train_argv
+from helpers import sft_config as config
+from helpers import sft_trainer as make_trainer
 from posttrain.configs import ConfigError
-from posttrain.testing import build_tiny_causal_lm
 from posttrain.trainers.sft import SFTTrainer
 from posttrain.trainers.sft_config import SFTConfig
 from posttrain.trainers.supervised import IGNORE_INDEX, BatchPlan
-
-SENTENCES = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Hello world! Good morning.",
-    "Once upon a time there was a little robot who loved to read books.",
-    "The sea is wide and blue.",
-    "Thank you very much.",
-    "Question: how many legs does a spider have? Answer: eight legs.",
-    "I think this answer is good.",
-    "Numbers: 0 1 2 3 4 5 6 7 8 9.",
-]
-
-
-def config(tmp_path, name="run", **overrides) -> SFTConfig:
-    values = dict(
-        output_dir=str(tmp_path / name),
-        max_steps=2,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_steps=0,
-        report_to="none",
-        max_length=64,
-    )
-    values.update(overrides)
-    return SFTConfig(**values)
-
-
-def make_trainer(tmp_path, tokenizer, train, eval_dataset=None, name="run", seed=0, model_kwargs=None, **overrides):
-    model = build_tiny_causal_lm(tokenizer, seed=seed, **(model_kwargs or {}))
-    return SFTTrainer(
-        model,
-        args=config(tmp_path, name, **overrides),
-        train_dataset=train,
-        eval_dataset=eval_dataset,
-        processing_class=copy.deepcopy(tokenizer),
-    )
-
-
-def reference_loss_sum(model, batch) -> torch.Tensor:
-    """Full-vocabulary float32 cross-entropy summed over the trained next-token targets."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-    return F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.size(-1)),
-        batch["labels"][:, 1:].reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
-
-
-def read_metrics(path) -> list[dict]:
-    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
-
 
 FORMATS = {
     "text": [{"text": s} for s in SENTENCES[:4]],
@@ -239,7 +186,7 @@ def test_resume_is_bitwise_identical(tmp_path, tiny_tokenizer):
         tiny_tokenizer,
         train,
         name="resumed",
-        seed=7,
+        model_seed=7,
         resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-2"),
         **common,
     )
@@ -309,13 +256,7 @@ def test_cli_sft(tmp_path, tiny_tokenizer, tiny_policy_dir):
     out = tmp_path / "cli"
     code = main(
         [
-            "sft",
-            "--model_name_or_path",
-            str(tiny_policy_dir),
-            "--dataset_name",
-            str(data),
-            "--output_dir",
-            str(out),
+            *train_argv("sft", tiny_policy_dir, data, out),
             "--max_steps",
             "2",
             "--per_device_train_batch_size",
@@ -335,13 +276,7 @@ def test_cli_sft(tmp_path, tiny_tokenizer, tiny_policy_dir):
     assert (
         main(
             [
-                "sft",
-                "--model_name_or_path",
-                str(tiny_policy_dir),
-                "--dataset_name",
-                str(data),
-                "--output_dir",
-                str(out),
+                *train_argv("sft", tiny_policy_dir, data, out),
                 "--max_steps",
                 "1",
             ]

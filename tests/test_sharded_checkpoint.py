@@ -15,13 +15,14 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
+import helpers
+from helpers import CLI_PROMPTS, run_processes
 from posttrain import checkpoint as ckpt
 from posttrain.configs import ConfigError
 
@@ -34,14 +35,6 @@ SCRIPT = textwrap.dedent("""
     from posttrain.distributed import shutdown
     shutdown()
 """)
-
-ENV = {
-    **{k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")},
-    "ACCELERATE_USE_CPU": "true",
-    "OMP_NUM_THREADS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "HF_HUB_OFFLINE": "1",
-}
 
 
 def tiny_lm(seed: int, intermediate_size: int = 32):
@@ -130,15 +123,7 @@ def test_fsdp2_sharded_model_and_optimizer_save_and_resume(tmp_path):
 
     script = tmp_path / "fsdp.py"
     script.write_text(SCRIPT)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    proc = subprocess.run(
-        [*launcher, str(script), str(tmp_path), str(Path(__file__).parent)],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_processes([str(script), str(tmp_path), str(Path(__file__).parent)], check=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     for r in ranks:
         assert r["keys"] and r["state"] == 1
@@ -186,30 +171,9 @@ def test_fsdp2_sharded_model_and_optimizer_save_and_resume(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # The command line under DDP
 
-TEXTS = [f"Prompt number {i} says something nice." for i in range(16)]
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    from posttrain.testing import build_tiny_causal_lm, build_tiny_reward_model, build_tiny_tokenizer
-
-    root = tmp_path_factory.mktemp("sharded")
-    tok = build_tiny_tokenizer()
-    build_tiny_causal_lm(tok, save_dir=root / "policy")
-    build_tiny_reward_model(tok, save_dir=root / "rm")
-    (root / "text.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t[:-15]}) + "\n" for t in TEXTS))
-    return root
-
 
 def launch(nproc: int, argv: list[str]) -> subprocess.CompletedProcess:
-    if nproc == 1:
-        command = [sys.executable, "-m", "posttrain", *argv]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m", "posttrain"]
-        command += argv
-    proc = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = helpers.launch(argv, nproc, check=True)
     assert "Traceback" not in proc.stderr
     return proc
 
@@ -260,35 +224,35 @@ def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 
 
 @pytest.mark.multiproc
-def test_sft_resumes_at_another_world_size_like_the_uninterrupted_run(files, tmp_path):
+def test_sft_resumes_at_another_world_size_like_the_uninterrupted_run(cli_files, tmp_path):
     """Global batch 4 = 2 per device x 2 processes x 1 = 2 per device x 1 process x 2 accumulation.
     Compared: every tensor of the final model.safetensors, within 1e-6 (the gradient sums run in another order)."""
     two, one = tmp_path / "two", tmp_path / "one"
-    launch(2, sft(files, two, accumulation=1))
+    launch(2, sft(cli_files, two, accumulation=1))
     world = json.loads((two / "checkpoint-2" / ckpt.COMPLETE_MARKER).read_text())
     assert world["world_size"] == 2 and world["batch"] == {"global batch": 4}
     assert sorted(p.name for p in (two / "checkpoint-2" / ckpt.DCP_DIR).glob("*.distcp")) == [
         "__0_0.distcp",
         "__1_0.distcp",
     ]
-    launch(1, sft(files, one, accumulation=2))
+    launch(1, sft(cli_files, one, accumulation=2))
 
     two_to_one, one_to_two = tmp_path / "two_to_one", tmp_path / "one_to_two"
     resume_copy(two, 2, two_to_one)
-    resumed = launch(1, sft(files, two_to_one, 2, "--resume_from_checkpoint", "latest"))
+    resumed = launch(1, sft(cli_files, two_to_one, 2, "--resume_from_checkpoint", "latest"))
     assert "at step 2/4" in resumed.stdout
     resume_copy(one, 2, one_to_two)
-    launch(2, sft(files, one_to_two, 1, "--resume_from_checkpoint", "latest"))
+    launch(2, sft(cli_files, one_to_two, 1, "--resume_from_checkpoint", "latest"))
 
     assert_close(final_weights(two_to_one), final_weights(two))
     assert_close(final_weights(one_to_two), final_weights(one))
 
 
 @pytest.mark.multiproc
-def test_rloo_saved_by_two_processes_resumes_with_one(files, tmp_path):
+def test_rloo_saved_by_two_processes_resumes_with_one(cli_files, tmp_path):
     out = tmp_path / "rloo"
-    common = ["--model_name_or_path", str(files / "policy"), "--reward_model_path", str(files / "rm")]
-    common += ["--dataset_name", str(files / "prompts.jsonl"), "--rloo_k", "2", "--response_length", "4"]
+    common = ["--model_name_or_path", str(cli_files / "policy"), "--reward_model_path", str(cli_files / "rm")]
+    common += ["--dataset_name", str(cli_files / "prompts.jsonl"), "--rloo_k", "2", "--response_length", "4"]
     common += ["--per_device_train_batch_size", "2", "--num_ppo_epochs", "1", "--max_steps", "2"]
     common += ["--save_steps", "1", "--logging_steps", "1", "--report_to", "none"]
     launch(2, ["rloo", *common, "--output_dir", str(out)])
@@ -323,7 +287,7 @@ def test_a_changed_global_batch_is_refused_before_any_step(tmp_path):
     (path / ckpt.COMPLETE_MARKER).write_text(json.dumps(marker))
 
     tok = build_tiny_tokenizer()
-    data = Dataset.from_dict({"text": TEXTS})
+    data = Dataset.from_dict({"text": [p + " something nice." for p in CLI_PROMPTS]})
     config = SFTConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=4, resume_from_checkpoint="latest"
     )

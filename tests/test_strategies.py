@@ -7,7 +7,6 @@ epoch; the RLOO runs make 2 rollout batches per pass over the prompts.
 
 from __future__ import annotations
 
-import copy
 import math
 import shutil
 import types
@@ -18,49 +17,25 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from helpers import SENTENCES, online_prompts, online_trainer, reward_trainer, sft_trainer
 from posttrain import checkpoint as ckpt
 from posttrain.callbacks import Cadence, resolve_steps
 from posttrain.configs import ConfigError
-from posttrain.testing import build_tiny_causal_lm, build_tiny_reward_model
-from posttrain.trainers.reward import RewardTrainer
-from posttrain.trainers.reward_config import RewardConfig
-from posttrain.trainers.rloo import RLOOTrainer
 from posttrain.trainers.rloo_config import RLOOConfig
-from posttrain.trainers.sft import SFTTrainer
 from posttrain.trainers.sft_config import SFTConfig
 from posttrain.trainers.supervised import neftune_hook
 
-SENTENCES = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Hello world! Good morning.",
-    "Once upon a time there was a little robot.",
-    "The sea is wide and blue.",
-    "Thank you very much.",
-    "How many legs does a spider have? Eight.",
-    "I think this answer is good.",
-    "Numbers: 0 1 2 3 4 5 6 7 8 9.",
-]
-
 
 def sft(tmp_path, tokenizer, eval_dataset=True, callbacks=None, name="sft", train=None, **overrides):
-    values = dict(
-        output_dir=str(tmp_path / name),
-        max_steps=8,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        logging_steps=100,
-        save_steps=0,
-        report_to="none",
-        max_length=64,
-    )
-    values.update(overrides)
-    return SFTTrainer(
-        build_tiny_causal_lm(tokenizer),
-        args=SFTConfig(**values),
-        train_dataset=train if train is not None else Dataset.from_list([{"text": s} for s in SENTENCES]),
-        eval_dataset=Dataset.from_list([{"text": s} for s in SENTENCES[:2]]) if eval_dataset else None,
-        processing_class=copy.deepcopy(tokenizer),
+    """8 steps over the 8 SENTENCES at batch 2 (2 epochs), evaluated on the first 2 when asked."""
+    return sft_trainer(
+        tmp_path,
+        tokenizer,
+        train if train is not None else [{"text": s} for s in SENTENCES],
+        [{"text": s} for s in SENTENCES[:2]] if eval_dataset else None,
+        name=name,
         callbacks=callbacks,
+        **{"max_steps": 8, "logging_steps": 100, **overrides},
     )
 
 
@@ -314,23 +289,19 @@ def test_an_unknown_metric_for_best_model_names_the_metrics(tmp_path, tiny_token
 
 def test_reward_best_model_and_epoch_schedule(tmp_path, tiny_tokenizer):
     pairs = [{"chosen": f"Q: {w}? A: The sea is blue.", "rejected": f"Q: {w}? A: dog."} for w in SENTENCES]
-    trainer = RewardTrainer(
-        build_tiny_reward_model(tiny_tokenizer),
-        args=RewardConfig(
-            output_dir=str(tmp_path / "rm"),
-            max_steps=6,
-            per_device_train_batch_size=4,  # 8 pairs: 2 steps per epoch
-            learning_rate=1e-3,
-            logging_strategy="epoch",
-            eval_strategy="epoch",
-            save_strategy="epoch",
-            load_best_model_at_end=True,
-            metric_for_best_model="score",
-            report_to="none",
-        ),
-        train_dataset=Dataset.from_list(pairs),
-        eval_dataset=Dataset.from_list(pairs[:2]),
-        processing_class=copy.deepcopy(tiny_tokenizer),
+    trainer = reward_trainer(
+        tmp_path,
+        tiny_tokenizer,
+        pairs,
+        pairs[:2],
+        name="rm",
+        max_steps=6,
+        per_device_train_batch_size=4,  # 8 pairs: 2 steps per epoch
+        logging_strategy="epoch",
+        eval_strategy="epoch",
+        save_strategy="epoch",
+        load_best_model_at_end=True,
+        metric_for_best_model="score",
     )
     controlled_metric(trainer, [0.2, 0.8, 0.5])
     trainer.train()
@@ -466,18 +437,15 @@ def test_neftune_in_reward_training(tmp_path, tiny_tokenizer):
             hooks.append(len(model.get_input_embeddings()._forward_hooks))
 
     for alpha in (None, 5.0):
-        trainer = RewardTrainer(
-            build_tiny_reward_model(tiny_tokenizer),
-            args=RewardConfig(
-                output_dir=str(tmp_path / f"rm-{alpha}"),
-                max_steps=1,
-                per_device_train_batch_size=4,
-                report_to="none",
-                neftune_noise_alpha=alpha,
-            ),
-            train_dataset=Dataset.from_list(pairs),
-            processing_class=copy.deepcopy(tiny_tokenizer),
+        trainer = reward_trainer(
+            tmp_path,
+            tiny_tokenizer,
+            pairs,
+            name=f"rm-{alpha}",
             callbacks=[Hooked()],
+            max_steps=1,
+            per_device_train_batch_size=4,
+            neftune_noise_alpha=alpha,
         )
         trainer.train()
         losses.append(trainer.state.log_history[0]["loss"])
@@ -508,34 +476,11 @@ def test_save_on_each_node_writes_on_every_node_main_process(tmp_path, tiny_toke
 
 
 def rloo(tmp_path, tokenizer, callbacks=None, **overrides):
-    values = dict(
-        output_dir=str(tmp_path / "rloo"),
-        per_device_train_batch_size=4,
-        total_episodes=16,  # 4 rollout batches of 4 completions (2 prompts × 2)
-        learning_rate=1e-3,
-        logging_steps=100,
-        save_steps=0,
-        report_to="none",
-        num_sample_generations=0,
-        seed=0,
-        rloo_k=2,
-        response_length=4,
-    )
-    values.update(overrides)
-    prompts = Dataset.from_dict({"prompt": ["Hello world", "The quick brown fox", "Once upon a time", "Thank you"]})
-
-    def reward(prompts, completions, **kwargs):
-        return [float(len(c)) for c in completions]
-
-    return RLOOTrainer(
-        RLOOConfig(**values),
-        tokenizer,
-        build_tiny_causal_lm(tokenizer),
-        None,
-        reward,
-        train_dataset=prompts,
-        eval_dataset=prompts.select(range(2)),
-        callbacks=callbacks,
+    """RLOO over 4 prompts, 16 episodes = 4 rollout batches of 4 completions (2 prompts × 2), evaluated
+    on the first 2 prompts."""
+    values = {"total_episodes": 16, "logging_steps": 100, "save_steps": 0, **overrides}
+    return online_trainer(
+        "rloo", tmp_path / "rloo", tokenizer, callbacks, prompts=4, eval_dataset=online_prompts(2), **values
     )
 
 

@@ -5,27 +5,11 @@ one clear error (the sharded runs themselves: tests/test_fsdp.py)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-PROMPTS = [f"Prompt number {i} says" for i in range(8)]
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    from posttrain.testing import build_tiny_causal_lm, build_tiny_reward_model, build_tiny_tokenizer
-
-    root = tmp_path_factory.mktemp("launch")
-    tok = build_tiny_tokenizer()
-    build_tiny_causal_lm(tok, save_dir=root / "policy")
-    build_tiny_reward_model(tok, save_dir=root / "rm")
-    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    (root / "text.jsonl").write_text("".join(json.dumps({"text": p + " something nice."}) + "\n" for p in PROMPTS))
-    return root
+from helpers import launch, read_metrics
 
 
 def command(name: str, root: Path, out: Path) -> list[str]:
@@ -38,32 +22,24 @@ def command(name: str, root: Path, out: Path) -> list[str]:
     return [name, *args, "--output_dir", str(out), "--save_steps", "0", "--logging_steps", "1", "--report_to", "none"]
 
 
-def torchrun(argv: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
-        env.pop(name, None)  # a launcher's FSDP / DeepSpeed switch is not part of this test
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "posttrain"]
-    return subprocess.run([*launcher, *argv], env=env, capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", ["sft", "rloo"])
-def test_ddp_flags_in_a_two_process_run(files, tmp_path, name):
+def test_ddp_flags_in_a_two_process_run(cli_files, tmp_path, name):
     ddp = ["--ddp_backend", "gloo", "--ddp_timeout", "120", "--ddp_find_unused_parameters", "true"]
-    result = torchrun(command(name, files, tmp_path / "out") + ddp)
+    result = launch(command(name, cli_files, tmp_path / "out") + ddp)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
-    steps = [json.loads(line).get("step") for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [record.get("step") for record in read_metrics(tmp_path / "out")]
     assert steps[-1] == 2
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
     assert saved["model_type"]  # the trained model was saved for plain transformers
 
 
 @pytest.mark.multiproc
-def test_fsdp_option_cpu_processes_cannot_honour_is_one_clear_error(files, tmp_path):
+def test_fsdp_option_cpu_processes_cannot_honour_is_one_clear_error(cli_files, tmp_path):
     # --fsdp shards CPU processes too (tests/test_fsdp.py); offloading to CPU memory has no meaning there.
     fsdp = ["--fsdp", "full_shard auto_wrap offload", "--fsdp_config", '{"fsdp_version": 2}']
-    result = torchrun(command("sft", files, tmp_path / "out") + fsdp)
+    result = launch(command("sft", cli_files, tmp_path / "out") + fsdp)
     assert result.returncode != 0
     # Each rank prints the one-line ConfigError (torchrun then reports the failed children).
     assert "--fsdp offload (cpu_offload)" in result.stderr, result.stderr[-3000:]

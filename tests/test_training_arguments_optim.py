@@ -16,7 +16,9 @@ import torch
 import transformers
 from datasets import Dataset
 
+import helpers
 import posttrain.trainers.online as online
+from helpers import SENTENCES, letter_fraction, prompt_dataset, reference_loss_sum, sft_config
 from posttrain import runtime
 from posttrain.configs import ConfigError, TrainingConfig
 from posttrain.models import is_compiled, load_policy
@@ -25,67 +27,17 @@ from posttrain.testing import build_tiny_causal_lm
 from posttrain.trainers.rloo import RLOOTrainer
 from posttrain.trainers.rloo_config import RLOOConfig
 from posttrain.trainers.sft import SFTTrainer
-from posttrain.trainers.sft_config import SFTConfig
-from test_sft import SENTENCES, reference_loss_sum
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def sft_config(tmp_path, name="run", **overrides) -> SFTConfig:
-    values = dict(
-        output_dir=str(tmp_path / name),
-        max_steps=2,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_steps=0,
-        report_to="none",
-        max_length=64,
-    )
-    values.update(overrides)
-    return SFTConfig(**values)
-
-
-def sft_trainer(tmp_path, tokenizer, n=4, name="run", **overrides) -> SFTTrainer:
-    train = Dataset.from_list([{"text": s} for s in SENTENCES[:n]])
-    return SFTTrainer(
-        build_tiny_causal_lm(tokenizer, seed=0),
-        args=sft_config(tmp_path, name, **overrides),
-        train_dataset=train,
-        processing_class=copy.deepcopy(tokenizer),
-    )
+def sft_trainer(tmp_path, tokenizer, n=4, name="run", **fields) -> SFTTrainer:
+    """SFT on the first n SENTENCES, into tmp_path / name."""
+    return helpers.sft_trainer(tmp_path, tokenizer, [{"text": s} for s in SENTENCES[:n]], name=name, **fields)
 
 
 def rloo_config(tmp_path, **overrides) -> RLOOConfig:
-    values = dict(
-        output_dir=str(tmp_path / "rloo"),
-        per_device_train_batch_size=4,
-        rloo_k=2,
-        num_ppo_epochs=1,
-        total_episodes=8,
-        response_length=4,
-        learning_rate=1e-3,
-        report_to=["none"],
-        num_sample_generations=0,
-        save_steps=0,
-        temperature=1.0,
-    )
-    values.update(overrides)
-    return RLOOConfig(**values)
-
-
-def prompts(n: int = 16) -> Dataset:
-    return Dataset.from_dict({"prompt": [f"Prompt number {i} says" for i in range(n)]})
-
-
-def e_fraction(prompts, completions, **columns):
-    return [c.count("e") / len(c) if c else 0.0 for c in completions]
+    return helpers.rloo_config(tmp_path, "rloo", **{"response_length": 4, **overrides})
 
 
 def rloo_trainer(tmp_path, tokenizer, **overrides) -> RLOOTrainer:
@@ -93,8 +45,8 @@ def rloo_trainer(tmp_path, tokenizer, **overrides) -> RLOOTrainer:
         config=rloo_config(tmp_path, **overrides),
         processing_class=copy.deepcopy(tokenizer),
         policy=build_tiny_causal_lm(tokenizer, seed=0),
-        reward_model=e_fraction,
-        train_dataset=prompts(),
+        reward_model=letter_fraction,
+        train_dataset=prompt_dataset(16),
     )
 
 
@@ -417,7 +369,11 @@ def test_data_seed_changes_the_data_order_only(tmp_path, tiny_tokenizer):
             report_to=["none"], num_sample_generations=0, save_steps=0, seed=0, data_seed=data_seed,
         )  # fmt: skip
         trainer = GRPOTrainer(
-            build_tiny_causal_lm(tiny_tokenizer), e_fraction, args, prompts(), processing_class=tiny_tokenizer
+            build_tiny_causal_lm(tiny_tokenizer),
+            letter_fraction,
+            args,
+            prompt_dataset(16),
+            processing_class=tiny_tokenizer,
         )
         grpo_orders.append(list(trainer.run.prompts._order))
     assert grpo_orders[1] != grpo_orders[0] and sorted(grpo_orders[1]) == list(range(16))
@@ -508,7 +464,9 @@ def test_online_model_init_kwargs_reach_every_loaded_model(tmp_path, tiny_policy
         model_init_kwargs='{"attn_implementation": "eager", "torch_dtype": "bfloat16"}',
     )
     assert config.model_init_kwargs == {"attn_implementation": "eager", "torch_dtype": "bfloat16"}
-    parts = online.load_parts(config, ref_model=str(tiny_policy_dir), train_dataset=prompts(), needs_reference=True)
+    parts = online.load_parts(
+        config, ref_model=str(tiny_policy_dir), train_dataset=prompt_dataset(16), needs_reference=True
+    )
     for model in (parts.policy, parts.reference, parts.rewards[0]):
         assert model.config._attn_implementation == "eager"
         assert next(model.parameters()).dtype == torch.bfloat16
@@ -538,28 +496,28 @@ def online_trainer(kind, tmp_path, tokenizer, **fields):
         args = PPOConfig(response_length=4, temperature=1.0, **common)
         return PPOTrainer(
             args=args, processing_class=tok, model=policy, ref_model=None,
-            reward_model=build_tiny_reward_model(tokenizer, seed=1), train_dataset=prompts(),
+            reward_model=build_tiny_reward_model(tokenizer, seed=1), train_dataset=prompt_dataset(16),
         )  # fmt: skip
     if kind == "grpo":
         from posttrain.trainers.grpo import GRPOTrainer
         from posttrain.trainers.grpo_config import GRPOConfig
 
         args = GRPOConfig(num_generations=2, response_length=4, **common)
-        return GRPOTrainer(policy, e_fraction, args, prompts(), processing_class=tok)
+        return GRPOTrainer(policy, letter_fraction, args, prompt_dataset(16), processing_class=tok)
     if kind == "online_dpo":
         from posttrain.trainers.online_dpo import OnlineDPOTrainer
         from posttrain.trainers.online_dpo_config import OnlineDPOConfig
 
         args = OnlineDPOConfig(max_new_tokens=4, **common)
         judge = CallableJudge(lambda prompt, completion: -float(len(completion)))
-        return OnlineDPOTrainer(policy, judge=judge, args=args, processing_class=tok, train_dataset=prompts())
+        return OnlineDPOTrainer(policy, judge=judge, args=args, processing_class=tok, train_dataset=prompt_dataset(16))
     from posttrain.trainers.xpo import XPOTrainer
     from posttrain.trainers.xpo_config import XPOConfig
 
     args = XPOConfig(max_new_tokens=4, **common)
     return XPOTrainer(
         model=policy, reward_model=build_tiny_reward_model(tokenizer, seed=1), args=args, processing_class=tok,
-        train_dataset=prompts(),
+        train_dataset=prompt_dataset(16),
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import posttrain
+from helpers import VOCAB, tiny_bart, tiny_t5
 from posttrain.length_sampler import LengthSampler
 from posttrain.models import CausalLMWithValueHead
 from posttrain.value_head import (
@@ -25,7 +26,6 @@ from posttrain.value_head import (
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "trl_value_head"
-VOCAB = 64
 
 
 # -- tiny models built offline ----------------------------------------------------------------------
@@ -53,41 +53,11 @@ def llama(seed: int = 0) -> transformers.PreTrainedModel:
 
 
 def t5(seed: int = 0) -> transformers.PreTrainedModel:
-    torch.manual_seed(seed)
-    config = transformers.T5Config(
-        vocab_size=VOCAB,
-        d_model=16,
-        d_kv=8,
-        d_ff=32,
-        num_layers=1,
-        num_heads=2,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    return transformers.T5ForConditionalGeneration(config).eval()
+    return tiny_t5(seed).eval()
 
 
 def bart(seed: int = 0) -> transformers.PreTrainedModel:
-    torch.manual_seed(seed)
-    config = transformers.BartConfig(
-        vocab_size=VOCAB,
-        d_model=16,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=32,
-        decoder_ffn_dim=32,
-        max_position_embeddings=32,
-        pad_token_id=1,
-        bos_token_id=0,
-        eos_token_id=2,
-        decoder_start_token_id=2,
-        forced_bos_token_id=None,
-        forced_eos_token_id=None,
-    )
-    return transformers.BartForConditionalGeneration(config).eval()
+    return tiny_bart(seed).eval()
 
 
 IDS = torch.tensor([[5, 17, 33, 2, 9], [9, 40, 11, 63, 4]])

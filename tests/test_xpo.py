@@ -14,6 +14,7 @@ import pytest
 import torch
 from datasets import Dataset
 
+from helpers import WORDS, pair_config, word_prompts
 from posttrain.configs import ConfigError
 from posttrain.judges import CallableJudge
 from posttrain.testing import build_tiny_causal_lm, build_tiny_reward_model
@@ -22,16 +23,6 @@ from posttrain.trainers.pairs import reference_logps
 from posttrain.trainers.xpo import XPOTrainer
 from posttrain.trainers.xpo_config import XPOConfig
 
-WORDS = [
-    "Hello world",
-    "The quick brown fox",
-    "What is the capital",
-    "Once upon a time",
-    "Write a poem",
-    "Numbers 1 2 3",
-    "Thank you",
-    "Good morning",
-]
 SEED_METRICS = {
     "loss/xpo",
     "loss/dpo",
@@ -55,26 +46,11 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "xpo_quickstart.py"
 
 
 def prompts(conversational: bool = False, n: int = 8) -> Dataset:
-    rows = [WORDS[i % len(WORDS)] for i in range(n)]
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": r}] for r in rows] if conversational else rows})
+    return word_prompts(n, conversational)
 
 
 def make_config(tmp_path, **overrides) -> XPOConfig:
-    values = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=2,  # prompts: 4 completions per micro-batch
-        gradient_accumulation_steps=2,
-        total_episodes=16,
-        max_new_tokens=6,
-        logging_steps=1,
-        learning_rate=1e-3,
-        report_to="none",
-        save_steps=0,
-        num_sample_generations=0,
-        seed=0,
-    )
-    values.update(overrides)
-    return XPOConfig(**values)
+    return pair_config(XPOConfig, tmp_path, **overrides)
 
 
 def test_config():
@@ -268,19 +244,15 @@ def test_cli_xpo_with_reward_model_path(tmp_path, tiny_policy_dir, tiny_reward_m
 def test_two_processes_cli(tmp_path, tiny_policy_dir, tiny_reward_model_dir):
     """DDP on CPU (gloo): no_sync micro-batches, global pair normalizer, metrics reduced across ranks;
     the number of steps is TRL's for 2 processes."""
-    import os
-    import subprocess
+    from helpers import run_processes
 
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in WORDS[:6]))
     out = tmp_path / "run"
     # `accelerate launch --cpu --num_processes 2` starts ONE process with accelerate 1.15 (its simple
     # launcher); torchrun with ACCELERATE_USE_CPU gives a real 2-rank gloo group.
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    subprocess.run(
+    run_processes(
         [
-            *launcher,
             "-m",
             "posttrain.cli",
             "xpo",
@@ -305,9 +277,8 @@ def test_two_processes_cli(tmp_path, tiny_policy_dir, tiny_reward_model_dir):
             "--report_to",
             "none",
         ],
-        check=True,
-        env=env,
         timeout=180,
+        check=True,
     )
     logs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # TRL (transformers.Trainer) on 2 processes: ceil(6 prompts / (1 × 2)) = 3 batches per process, ceil(3 / GA 2)

@@ -9,8 +9,8 @@ import importlib
 
 import pytest
 import torch
-from datasets import Dataset
 
+from helpers import pair_config, word_prompts
 from posttrain.judges import CallableJudge
 from posttrain.losses import dpo_loss, xpo_loss
 from posttrain.scoring import completion_logprobs
@@ -21,40 +21,12 @@ from posttrain.trainers.pairs import choose, train_on_pairs
 from posttrain.trainers.xpo import XPOTrainer
 from posttrain.trainers.xpo_config import XPOConfig
 
-WORDS = [
-    "Hello world",
-    "The quick brown fox",
-    "What is the capital",
-    "Once upon a time",
-    "Write a poem",
-    "Numbers 1 2 3",
-    "Thank you",
-    "Good morning",
-]
-
-
-def prompts(n: int = 8) -> Dataset:
-    return Dataset.from_dict({"prompt": [WORDS[i % len(WORDS)] for i in range(n)]})
-
 
 def config(cls, tmp_path, **overrides):
-    values = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,  # prompts
-        gradient_accumulation_steps=1,
-        total_episodes=8,
-        max_new_tokens=6,
-        logging_steps=1,
-        learning_rate=1.0,
-        report_to="none",
-        save_steps=0,
-        num_sample_generations=0,
-        seed=0,
-        max_grad_norm=0.0,
-        lr_scheduler_type="constant",
-    )
-    values.update(overrides)
-    return cls(**values)
+    """One micro-batch of 4 prompts, 8 episodes, lr 1.0, no clipping, a constant schedule."""
+    values = dict(per_device_train_batch_size=4, gradient_accumulation_steps=1, total_episodes=8, learning_rate=1.0)
+    values.update(max_grad_norm=0.0, lr_scheduler_type="constant")
+    return pair_config(cls, tmp_path, **{**values, **overrides})
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
@@ -84,7 +56,7 @@ def test_update_is_minus_gradient_of_mean_over_valid_pairs(tmp_path, tiny_tokeni
         judge=judge,
         args=cfg,
         processing_class=tiny_tokenizer,
-        train_dataset=prompts(4),
+        train_dataset=word_prompts(4),
         optimizers=(torch.optim.SGD(model.parameters(), lr=1.0), None),
     )
     captured = {}

@@ -327,27 +327,7 @@ def chunked_nll(
     stats: nll (mean over this call's labelled tokens), token_accuracy (argmax == label),
     num_correct, count (labelled tokens).
     """
-    flat = logits.reshape(-1, logits.size(-1))
-    flat_labels = labels.reshape(-1)
-    valid = flat_labels != ignore_index
-    rows = flat[valid]
-    targets = flat_labels[valid]
-    nll = -selective_log_softmax(rows, targets, chunk_tokens=chunk_tokens)
-    loss = _aggregate(nll, None, normalizer)
-    if targets.numel() == 0:
-        # A micro-batch whose labels are all ignored still has to return a loss connected to the
-        # graph, so that backward() (and DDP's gradient hooks) run on every rank.
-        loss = loss + 0.0 * logits.sum()
-    with torch.no_grad():
-        count = torch.tensor(float(targets.numel()), device=logits.device)
-        num_correct = (rows.detach().argmax(dim=-1) == targets).float().sum()
-        stats = {
-            "nll": nll.detach().sum() / count.clamp(min=1),
-            "token_accuracy": num_correct / count.clamp(min=1),
-            "num_correct": num_correct,
-            "count": count,
-        }
-    return loss, stats
+    return _labelled_token_loss(logits, labels, ignore_index, normalizer, chunk_tokens, weighted=False)
 
 
 def dft_loss(
@@ -368,15 +348,29 @@ def dft_loss(
     Same arguments, alignment and stats as `chunked_nll` (stats["nll"] is the plain NLL, without
     the weights); normalizer defaults to the number of real labels in this call.
     """
+    return _labelled_token_loss(logits, labels, ignore_index, normalizer, chunk_tokens, weighted=True)
+
+
+def _labelled_token_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    normalizer: Normalizer,
+    chunk_tokens: int | None,
+    weighted: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Σ over the labelled tokens of −log p_t (weighted: −sg(p_t) · log p_t) / normalizer, and the stats
+    of `chunked_nll`."""
     flat = logits.reshape(-1, logits.size(-1))
     flat_labels = labels.reshape(-1)
     valid = flat_labels != ignore_index
     rows = flat[valid]
     targets = flat_labels[valid]
     logp = selective_log_softmax(rows, targets, chunk_tokens=chunk_tokens)
-    loss = _aggregate(-logp.detach().exp() * logp, None, normalizer)
+    loss = _aggregate(-logp.detach().exp() * logp if weighted else -logp, None, normalizer)
     if targets.numel() == 0:
-        # As in chunked_nll: connected to the graph so that backward() runs on every rank.
+        # A micro-batch whose labels are all ignored still has to return a loss connected to the
+        # graph, so that backward() (and DDP's gradient hooks) run on every rank.
         loss = loss + 0.0 * logits.sum()
     with torch.no_grad():
         count = torch.tensor(float(targets.numel()), device=logits.device)

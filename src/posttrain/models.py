@@ -612,7 +612,24 @@ class ValueHeadOutput:
     hidden_states: torch.Tensor  # (B, T, H) last hidden state (after the final norm)
 
 
-class CausalLMWithValueHead(nn.Module):
+class WrapsPretrainedModel(nn.Module):
+    """A module around a transformers model (`self.pretrained_model`) that answers for it: its `config`,
+    `generation_config` and `device`."""
+
+    @property
+    def config(self):
+        return self.pretrained_model.config
+
+    @property
+    def generation_config(self):
+        return self.pretrained_model.generation_config
+
+    @property
+    def device(self) -> torch.device:
+        return self.pretrained_model.device
+
+
+class CausalLMWithValueHead(WrapsPretrainedModel):
     """A causal LM sharing its trunk with a scalar value head on the last hidden state.
 
     It looks like a sequence-classification value model to scoring code: `base_model_prefix`
@@ -635,18 +652,6 @@ class CausalLMWithValueHead(nn.Module):
     @property
     def backbone(self) -> nn.Module:
         return getattr(self.pretrained_model, self.pretrained_model.base_model_prefix)
-
-    @property
-    def config(self):
-        return self.pretrained_model.config
-
-    @property
-    def generation_config(self):
-        return self.pretrained_model.generation_config
-
-    @property
-    def device(self) -> torch.device:
-        return self.pretrained_model.device
 
     def forward(
         self,

@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from posttrain import compat
 from posttrain.compat import dtype_kwargs
-from posttrain.models import CausalLMWithValueHead
+from posttrain.models import CausalLMWithValueHead, WrapsPretrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -168,12 +168,13 @@ def load_v_head_state(
     return None
 
 
-class PreTrainedModelWrapper(nn.Module):
+class PreTrainedModelWrapper(WrapsPretrainedModel):
     """A transformers model (`pretrained_model`) with a TRL value head (`v_head`).
 
     Subclasses set `transformers_parent_class` (the Auto class `from_pretrained` loads with) and
-    implement `forward`. `supported_args` are the keywords that configure the head rather than the
-    model: `summary_dropout_prob` (default: the config's `summary_dropout_prob`, else 0.1),
+    `hidden_states_field` (the model output whose last entry the values are read from).
+    `supported_args` are the keywords that configure the head rather than the model:
+    `summary_dropout_prob` (default: the config's `summary_dropout_prob`, else 0.1),
     `v_head_init_strategy` (None: PyTorch's default `Linear` init; "normal": weights from
     N(0, `v_head_initializer_range`²), bias 0) and `v_head_initializer_range` (default 0.2).
     """
@@ -182,6 +183,7 @@ class PreTrainedModelWrapper(nn.Module):
     supported_args = ("summary_dropout_prob", "v_head_initializer_range", "v_head_init_strategy")
     supported_modules = ("v_head",)
     lm_head_namings: tuple[str, ...] = ("lm_head", "embed_out")
+    hidden_states_field = "hidden_states"
 
     def __init__(self, pretrained_model: nn.Module, **kwargs: Any) -> None:
         # nn.Module's init directly: CausalLMWithValueHead's would build posttrain's own head.
@@ -360,19 +362,7 @@ class PreTrainedModelWrapper(nn.Module):
             "with huggingface_hub.upload_folder."
         )
 
-    # -- delegation to the wrapped model -------------------------------------------------------------
-    @property
-    def config(self):
-        return self.pretrained_model.config
-
-    @property
-    def generation_config(self):
-        return self.pretrained_model.generation_config
-
-    @property
-    def device(self) -> torch.device:
-        return self.pretrained_model.device
-
+    # -- delegation to the wrapped model (config, generation_config, device: WrapsPretrainedModel) -------
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """`pretrained_model.generate(...)`: the same arguments and outputs."""
         return self.pretrained_model.generate(*args, **kwargs)
@@ -388,6 +378,23 @@ class PreTrainedModelWrapper(nn.Module):
 
     def enable_input_require_grads(self) -> None:
         self.pretrained_model.enable_input_require_grads()
+
+    @property
+    def score(self) -> nn.Module:
+        """The `v_head`, under the name posttrain's PPO reads a value head by (critic.PolicyAndValue)."""
+        return self.v_head
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        return_past_key_values: bool = False,
+        **kwargs: Any,
+    ):
+        kwargs = self._forward_kwargs(past_key_values, kwargs)
+        out = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        return self._outputs(out, getattr(out, self.hidden_states_field)[-1], return_past_key_values)
 
     def _forward_kwargs(self, past_key_values: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         kwargs["output_hidden_states"] = True
@@ -434,22 +441,6 @@ class AutoModelForCausalLMWithValueHead(PreTrainedModelWrapper, CausalLMWithValu
 
     transformers_parent_class = AutoModelForCausalLM
 
-    @property
-    def score(self) -> nn.Module:
-        return self.v_head
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        past_key_values: Any = None,
-        attention_mask: torch.Tensor | None = None,
-        return_past_key_values: bool = False,
-        **kwargs: Any,
-    ):
-        kwargs = self._forward_kwargs(past_key_values, kwargs)
-        out = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        return self._outputs(out, out.hidden_states[-1], return_past_key_values)
-
 
 class AutoModelForSeq2SeqLMWithValueHead(PreTrainedModelWrapper):
     """An encoder–decoder LM (T5, BART, ...) with TRL's value head (TRL's class of the same name).
@@ -462,27 +453,11 @@ class AutoModelForSeq2SeqLMWithValueHead(PreTrainedModelWrapper):
 
     transformers_parent_class = AutoModelForSeq2SeqLM
     lm_head_namings = ("lm_head", "embed_out", "output_projection")
+    hidden_states_field = "decoder_hidden_states"
 
     def __init__(self, pretrained_model: nn.Module, **kwargs: Any) -> None:
         super().__init__(pretrained_model, **kwargs)
         self.is_encoder_decoder = True
-
-    @property
-    def score(self) -> nn.Module:
-        """The `v_head`, under the name posttrain's PPO reads a value head by (critic.PolicyAndValue)."""
-        return self.v_head
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        past_key_values: Any = None,
-        attention_mask: torch.Tensor | None = None,
-        return_past_key_values: bool = False,
-        **kwargs: Any,
-    ):
-        kwargs = self._forward_kwargs(past_key_values, kwargs)
-        out = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        return self._outputs(out, out.decoder_hidden_states[-1], return_past_key_values)
 
 
 # --------------------------------------------------------------------------------------------

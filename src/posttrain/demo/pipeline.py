@@ -473,80 +473,38 @@ def train_rl(
     prompts = Dataset.from_dict({"prompt": task.train_prompts})
     heldout = Dataset.from_dict({"prompt": task.heldout_prompts})
     rewards = [reward_model, monitor]
+    # Each trainer is called as TRL documents it; these arguments are the same for all.
+    common = dict(
+        train_dataset=prompts, eval_dataset=heldout, processing_class=tokenizer, callbacks=[monitor.as_callback()]
+    )
     if config.algo == "ppo":
         from posttrain.trainers.ppo import PPOTrainer
 
         # DeepSpeed-Chat initialises the critic from the reward model.
         critic = load_value_model(rm_dir, tokenizer=tokenizer)
+        reference = load_policy(sft_dir, tokenizer=tokenizer)
         trainer = PPOTrainer(
-            args=rl_args,
-            processing_class=tokenizer,
-            model=policy,
-            ref_model=load_policy(sft_dir, tokenizer=tokenizer),
-            reward_model=rewards,
-            value_model=critic,
-            train_dataset=prompts,
-            eval_dataset=heldout,
-            callbacks=[monitor.as_callback()],
+            args=rl_args, model=policy, ref_model=reference, reward_model=rewards, value_model=critic, **common
         )
-        trainer.train()
-        return trainer.model
-    if config.algo == "rloo":
+    elif config.algo == "rloo":
         from posttrain.trainers.rloo import RLOOTrainer
 
-        trainer = RLOOTrainer(
-            rl_args,
-            processing_class=tokenizer,
-            policy=policy,
-            ref_policy=load_policy(sft_dir, tokenizer=tokenizer),
-            reward_model=rewards,
-            train_dataset=prompts,
-            eval_dataset=heldout,
-            callbacks=[monitor.as_callback()],
-        )
-        trainer.train()
-        return trainer.policy
-    if config.algo == "grpo":
+        reference = load_policy(sft_dir, tokenizer=tokenizer)
+        trainer = RLOOTrainer(rl_args, policy=policy, ref_policy=reference, reward_model=rewards, **common)
+    elif config.algo == "grpo":
         from posttrain.trainers.grpo import GRPOTrainer
 
-        trainer = GRPOTrainer(
-            policy,
-            reward_funcs=rewards,
-            args=rl_args,
-            train_dataset=prompts,
-            eval_dataset=heldout,
-            processing_class=tokenizer,
-            callbacks=[monitor.as_callback()],
-        )
-        trainer.train()
-        return trainer.model
-    if config.algo == "online-dpo":
+        trainer = GRPOTrainer(policy, reward_funcs=rewards, args=rl_args, **common)
+    elif config.algo == "online-dpo":
         from posttrain.trainers.online_dpo import OnlineDPOTrainer
 
-        trainer = OnlineDPOTrainer(
-            policy,
-            reward_model=rewards,
-            args=rl_args,
-            train_dataset=prompts,
-            eval_dataset=heldout,
-            processing_class=tokenizer,
-            callbacks=[monitor.as_callback()],
-        )
-        trainer.train()
-        return trainer.model
-    from posttrain.trainers.xpo import XPOTrainer
+        trainer = OnlineDPOTrainer(policy, reward_model=rewards, args=rl_args, **common)
+    else:
+        from posttrain.trainers.xpo import XPOTrainer
 
-    trainer = XPOTrainer(
-        policy,
-        reward_model=rewards,
-        args=rl_args,
-        train_dataset=prompts,
-        eval_dataset=heldout,
-        processing_class=tokenizer,
-        callbacks=[monitor.as_callback()],
-    )
+        trainer = XPOTrainer(policy, reward_model=rewards, args=rl_args, **common)
     trainer.train()
-    return trainer.model
+    return trainer.policy if config.algo == "rloo" else trainer.model
 
 
 # ---------------------------------------------------------------------------------------------

@@ -112,15 +112,12 @@ class RandomPairwiseJudge(BasePairwiseJudge):
         set_rng_state(self._answer_rng, state["answer_rng"])
 
 
-class RandomRankJudge(BaseRankJudge):
-    """A random permutation per prompt; reproducible with `seed`."""
+class _SeededAnswers:
+    """Mixin of a judge whose answers come from `self._rng` (`random.Random(seed)`); its state_dict holds
+    that stream under "rng", so a resumed run continues it."""
 
     def __init__(self, seed: int | None = None):
         self._rng = random.Random(seed)
-
-    def judge(self, prompts: list[Any], completions: list[list[Any]], shuffle_order: bool = True) -> list[list[int]]:
-        _check_lengths(prompts, completions)
-        return [self._rng.sample(range(len(c)), len(c)) for c in completions]
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "rng": rng_state(self._rng)}
@@ -130,11 +127,16 @@ class RandomRankJudge(BaseRankJudge):
         set_rng_state(self._rng, state["rng"])
 
 
-class RandomBinaryJudge(BaseBinaryJudge):
-    """0 or 1 uniformly at random; reproducible with `seed`."""
+class RandomRankJudge(_SeededAnswers, BaseRankJudge):
+    """A random permutation per prompt; reproducible with `seed`."""
 
-    def __init__(self, seed: int | None = None):
-        self._rng = random.Random(seed)
+    def judge(self, prompts: list[Any], completions: list[list[Any]], shuffle_order: bool = True) -> list[list[int]]:
+        _check_lengths(prompts, completions)
+        return [self._rng.sample(range(len(c)), len(c)) for c in completions]
+
+
+class RandomBinaryJudge(_SeededAnswers, BaseBinaryJudge):
+    """0 or 1 uniformly at random; reproducible with `seed`."""
 
     def judge(
         self,
@@ -145,13 +147,6 @@ class RandomBinaryJudge(BaseBinaryJudge):
     ) -> list[int]:
         _check_lengths(prompts, completions)
         return [self._rng.randint(0, 1) for _ in completions]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "rng": rng_state(self._rng)}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
-        set_rng_state(self._rng, state["rng"])
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,16 +34,14 @@ from posttrain.data.collators import PreferenceCollator
 from posttrain.health import oom_advice
 from posttrain.losses import bradley_terry_loss
 from posttrain.models import apply_peft
-from posttrain.positions import check_sequence_lengths
 from posttrain.tracking import MetricAccumulator
 from posttrain.trainers.reward_config import RewardConfig
 from posttrain.trainers.supervised import (
-    SupervisedRun,
     SupervisedTrainerAPI,
     begin_supervised,
-    check_output_dir,
     eval_shards,
     rows,
+    run_command,
 )
 
 if TYPE_CHECKING:
@@ -115,19 +113,8 @@ class RewardTrainer(SupervisedTrainerAPI):
         model = apply_peft(model, peft_config)
         self.train_dataset = self._prepare(train_dataset, "train_dataset")
         self.eval_dataset = self._prepare(eval_dataset, "eval_dataset") if eval_dataset is not None else None
-        for data, source in ((self.train_dataset, "train_dataset"), (self.eval_dataset, "eval_dataset")):
-            check_sequence_lengths(data, model, max_length=args.max_length, source=source)
         self.data_collator = PreferenceCollator(self.processing_class.pad_token_id, args.pad_to_multiple_of)
-        self.run = SupervisedRun(
-            args,
-            model,
-            self.processing_class,
-            self.train_dataset,
-            accelerator=self.accelerator,
-            activation_offloading=args.activation_offloading,
-            callbacks=callbacks,
-            evaluate=self.evaluate if self.eval_dataset is not None else None,
-        )
+        self._start_run(model, callbacks)
         self.head = score_head(self.run.unwrapped())
 
     def _prepare(self, dataset: Any, source: str) -> Any:
@@ -289,24 +276,4 @@ class RewardTrainer(SupervisedTrainerAPI):
 
 def main(config: RewardConfig) -> int:
     """`posttrain reward`: load tokenizer, model and data from the config, train, save. Exit code."""
-    from posttrain.data import DataError, load_split
-    from posttrain.models import peft_config_from
-
-    try:
-        check_output_dir(config)
-        if not config.model_name_or_path:
-            raise ConfigError("model_name_or_path is not set: pass --model_name_or_path (a folder or a hub name).")
-        train_dataset = load_split(config, config.dataset_train_split)
-        eval_dataset = load_split(config, config.dataset_test_split, required=False)
-        trainer = RewardTrainer(
-            config.model_name_or_path,
-            args=config,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            peft_config=peft_config_from(config, task_type="SEQ_CLS"),
-        )
-        trainer.train()
-    except (ConfigError, DataError, ckpt.CheckpointError) as err:
-        print(f"posttrain reward: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(RewardTrainer, config, task_type="SEQ_CLS")

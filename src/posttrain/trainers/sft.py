@@ -32,7 +32,6 @@ Callbacks are `transformers.TrainerCallback` objects; `trainer.state` is the run
 from __future__ import annotations
 
 import inspect
-import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,17 +47,15 @@ from posttrain.health import oom_advice
 from posttrain.losses import chunked_nll, dft_loss
 from posttrain.models import apply_peft
 from posttrain.ops import entropy_from_logits
-from posttrain.positions import check_sequence_lengths
 from posttrain.tracking import MetricAccumulator
 from posttrain.trainers.sft_config import SFTConfig
 from posttrain.trainers.supervised import (
     IGNORE_INDEX,
-    SupervisedRun,
     SupervisedTrainerAPI,
     begin_supervised,
-    check_output_dir,
     eval_shards,
     rows,
+    run_command,
 )
 
 if TYPE_CHECKING:
@@ -131,19 +128,8 @@ class SFTTrainer(SupervisedTrainerAPI):
             if eval_dataset is not None
             else None
         )
-        for data, source in ((self.train_dataset, "train_dataset"), (self.eval_dataset, "eval_dataset")):
-            check_sequence_lengths(data, model, max_length=args.max_length, source=source)
         self.data_collator = SFTCollator(self.processing_class.pad_token_id, args.pad_to_multiple_of, args.padding_free)
-        self.run = SupervisedRun(
-            args,
-            model,
-            self.processing_class,
-            self.train_dataset,
-            accelerator=self.accelerator,
-            activation_offloading=args.activation_offloading,
-            callbacks=callbacks,
-            evaluate=self.evaluate if self.eval_dataset is not None else None,
-        )
+        self._start_run(model, callbacks)
         self._forward_kwargs = _forward_kwargs(self.run.unwrapped(), args.router_aux_loss_coef)
 
     def _prepare(self, dataset: Any, packing: bool, source: str) -> Any:
@@ -309,24 +295,4 @@ def _forward_kwargs(model: nn.Module, router_aux_loss_coef: float) -> dict[str, 
 
 def main(config: SFTConfig) -> int:
     """`posttrain sft`: load tokenizer, model and data from the config, train, save. Exit code."""
-    from posttrain.data import DataError, load_split
-    from posttrain.models import peft_config_from
-
-    try:
-        check_output_dir(config)
-        if not config.model_name_or_path:
-            raise ConfigError("model_name_or_path is not set: pass --model_name_or_path (a folder or a hub name).")
-        train_dataset = load_split(config, config.dataset_train_split)
-        eval_dataset = load_split(config, config.dataset_test_split, required=False)
-        trainer = SFTTrainer(
-            config.model_name_or_path,
-            args=config,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            peft_config=peft_config_from(config),
-        )
-        trainer.train()
-    except (ConfigError, DataError, ckpt.CheckpointError) as err:
-        print(f"posttrain sft: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(SFTTrainer, config)

@@ -38,6 +38,7 @@ from posttrain.configs import ConfigError, TrainingConfig
 from posttrain.distributed import no_sync_unless_last
 from posttrain.models import compile_for_training, enable_gradient_checkpointing
 from posttrain.optim import build_optimizer, build_scheduler
+from posttrain.positions import check_sequence_lengths
 from posttrain.tracking import MetricAccumulator, ProgressBar, Tracker
 
 IGNORE_INDEX = -100
@@ -712,6 +713,23 @@ class SupervisedTrainerAPI(hub.PushToHub):
     def collator(self) -> Any:  # posttrain's earlier name for data_collator
         return self.data_collator
 
+    def _start_run(self, model: nn.Module, callbacks: list | None) -> None:
+        """The constructors' last step, once `args`, `accelerator`, `processing_class` and the prepared
+        datasets are set: refuse rows longer than the model's positions, then set up `run` (evaluating
+        only with an eval_dataset)."""
+        for data, source in ((self.train_dataset, "train_dataset"), (self.eval_dataset, "eval_dataset")):
+            check_sequence_lengths(data, model, max_length=self.args.max_length, source=source)
+        self.run = SupervisedRun(
+            self.args,
+            model,
+            self.processing_class,
+            self.train_dataset,
+            accelerator=self.accelerator,
+            activation_offloading=self.args.activation_offloading,
+            callbacks=callbacks,
+            evaluate=self.evaluate if self.eval_dataset is not None else None,
+        )
+
     def add_callback(self, callback: Any) -> None:
         """Add a `transformers.TrainerCallback` (an instance, or a class, which is instantiated)."""
         self.run.events.add_callback(callback)
@@ -827,3 +845,24 @@ def begin_supervised(
     )
     apply_chat_template_path(tokenizer, args.chat_template_path)
     return args, accelerator, model, tokenizer
+
+
+def run_command(trainer_cls: type, config: TrainingConfig, **peft: Any) -> int:
+    """`posttrain sft` / `posttrain reward`: refuse to overwrite a finished run, load the model named by
+    model_name_or_path (with a LoRA adapter from the --use_peft flags; `peft` to `peft_config_from`) and
+    the dataset's train / test splits, train, save. Errors are reported by cli.main."""
+    from posttrain.data import load_split
+    from posttrain.models import peft_config_from
+
+    check_output_dir(config)
+    if not config.model_name_or_path:
+        raise ConfigError("model_name_or_path is not set: pass --model_name_or_path (a folder or a hub name).")
+    trainer = trainer_cls(
+        config.model_name_or_path,
+        args=config,
+        train_dataset=load_split(config, config.dataset_train_split),
+        eval_dataset=load_split(config, config.dataset_test_split, required=False),
+        peft_config=peft_config_from(config, **peft),
+    )
+    trainer.train()
+    return 0
