@@ -793,15 +793,16 @@ def zero3_state_dict(model: nn.Module, accelerator: Accelerator) -> dict[str, to
     """The full 16-bit state dict of `model` (a trained model, or a part of one such as PPO's policy
     inside its policy-and-critic wrapper) under DeepSpeed ZeRO-3, keyed as `model.state_dict()`.
 
-    The engine that holds `model` gathers its shards (accelerate's `get_state_dict`, DeepSpeed's
+    The engine that is or holds `model` gathers its shards (accelerate's `get_state_dict`, DeepSpeed's
     `_zero3_consolidated_16bit_state_dict`); every rank must call this, and only the main process
     receives the tensors (the other ranks get an empty dict). Needs
     zero_optimization.stage3_gather_16bit_weights_on_model_save (accelerate config:
     zero3_save_16bit_model: true).
     """
+    bare = unwrap(model, accelerator)  # SFT and reward training save the engine itself
     for engine in getattr(accelerator, "_models", []):
         root = unwrap(engine, accelerator)
-        prefix = next((name for name, module in root.named_modules() if module is model), None)
+        prefix = next((name for name, module in root.named_modules() if module is bare), None)
         if prefix is None:
             continue
         if not engine.zero_gather_16bit_weights_on_model_save():
