@@ -215,6 +215,7 @@ def test_zero3_export_gathers_the_trained_part_from_its_engine():
     assert dist.zero3_state_dict(policy, accelerator) == {"weight": full["policy.weight"], "bias": full["policy.bias"]}
     assert dist.zero3_state_dict(critic, accelerator).keys() == {"weight", "bias"}
     assert dist.zero3_state_dict(wrapper, accelerator) is full
+    assert dist.zero3_state_dict(engine, accelerator) is full  # SFT and reward training pass the engine
     with pytest.raises(ValueError, match="Linear is not part of a model prepared by this accelerator"):
         dist.zero3_state_dict(nn.Linear(2, 2), accelerator)
     gather.on = False

@@ -22,10 +22,19 @@ A checkpoint is `output_dir/checkpoint-<step>/`:
 `get_model_state_dict` / `get_optimizer_state_dict` (keys are parameter names, so a shard is found
 by name, not by position) and `dcp.save`, and read back with `dcp.load`, which reshards: a run
 saved by 2 processes resumes with 1 and the other way round (see `load_checkpoint` for the RNG
-rule, and `check_resume_batch` for the batch that must stay the same). Under DeepSpeed, whose
-engine owns its optimizer partitions, the weights come from the model folders and the main
-process's optimizer state is saved as `optimizer.pt` (the layout older checkpoints have; they
-still load).
+rule, and `check_resume_batch` for the batch that must stay the same).
+
+Under DeepSpeed the engine owns the training state, so `dcp/` is replaced by
+
+    deepspeed/              the engine's own checkpoint (`engine.save_checkpoint`, called on every
+                            rank): `global_step<step>/` holds each rank's ZeRO partition of the
+                            optimizer state and fp32 master weights and the module states, beside
+                            DeepSpeed's `latest` and `zero_to_fp32.py`
+
+and the marker records the ZeRO stage. Every rank's engine loads its own partition back, so a
+DeepSpeed checkpoint resumes only under DeepSpeed at the ZeRO stage and world size that saved it
+(`check_resume_deepspeed`). Checkpoints of older posttrain versions keep the optimizer state in
+`optimizer.pt` (a plain torch optimizer's state dict) and still load.
 
 Everything is written into `output_dir/.tmp-checkpoint-<step>-<random>/`, fsynced, and renamed
 into place in one `os.replace`, so a crash mid-save leaves the previous checkpoint as the newest
@@ -306,14 +315,11 @@ def _load_model(model: nn.Module, directory: Path, map_location: str, accelerato
 # Sharded training state (torch.distributed.checkpoint)
 
 DCP_DIR = "dcp"
+DEEPSPEED_DIR = "deepspeed"
 OPTIMIZER_GROUPS = "optimizer_groups.pt"
 _MODEL, _OPTIM = "model/", "optimizer/"
 # DCP's note that it runs without a process group, which is how one process saves and loads.
 _SINGLE_PROCESS = "torch.distributed is .*assuming the intent is to (save|load) in a single process"
-
-
-def _uses_deepspeed(accelerator: Accelerator | None) -> bool:
-    return accelerator is not None and getattr(accelerator.state, "deepspeed_plugin", None) is not None
 
 
 def _bare_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -807,7 +813,8 @@ def save_checkpoint(
     """Atomically write `output_dir/checkpoint-<step>` and return its path.
 
     Call on every rank: weights are gathered collectively for the model folders, every rank writes
-    its shard of the weights and the optimizer state into `dcp/` and its RNG state (with
+    its shard of the weights and the optimizer state into `dcp/` (under DeepSpeed: its engine's
+    checkpoint, with its ZeRO partition, into `deepspeed/`) and its RNG state (with
     `rank_state`, this rank's own trainer state, e.g. its sampling generator), and the main process
     writes the rest. `trainer_state` is the main process's. `batch` (name -> size, e.g. the global
     batch) is recorded with the world size for `check_resume_batch`.
@@ -859,14 +866,18 @@ def save_checkpoint(
                 tokenizer.save_pretrained(tmp / "tokenizer")
             if config is not None:
                 _write_json(tmp / CONFIG_NAME, config_to_dict(config))
-            if optimizer is not None and not model_only and _uses_deepspeed(accelerator):
-                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             if scheduler is not None and not model_only:
                 torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             _save_trainer_state(tmp, {"step": step, **dict(trainer_state or {})})
+        engine_record = None
         if not model_only:
-            if not _uses_deepspeed(accelerator):
+            stage = distributed.deepspeed_stage(accelerator)
+            if stage is None:
                 _save_sharded(tmp, models, optimizer, accelerator, main)
+            elif optimizer is not None:
+                # Collective: every rank's engine writes its own ZeRO partition.
+                saved = distributed.save_engine_state(tmp / DEEPSPEED_DIR, f"global_step{step}", optimizer, accelerator)
+                engine_record = {"zero_stage": stage, **saved}
             rank = distributed.process_index(accelerator)
             rng = _rng_state()
             if rank_state is not None:
@@ -879,6 +890,7 @@ def save_checkpoint(
                 "models": list(models),
                 "world_size": distributed.world_size(accelerator),
                 **({"batch": dict(batch)} if batch else {}),
+                **({"deepspeed": engine_record} if engine_record else {}),
                 **({"model_only": True} if model_only else {}),
             }
             _write_json(tmp / COMPLETE_MARKER, marker)
@@ -918,9 +930,12 @@ def load_checkpoint(
     Call on every rank. Weights and optimizer state come from `dcp/`, resharded to this run: the
     models may be plain, DDP-wrapped or FSDP2-sharded (`fully_shard`), before or after
     `accelerator.prepare`, and the world size may differ from the one that saved (a mismatch in
-    parameter names or shapes is one CheckpointError naming both, before anything is loaded). A
-    checkpoint without `dcp/` (save_only_model, DeepSpeed, older posttrain) is read from its model
-    folders and `optimizer.pt`; load those into models before `accelerator.prepare` under ZeRO-3.
+    parameter names or shapes is one CheckpointError naming both, before anything is loaded).
+    Under DeepSpeed, with an `optimizer` (the one `accelerator.prepare` returned, so after it), every
+    rank's engine loads its own ZeRO partition from `deepspeed/` and with it the weights of the
+    models inside the engine; the checkpoint must come from a DeepSpeed run at the same ZeRO stage and
+    world size (`check_resume_deepspeed`). A checkpoint without `dcp/` (save_only_model, older
+    posttrain) is read from its model folders and `optimizer.pt`, a plain torch optimizer's state.
 
     RNG: each rank restores the python / numpy / torch / CUDA states it saved, and its own
     `rank_state` is returned under "rank_state". After a change in world size a rank that did not
@@ -941,13 +956,19 @@ def load_checkpoint(
             f"(--model_name_or_path {path / next(iter(models), 'model')}), or resume from a checkpoint saved "
             "without --save_only_model."
         )
-    sharded = (path / DCP_DIR).is_dir()
-    if sharded:
+    if optimizer is not None:
+        check_resume_deepspeed(path, accelerator)
+    record = _read_marker(path).get("deepspeed") if optimizer is not None else None
+    sharded = record is None and (path / DCP_DIR).is_dir()
+    if record is not None:
+        _load_engine_state(path, record, models, optimizer, map_location, accelerator)
+    elif sharded:
         _load_sharded(path, models, optimizer, accelerator)
     else:
         for key, model in models.items():
             _load_model(model, path / key, map_location, accelerator)
-    for name, target in (("optimizer.pt", None if sharded else optimizer), ("scheduler.pt", scheduler)):
+    in_files = None if sharded or record is not None else optimizer
+    for name, target in (("optimizer.pt", in_files), ("scheduler.pt", scheduler)):
         if target is None:
             continue
         file = path / name
@@ -956,7 +977,7 @@ def load_checkpoint(
                 f"{file} is missing: the checkpoint was saved without it, so this run's "
                 f"{name.removesuffix('.pt')} cannot resume exactly."
             )
-        target.load_state_dict(torch.load(file, map_location=map_location, weights_only=True))
+        target.load_state_dict(_load_plain(file, map_location, path))
     state = _load_trainer_state(path, map_location)
     own = path / f"rng_state_{distributed.process_index(accelerator)}.pt"
     rng_file = own if own.is_file() else path / "rng_state_0.pt"
@@ -967,6 +988,104 @@ def load_checkpoint(
         if own.is_file() and "rank_state" in rng:
             state["rank_state"] = rng["rank_state"]
     return state
+
+
+def _read_marker(path: Path) -> dict[str, Any]:
+    try:
+        marker = json.loads((path / COMPLETE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
+
+
+def _new_run_from(path: Path, marker: Mapping[str, Any]) -> str:
+    """The advice to start a new run from a checkpoint's weights (the optimizer starting afresh)."""
+    first = next(iter(marker.get("models") or []), "model")
+    return f"start a new run from its weights (--model_name_or_path {path / first}; the optimizer starts afresh)"
+
+
+def check_resume_deepspeed(path: str | os.PathLike | None, accelerator: Accelerator | None) -> None:
+    """CheckpointError, before any step, when this run cannot load the optimizer state of checkpoint
+    `path`. A DeepSpeed checkpoint holds each process's ZeRO partition (optimizer state and fp32
+    master weights) as the saving run cut it; posttrain does not reshard it, so it resumes only under
+    DeepSpeed at the ZeRO stage and number of processes that saved it. A checkpoint saved without
+    DeepSpeed resumes only without it. Checkpoints saved with save_only_model are not checked (they
+    resume nowhere; load_checkpoint says so)."""
+    if path is None or is_model_only(path):
+        return
+    path = Path(path)
+    marker = _read_marker(path)
+    saved = marker.get("deepspeed")
+    stage, world = distributed.deepspeed_stage(accelerator), distributed.world_size(accelerator)
+    this = "without DeepSpeed" if stage is None else f"under DeepSpeed ZeRO-{stage}"
+    if isinstance(saved, dict):
+        saved_stage, saved_world = saved.get("zero_stage"), marker.get("world_size")
+        if saved_stage == stage and saved_world == world:
+            return
+        raise CheckpointError(
+            f"resume_from_checkpoint={os.fspath(path)!r} was saved under DeepSpeed ZeRO-{saved_stage} by "
+            f"{saved_world} process(es); this run has {world} process(es) {this}. Each process's share "
+            "of a DeepSpeed checkpoint (its ZeRO partition of the optimizer state and fp32 weights) is stored "
+            "as the saving run cut it, and posttrain does not reshard it. Resume under ZeRO-"
+            f"{saved_stage} with {saved_world} process(es), or {_new_run_from(path, marker)}; DeepSpeed's "
+            f"{path / DEEPSPEED_DIR / 'zero_to_fp32.py'} consolidates the full fp32 weights."
+        )
+    if stage is None:
+        return
+    held = (
+        "torch.distributed.checkpoint shards (dcp/)"
+        if (path / DCP_DIR).is_dir()
+        else "optimizer.pt, an older posttrain's layout (under DeepSpeed it held the main process's ZeRO "
+        "partition only)"
+    )
+    raise CheckpointError(
+        f"resume_from_checkpoint={os.fspath(path)!r} holds no DeepSpeed engine state: its optimizer state is "
+        f"in {held}; this run is {this}, whose engine loads only its own checkpoints. Resume without "
+        f"--deepspeed, or {_new_run_from(path, marker)}."
+    )
+
+
+def _load_engine_state(
+    path: Path,
+    record: Mapping[str, Any],
+    models: Mapping[str, nn.Module],
+    optimizer: Any,
+    map_location: str,
+    accelerator: Accelerator | None,
+) -> None:
+    """Every rank: the DeepSpeed engine loads its own partition; models outside the engine (none in
+    posttrain's trainers) are read from their folders."""
+    folder = path / DEEPSPEED_DIR
+    if not (folder / str(record.get("tag"))).is_dir():
+        raise CheckpointError(
+            f"{folder / str(record.get('tag'))} is missing: the checkpoint's DeepSpeed engine state is "
+            f"incomplete, so this run cannot resume from it; {_new_run_from(path, _read_marker(path))}."
+        )
+    inside = distributed.engine_modules(optimizer, accelerator)
+    for key, model in models.items():
+        bare = distributed.unwrap(model, accelerator)
+        if not any(bare is module for module in inside):
+            _load_model(model, path / key, map_location, accelerator)
+    if not distributed.load_engine_state(folder, record, optimizer, accelerator):
+        raise CheckpointError(
+            f"DeepSpeed found no checkpoint to load in {folder} (tag {record.get('tag')!r}); "
+            f"{_new_run_from(path, _read_marker(path))}."
+        )
+
+
+def _load_plain(file: Path, map_location: str, path: Path) -> Any:
+    """`torch.load(weights_only=True)` of optimizer.pt / scheduler.pt, with the fix when the file
+    holds other objects (an older posttrain wrote DeepSpeed's ZeRO optimizer state there)."""
+    import pickle
+
+    try:
+        return torch.load(file, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"{file} holds objects other than tensors and plain containers, which posttrain does not unpickle "
+            "(an older posttrain saved DeepSpeed's ZeRO optimizer state there, the main process's partition "
+            f"only); this run cannot resume from it: {_new_run_from(path, _read_marker(path))}."
+        ) from err
 
 
 def save_final(

@@ -13,7 +13,8 @@ import dataclasses
 import os
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -792,15 +793,16 @@ def zero3_state_dict(model: nn.Module, accelerator: Accelerator) -> dict[str, to
     """The full 16-bit state dict of `model` (a trained model, or a part of one such as PPO's policy
     inside its policy-and-critic wrapper) under DeepSpeed ZeRO-3, keyed as `model.state_dict()`.
 
-    The engine that holds `model` gathers its shards (accelerate's `get_state_dict`, DeepSpeed's
+    The engine that is or holds `model` gathers its shards (accelerate's `get_state_dict`, DeepSpeed's
     `_zero3_consolidated_16bit_state_dict`); every rank must call this, and only the main process
     receives the tensors (the other ranks get an empty dict). Needs
     zero_optimization.stage3_gather_16bit_weights_on_model_save (accelerate config:
     zero3_save_16bit_model: true).
     """
+    bare = unwrap(model, accelerator)  # SFT and reward training save the engine itself
     for engine in getattr(accelerator, "_models", []):
         root = unwrap(engine, accelerator)
-        prefix = next((name for name, module in root.named_modules() if module is model), None)
+        prefix = next((name for name, module in root.named_modules() if module is bare), None)
         if prefix is None:
             continue
         if not engine.zero_gather_16bit_weights_on_model_save():
@@ -817,6 +819,64 @@ def zero3_state_dict(model: nn.Module, accelerator: Accelerator) -> dict[str, to
         f"{type(model).__name__} is not part of a model prepared by this accelerator; only trained models "
         "are saved under ZeRO-3."
     )
+
+
+def deepspeed_stage(accelerator: Accelerator | None) -> int | None:
+    """The ZeRO stage (0-3) of a run under DeepSpeed; None when the run does not use DeepSpeed."""
+    plugin = None if accelerator is None else getattr(accelerator.state, "deepspeed_plugin", None)
+    return None if plugin is None else int(plugin.zero_stage)
+
+
+def _engine_stepping(optimizer: Any, accelerator: Accelerator) -> Any:
+    """The DeepSpeed engine prepared by `accelerator` whose ZeRO optimizer `optimizer` is, or wraps
+    (accelerate returns the engine's optimizer inside its `DeepSpeedOptimizerWrapper`)."""
+    chain, inner = [], optimizer
+    while inner is not None and len(chain) < 8:
+        chain.append(inner)
+        inner = getattr(inner, "optimizer", None)
+    for engine in getattr(accelerator, "_models", []):
+        held = getattr(engine, "optimizer", None) if hasattr(engine, "zero_optimization_stage") else None
+        if held is not None and any(held is link for link in chain):
+            return engine
+    raise ValueError(
+        "the optimizer is not the one of a DeepSpeed engine prepared by this accelerator; pass the optimizer "
+        "that accelerator.prepare returned."
+    )
+
+
+def engine_modules(optimizer: Any, accelerator: Accelerator) -> list[nn.Module]:
+    """Every module inside the DeepSpeed engine that steps `optimizer`: the models whose weights the
+    engine's own checkpoint restores."""
+    return list(unwrap(_engine_stepping(optimizer, accelerator), accelerator).modules())
+
+
+def save_engine_state(directory: Path, tag: str, optimizer: Any, accelerator: Accelerator) -> dict[str, Any]:
+    """Every rank, collectively: the DeepSpeed engine that steps `optimizer` writes its own checkpoint
+    into `directory/tag` with `engine.save_checkpoint` (DeepSpeed's layout: each rank's ZeRO partition
+    of the optimizer state and fp32 master weights, the module states, plus `latest` and DeepSpeed's
+    `zero_to_fp32.py` in `directory`). Frozen parameters (a LoRA base) are left out, as transformers
+    does for PEFT models: the run's model loading rebuilds them. Returns what `load_engine_state` needs."""
+    engine = _engine_stepping(optimizer, accelerator)
+    frozen = any(not p.requires_grad for p in unwrap(engine, accelerator).parameters())
+    # Every rank, not only DeepSpeed's rank 0: with save_on_each_node the nodes share no disk.
+    (directory / tag).mkdir(parents=True, exist_ok=True)
+    engine.save_checkpoint(str(directory), tag=tag, exclude_frozen_parameters=frozen)
+    return {"tag": tag, "exclude_frozen_parameters": frozen}
+
+
+def load_engine_state(directory: Path, record: Mapping[str, Any], optimizer: Any, accelerator: Accelerator) -> bool:
+    """Every rank: the DeepSpeed engine that steps `optimizer` loads its own partition of the state
+    `save_engine_state` wrote (`record` is what it returned): weights, fp32 master weights, optimizer
+    state and the engine's own scheduler, if it has one. False when DeepSpeed found nothing to load."""
+    engine = _engine_stepping(optimizer, accelerator)
+    loaded, _ = engine.load_checkpoint(
+        str(directory),
+        tag=record["tag"],
+        load_module_strict=not record.get("exclude_frozen_parameters", False),
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+    )
+    return loaded is not None
 
 
 def check_zero3_export(ds_config: dict[str, Any] | None) -> None:

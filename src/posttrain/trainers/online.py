@@ -388,9 +388,12 @@ class OnlineRun:
         )
         # Sizes count the prompts that survived validation (overflow="drop" may remove some).
         derive_sizes(config, self.world_size, len(self.train_dataset))
-        # A resume at another world size keeps the global batch: checked before any model step.
+        # A resume at another world size keeps the global batch, and a DeepSpeed checkpoint its ZeRO
+        # stage and world size: checked before any model step.
+        resume = ckpt.resolve_checkpoint(config.output_dir, config.resume_from_checkpoint)
+        ckpt.check_resume_deepspeed(resume, self.accelerator)
         ckpt.check_resume_batch(
-            ckpt.resolve_checkpoint(config.output_dir, config.resume_from_checkpoint),
+            resume,
             world_size=self.world_size,
             sizes=self.batch_sizes(),
             accumulation=config.gradient_accumulation_steps,

@@ -312,9 +312,12 @@ class SupervisedRun:
             rank=dist.process_index(self.accelerator),
             drop_last=config.dataloader_drop_last,
         )
-        # A resume at another world size keeps the global batch: checked before any model step.
+        # A resume at another world size keeps the global batch, and a DeepSpeed checkpoint its ZeRO
+        # stage and world size: checked before any model step.
+        resume = ckpt.resolve_checkpoint(config.output_dir, config.resume_from_checkpoint)
+        ckpt.check_resume_deepspeed(resume, self.accelerator)
         ckpt.check_resume_batch(
-            ckpt.resolve_checkpoint(config.output_dir, config.resume_from_checkpoint),
+            resume,
             world_size=self.world_size,
             sizes=self.batch_sizes(),
             accumulation=config.gradient_accumulation_steps,
@@ -346,14 +349,24 @@ class SupervisedRun:
         scheduler = build_scheduler(optimizer, config, self.plan.total_steps)
         resume_path = ckpt.resolve_checkpoint(config.output_dir, config.resume_from_checkpoint)
         state: dict[str, Any] = {}
-        if resume_path is not None:
-            # Before prepare(): under ZeRO-3 / FSDP sharded parameters cannot take a full state dict.
+        # Under DeepSpeed the engine loads its own state, so after prepare(); otherwise before it: under
+        # FSDP sharded parameters cannot take a full state dict.
+        engine_resume = resume_path is not None and dist.deepspeed_stage(self.accelerator) is not None
+        if resume_path is not None and not engine_resume:
             state = ckpt.load_checkpoint(
                 resume_path, models={"model": model}, optimizer=optimizer, scheduler=scheduler, accelerator=None
             )
         self._set_deepspeed_batch_size()
         self._check_load_best_sharding()
         self.model, self.optimizer = dist.prepare_trained(model, optimizer, self.accelerator)
+        if engine_resume:
+            state = ckpt.load_checkpoint(
+                resume_path,
+                models={"model": self.model},
+                optimizer=self.optimizer,
+                scheduler=scheduler,
+                accelerator=self.accelerator,
+            )
         self.scheduler = scheduler
         # Imported here: transformers' callback module pulls in peft, which importing a trainer must not.
         from posttrain.callbacks import TrainerEvents
