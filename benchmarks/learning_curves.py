@@ -331,9 +331,8 @@ def plot(out: str, fig_dir: str) -> None:
     with open(os.path.join(fig_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     lines = [
-        f"Mean reward per seed (seeds {', '.join(map(str, summary['trainers']['grpo']['libraries']['trl']['seeds']))}"
-        f") over steps 1-{WINDOW}, {MID}-{MID + WINDOW - 1} and the last {WINDOW}; the first step whose {WINDOW}-step"
-        f" mean reaches {THRESHOLD}:",
+        f"Mean reward per seed (in seed order) over steps 1-{WINDOW}, {MID}-{MID + WINDOW - 1} and the last {WINDOW};"
+        f" the first step whose {WINDOW}-step mean reaches {THRESHOLD}:",
         "",
         f"| trainer | library | steps 1-{WINDOW} | steps {MID}-{MID + WINDOW - 1} | last {WINDOW} steps |"
         f" last {WINDOW}: mean (seed std) | step reaching {THRESHOLD} |",
