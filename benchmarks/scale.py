@@ -247,6 +247,7 @@ def audit_table(results: dict[str, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    global BATCH, RESP_LEN
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--art", type=Path, default=BENCH / f"artifacts-{SIZE}", help="build_05b.py's output")
     parser.add_argument("--jobs", default=",".join(OURS + TRL), help=f"comma-separated, of {', '.join(OURS + TRL)}")
@@ -256,7 +257,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trl-bench", type=Path, default=ROOT.parent / "shared" / "bench", help="TRL's run_*.py")
     parser.add_argument("--python", default=sys.executable, help="interpreter for the posttrain runs")
     parser.add_argument("--audit", action="store_true", help="full-vocabulary tensor audit on <art>-audit")
+    parser.add_argument("--batch", type=int, default=BATCH, help="completions per rollout batch (both libraries)")
+    parser.add_argument("--response_length", type=int, default=RESP_LEN, help="tokens per completion")
     args = parser.parse_args(argv)
+    BATCH, RESP_LEN = args.batch, args.response_length
     jobs = [j.strip() for j in args.jobs.split(",") if j.strip()]
     for j in jobs:
         if j not in LABELS:

@@ -3,9 +3,11 @@ functions (`import_reward_function` resolves the command line's `--reward_funcs 
 `RewardSource`, which combines reward models and functions into one score per row.
 
 Index conventions (sequence = prompt (P, left-padded) + completion (T, right-padded)):
-- logits at sequence position P−1+t predict completion token t; an index tensor `logits_to_keep`
-  makes the model return exactly positions P−1 … P+T−2, so the LM head never runs on the prompt
-  (`completion_forward`, which also returns the hidden states a value head reads);
+- logits at sequence position P−1+t predict completion token t; `completion_forward` keeps the
+  last hidden states of positions P−1 … P+T−2 and runs the LM head on them in blocks of rows, so
+  neither the prompt's logits nor the completion's whole (B, T, V) float32 logits are built (small
+  batches: an index tensor `logits_to_keep` returns exactly those positions' logits); the hidden
+  states there are also where a value head reads;
 - the value of the state before completion token t is read at position P−1+t;
 - a reward model's score is read at the last real token, P + length − 1: the stop token when the
   row ended. TRL put the PPO score one slot after EOS (TRL#1893, #3750) and DeepSpeed-Chat's
@@ -21,18 +23,29 @@ import math
 import numbers
 import os
 import sys
+import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posttrain.advantages import full_kl
 from posttrain.configs import ConfigError
-from posttrain.ops import lengths_to_mask, logprobs_and_entropy, selective_log_softmax
+from posttrain.ops import (
+    DEFAULT_CHUNK_TOKENS,
+    head_chunk_rows,
+    head_full_kl,
+    head_logprobs_and_entropy,
+    lengths_to_mask,
+    logprobs_and_entropy,
+    selective_log_softmax,
+)
 from posttrain.rollout import (
     Rollout,
+    _unwrap,
     accepts_logits_to_keep,
     decode_completions,
     decode_prompts,
@@ -65,50 +78,198 @@ def _trimmed_inputs(rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch
     return ids.masked_fill(~mask, 0), mask, position_ids_from_mask(mask), P - start, end - P
 
 
-@dataclass
 class CompletionForward:
     """One forward of a causal LM over a rollout, cut to the completion columns.
 
-    logits (B, T', V) at sequence positions P−1 … P+T'−2, i.e. the ones predicting completion tokens
-    0 … T'−1; hidden (B, T', H): the last hidden states at the same positions (the state before each
-    completion token, where a value head reads V), or None; targets / mask (B, T'): the completion
-    ids and mask of those columns. T' ≤ T drops completion columns that are padding in every row;
-    `pad` puts a (B, T') result back on the rollout's T columns, 0 off-mask.
+    The positions are P−1 … P+T'−2, the ones predicting completion tokens 0 … T'−1. targets / mask
+    (B, T'): the completion ids and mask of those columns; T' ≤ T drops completion columns that are
+    padding in every row; `pad` puts a (B, T') result back on the rollout's T columns, 0 off-mask.
+    hidden (B, T', H): the last hidden states at those positions (the state before each completion
+    token, where a value head reads V) when asked for, else None.
+
+    Two forms. Full: the model's own logits (B, T', V) were built (`chunked` False). Chunked: the
+    model returned the last hidden states `states` (B, T', H) and the logits at one position only;
+    `head` maps (n, H) hidden states to the model's (n, V) logits, and `forward_logprobs` /
+    `ops.head_logprobs_and_entropy` run it on blocks of rows, so no (B, T', V) tensor is built. Reading
+    `.logits` of a chunked forward builds them whole (only for callers that want logits themselves).
     """
 
-    logits: torch.Tensor
-    hidden: torch.Tensor | None
-    targets: torch.Tensor
-    mask: torch.Tensor
-    width: int
+    def __init__(
+        self,
+        logits: torch.Tensor | None,
+        hidden: torch.Tensor | None,
+        targets: torch.Tensor,
+        mask: torch.Tensor,
+        width: int,
+        *,
+        states: torch.Tensor | None = None,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        vocab: int | None = None,
+        keep: torch.Tensor | None = None,
+        chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
+    ) -> None:
+        if logits is None and (states is None or head is None or vocab is None):
+            raise ValueError("CompletionForward needs logits, or states with their head and vocab size")
+        self._logits, self.hidden, self.targets, self.mask, self.width = logits, hidden, targets, mask, width
+        self.states, self.head, self.vocab, self.chunk_tokens = states, head, vocab, chunk_tokens
+        # 0 · (the model's own one-position logits) in the differentiable outputs: every parameter
+        # the forward used stays in the graph even with no completion token (DDP's hooks then fire).
+        self.keep = keep
+
+    @property
+    def chunked(self) -> bool:
+        return self._logits is None
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """(B, T', V) logits; built whole from the hidden states for a chunked forward."""
+        if self._logits is None:
+            return self.head(self.states)
+        return self._logits
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         return _pad_to(x.masked_fill(~self.mask, 0.0), self.width)
 
 
+# Whether head(last hidden state) reproduces each model's own logits (checked once per model).
+_HEAD_MATCHES: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def _text_config_value(model: nn.Module, name: str) -> Any:
+    config = getattr(model, "config", None)
+    configs = [config]
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        configs.append(get_text())
+    for c in configs:
+        value = getattr(c, name, None)
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def lm_head(model: nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+    """(head, vocab): `head` maps last hidden states (..., H) to the logits the model itself returns,
+    the output embedding module (called as a module, so DDP / FSDP2 / DeepSpeed ZeRO-3 / LoRA hooks
+    run) followed by the model's logit scaling: Cohere's `logit_scale` (multiplied), Granite's
+    `logits_scaling` (divided), Gemma 2/3's `final_logit_softcapping` (tanh). None when the model
+    (DDP / DeepSpeed `.module` and PEFT's base model unwrapped) has no output embeddings."""
+    bare = _unwrap(model)
+    get = getattr(bare, "get_output_embeddings", None)
+    try:
+        module = get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        module = None
+    if not isinstance(module, nn.Module):
+        return None
+    vocab = getattr(module, "out_features", None) or _text_config_value(bare, "vocab_size")
+    if not vocab:
+        return None
+    multiply = _text_config_value(bare, "logit_scale")
+    divide = _text_config_value(bare, "logits_scaling")
+    softcap = _text_config_value(bare, "final_logit_softcapping")
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        logits = module(hidden)
+        if multiply is not None:
+            logits = logits * multiply
+        if divide is not None:
+            logits = logits / divide
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
+
+    return head, int(vocab)
+
+
+def _head_matches(
+    model: nn.Module, head: Callable[[torch.Tensor], torch.Tensor], logits: torch.Tensor, hidden: torch.Tensor
+) -> bool:
+    """Whether head(hidden) equals the model's own `logits` at the same position (within the
+    rounding of the logits' dtype); checked on the first chunked forward of each model and cached.
+    A model whose head we do not reproduce gets one warning and the full-logits path from then on."""
+    bare = _unwrap(model)
+    known = _HEAD_MATCHES.get(bare)
+    if known is not None:
+        return known
+    with torch.no_grad():
+        mine = head(hidden).float()
+        theirs = logits.float()
+        tol = 1e-4 if logits.dtype == torch.float32 and hidden.dtype == torch.float32 else 2e-2
+        same = mine.shape == theirs.shape and bool(
+            ((mine - theirs).abs().nan_to_num(0.0).max() <= tol * (1.0 + theirs.abs().nan_to_num(0.0).max()))
+            if mine.numel()
+            else True
+        )
+    if not same:
+        warnings.warn(
+            f"{type(bare).__name__}: its LM head applied to the last hidden states does not reproduce the "
+            "model's own logits, so completion log-probs use the full (batch, length, vocab) logits for this "
+            "model (more memory). See docs/internals.md, chunked LM head.",
+            stacklevel=3,
+        )
+    _HEAD_MATCHES[bare] = same
+    return same
+
+
 def completion_forward(
-    model: torch.nn.Module, rollout: Rollout, *, output_hidden_states: bool = False
+    model: torch.nn.Module,
+    rollout: Rollout,
+    *,
+    output_hidden_states: bool = False,
+    full_logits: bool = False,
+    chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
 ) -> CompletionForward:
-    """Differentiable forward of `model` over prompt + completion with the LM head run only on the
-    positions that predict completion tokens (an index tensor `logits_to_keep` when the model takes
-    it: the LM head never runs on prompt positions and backward never zero-fills a (B, T+1, V)
-    gradient); with output_hidden_states the last hidden states at those positions too."""
+    """Differentiable forward of `model` over prompt + completion, cut to the positions that predict
+    completion tokens; with output_hidden_states the last hidden states at those positions too.
+
+    Chunked (when batch × completion columns exceed one block of ops.head_chunk_rows(vocab,
+    chunk_tokens) rows, 108 at a 151,936 vocabulary, and the model takes `logits_to_keep`): the model returns
+    its last hidden states and the logits of one position only (`logits_to_keep=1`); the LM head runs
+    later, block by block (`forward_logprobs`), so the float32 (B, T', V) logits and their gradient
+    never exist. Otherwise, or with full_logits: the model's own logits of the completion positions
+    (an index tensor `logits_to_keep`: the LM head never runs on prompt positions), at most 64 MiB of
+    float32 (one block) without full_logits, with no recompute in backward."""
     if is_encoder_decoder(model):
         return seq2seq_completion_forward(model, rollout, output_hidden_states=output_hidden_states)
     rollout = rollout.to(_device(model))
     T = rollout.completion_ids.size(1)
     ids, mask, positions, P, Tc = _trimmed_inputs(rollout)
+    targets, completion_mask = rollout.completion_ids[:, :Tc], rollout.completion_mask[:, :Tc]
     kwargs: dict[str, Any] = dict(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+    takes_keep = accepts_logits_to_keep(model)
+    found = lm_head(model) if takes_keep and not full_logits and _HEAD_MATCHES.get(_unwrap(model), True) else None
+    if found is not None and ids.size(0) * Tc > head_chunk_rows(found[1], chunk_tokens):
+        head, vocab = found
+        out = model(**kwargs, output_hidden_states=True, logits_to_keep=1)
+        last = out.hidden_states[-1]
+        if _head_matches(model, head, out.logits[:, -1], last[:, -1]):
+            states = last[:, P - 1 : P - 1 + Tc]
+            keep = out.logits.sum() * 0.0 if torch.is_grad_enabled() else None
+            hidden = states if output_hidden_states else None
+            return CompletionForward(
+                None,
+                hidden,
+                targets,
+                completion_mask,
+                T,
+                states=states,
+                head=head,
+                vocab=vocab,
+                keep=keep,
+                chunk_tokens=chunk_tokens,
+            )
+        del out, last  # the head does not reproduce this model's logits: the full path below
     if output_hidden_states:
         kwargs["output_hidden_states"] = True
-    if accepts_logits_to_keep(model):
+    if takes_keep:
         out = model(**kwargs, logits_to_keep=torch.arange(P - 1, P - 1 + Tc, device=ids.device))
         logits = out.logits
     else:
         out = model(**kwargs)
         logits = out.logits[:, P - 1 : P - 1 + Tc]
     hidden = out.hidden_states[-1][:, P - 1 : P - 1 + Tc] if output_hidden_states else None
-    return CompletionForward(logits, hidden, rollout.completion_ids[:, :Tc], rollout.completion_mask[:, :Tc], T)
+    return CompletionForward(logits, hidden, targets, completion_mask, T)
 
 
 def is_encoder_decoder(model: torch.nn.Module) -> bool:
@@ -167,13 +328,47 @@ def forward_logprobs(
     forward: CompletionForward, *, temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature)[completion token] (B, T) float32 and optionally the entropy
-    (B, T) of a completion forward, both 0 off-mask."""
+    (B, T) of a completion forward, both 0 off-mask (a chunked forward: the LM head block by block)."""
+    if forward.chunked:
+        logprobs, entropy = head_logprobs_and_entropy(
+            forward.head,
+            forward.states,
+            forward.targets,
+            forward.vocab,
+            temperature,
+            head_chunk_rows(forward.vocab, forward.chunk_tokens),
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+        )
+        if forward.keep is not None:
+            logprobs = logprobs + forward.keep
+        return forward.pad(logprobs), (forward.pad(entropy) if with_entropy else None)
     if with_entropy:
         logprobs, entropy = logprobs_and_entropy(
             forward.logits, forward.targets, temperature, entropy_grad=entropy_grad
         )
         return forward.pad(logprobs), forward.pad(entropy)
     return forward.pad(selective_log_softmax(forward.logits, forward.targets, temperature)), None
+
+
+def forward_full_kl(forward: CompletionForward, ref: CompletionForward, *, temperature: float = 1.0) -> torch.Tensor:
+    """Exact per-token KL(π‖π_ref) over the vocabulary (advantages.full_kl), (B, T) float32, 0 off-mask,
+    of two completion forwards over the same rollout. Two chunked forwards: both LM heads run on the
+    same blocks of rows (ops.head_full_kl), so neither model's (B, T', V) logits exist whole."""
+    if forward.chunked and ref.chunked and forward.vocab == ref.vocab:
+        kl = head_full_kl(
+            forward.head,
+            forward.states,
+            ref.head,
+            ref.states,
+            forward.vocab,
+            temperature,
+            head_chunk_rows(forward.vocab, forward.chunk_tokens),
+        )
+        if forward.keep is not None:
+            kl = kl + forward.keep
+        return forward.pad(kl)
+    return forward.pad(full_kl(forward.logits, ref.logits, forward.mask, temperature=temperature))
 
 
 def completion_logprobs(
@@ -183,15 +378,17 @@ def completion_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature)[completion token], (B, T) float32, 0 off-mask; entropy too.
 
     Differentiable single forward (use it for the policy update). temperature must be the rollout's
     `SamplingConfig.logprob_temperature` so the result matches the recorded rollout logprobs.
     entropy_grad: let gradients flow through the entropy (only for an entropy bonus in the loss).
+    The LM head runs on blocks of ops.head_chunk_rows(vocab, chunk_tokens) rows (`completion_forward`).
     """
     return forward_logprobs(
-        completion_forward(model, rollout),
+        completion_forward(model, rollout, chunk_tokens=chunk_tokens),
         temperature=temperature,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
@@ -206,11 +403,16 @@ def batched_completion_logprobs(
     batch_size: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`completion_logprobs` without grad, `batch_size` rows per forward (old / reference logprobs)."""
     parts = [
         completion_logprobs(
-            model, rollout.select(slice(s, s + batch_size)), temperature=temperature, with_entropy=with_entropy
+            model,
+            rollout.select(slice(s, s + batch_size)),
+            temperature=temperature,
+            with_entropy=with_entropy,
+            chunk_tokens=chunk_tokens,
         )
         for s in range(0, len(rollout), batch_size)
     ]

@@ -61,7 +61,11 @@ class ClassicBuildingBlocks:
         lm = target.pretrained_model if head is not None else target
         fbs, T, parts = self.config.mini_batch_size or len(queries), rollout.completion_ids.size(1), []
         for s in range(0, len(rollout), fbs):
-            out = completion_forward(lm, rollout.select(slice(s, s + fbs)), output_hidden_states=head is not None)
+            # The (rows, T, V) logits are built only when the caller asked for them (return_logits);
+            # otherwise the LM head runs block by block (scoring.completion_forward).
+            out = completion_forward(
+                lm, rollout.select(slice(s, s + fbs)), output_hidden_states=head is not None, full_logits=return_logits
+            )
             logprobs = forward_logprobs(out)[0]
             values = out.pad(head(out.hidden).squeeze(-1).float()) if head is not None else torch.zeros_like(logprobs)
             logits = nn.functional.pad(out.logits, (0, 0, 0, T - out.logits.size(1))) if return_logits else None

@@ -54,6 +54,7 @@ from posttrain.scoring import (
     batched_completion_logprobs,
     completion_forward,
     completion_logprobs,
+    forward_full_kl,
     import_reward_function,
     same_tokenizer,
 )
@@ -699,8 +700,9 @@ def reference_full_kl(
 ) -> torch.Tensor:
     """Exact per-token KL(π‖π_ref) over the vocabulary (advantages.full_kl), (B, T), 0 off-mask, in
     chunks of local_rollout_forward_batch_size rows; π_ref is ref_model or, when it is None, the PEFT
-    policy with its adapter disabled. `policy` is the unwrapped causal LM."""
-    from posttrain.advantages import full_kl
+    policy with its adapter disabled. `policy` is the unwrapped causal LM. Both models return their last
+    hidden states and both LM heads run on the same blocks of positions (scoring.forward_full_kl), so
+    neither model's (rows, length, vocab) logits exist whole."""
     from posttrain.models import adapters_disabled
 
     size, out = run.config.local_rollout_forward_batch_size, []
@@ -713,8 +715,21 @@ def reference_full_kl(
             else:
                 with adapters_disabled(policy):
                     ref = completion_forward(policy, part)
-            out.append(current.pad(full_kl(current.logits, ref.logits, current.mask, temperature=temperature)))
+                if ref.chunked:  # the reference's LM head runs later, block by block: adapters off there too
+                    ref.head = _with_adapters_disabled(policy, ref.head)
+            out.append(forward_full_kl(current, ref, temperature=temperature))
     return torch.cat(out)
+
+
+def _with_adapters_disabled(policy: nn.Module, head: Any) -> Any:
+    """`head`, run with the PEFT policy's adapters disabled (a LoRA-adapted LM head then acts as the base's)."""
+    from posttrain.models import adapters_disabled
+
+    def run(hidden: torch.Tensor) -> torch.Tensor:
+        with adapters_disabled(policy):
+            return head(hidden)
+
+    return run
 
 
 @dataclass
