@@ -13,7 +13,11 @@ Variants (`posttrain.rollout.generate` options; `decode_engine` maps a trainer's
 - model.generate(): transformers' own sampler, dynamic cache, and with cache_implementation="static"
   (which compiles its decode step itself on CUDA).
 
-No stop token is set, so every row decodes all `new_tokens` tokens and every variant does the same work.
+By default no stop token is set, so every row decodes all `new_tokens` tokens and every variant does
+the same work. `--stop_frac F` makes the first F of the vocabulary stop tokens (random weights draw one
+with probability ≈ F per step), so rows end at scattered steps as trained policies' do: compaction then
+changes the batch size mid-decode, which a compiled step meets as new shapes. model.generate() is left
+out of that setting (its token count would differ).
 Each variant's first call (compilation included for the compiled ones) is timed on its own; then the
 variants run `--repeats` rounds, interleaved, and the median is reported. Tokens/s = rows × new_tokens /
 seconds (prefill included), with CUDA synchronisation. Roofline tokens/s = rows × HBM bandwidth / bytes of
@@ -84,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt_len", type=int, default=64)
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--stop_frac", type=float, default=0.0, help="fraction of the vocabulary that stops a row")
     parser.add_argument("--variants", default=None, help="comma-separated variant names (default: all)")
     parser.add_argument("--hbm_gbps", type=float, default=None)
     parser.add_argument("--peak_tflops", type=float, default=None)
@@ -98,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     peaks = device_peaks(args)
     model, ids, mask = build(args)
     rows, device = args.prompts * args.k, ids.device
-    sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0)
+    stop_ids = tuple(range(1, 1 + int(args.stop_frac * model.config.vocab_size)))
+    sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0, stop_token_ids=stop_ids)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
     def ours(options: dict[str, Any]):
@@ -133,7 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
         return run
 
     engines = {name: ours(o) for name, o in VARIANTS.items()}
-    engines.update({name: hf(o) for name, o in HF_VARIANTS.items()})
+    if not stop_ids:
+        engines.update({name: hf(o) for name, o in HF_VARIANTS.items()})
     if args.variants:
         engines = {n: f for n, f in engines.items() if n in args.variants.split(",")}
     results: dict[str, Any] = {
@@ -145,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": rows,
         "prompt_len_padded": ids.shape[1],
         "new_tokens": args.new_tokens,
+        "stop_tokens": len(stop_ids),
         "variants": {},
     }
     if peaks["hbm_gbps"]:
@@ -192,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
         seconds = statistics.median(times[name])
         entry["median_s"] = round(seconds, 4)
         entry["tokens_per_s"] = round(entry["tokens"] / seconds, 1)
-        entry["ms_per_decode_step"] = round(seconds / args.new_tokens * 1e3, 3)
+        entry["ms_per_decode_step"] = round(seconds / args.new_tokens * 1e3, 3)  # of the longest row
         if "decode_roofline_tokens_per_s" in results:
             entry["fraction_of_roofline"] = round(entry["tokens_per_s"] / results["decode_roofline_tokens_per_s"], 4)
         print(f"{name:52s} {seconds * 1e3:9.1f} ms {entry['tokens_per_s']:9.0f} tok/s", flush=True)

@@ -152,7 +152,7 @@ class Timer:
     """Wall time of a callable's calls, with CUDA synchronisation on both sides."""
 
     def __init__(self) -> None:
-        self.seconds, self.calls = 0.0, 0
+        self.seconds, self.calls, self.each = 0.0, 0, []
 
     def wrap(self, fn, on_result=None):
         def timed(*args, **kwargs):
@@ -162,7 +162,8 @@ class Timer:
             result = fn(*args, **kwargs)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            self.seconds += time.perf_counter() - start
+            self.each.append(time.perf_counter() - start)
+            self.seconds += self.each[-1]
             self.calls += 1
             if on_result is not None:
                 on_result(args, kwargs, result)
@@ -203,6 +204,7 @@ def run_algo(algo: str, args: argparse.Namespace, tokenizer: Any, peaks: dict[st
         bf16=bf16,
         use_cpu=not cuda,
         response_length=args.response_length,
+        cache_implementation=args.cache_implementation,
     )
 
     def length_reward(prompts, completions, **kwargs):
@@ -253,6 +255,9 @@ def run_algo(algo: str, args: argparse.Namespace, tokenizer: Any, peaks: dict[st
     total = time.perf_counter() - start
 
     rollout_tps = stats["generated_tokens"] / rollout_timer.seconds
+    # Without the first rollout (where a compiled decode step compiles): the steady-state rate.
+    later = rollout_timer.each[1:]
+    steady_tps = stats["generated_tokens"] * len(later) / len(rollout_timer.each) / sum(later) if later else None
     result: dict[str, Any] = {
         "algo": algo,
         "dtype": str(dtype).replace("torch.", ""),
@@ -266,7 +271,10 @@ def run_algo(algo: str, args: argparse.Namespace, tokenizer: Any, peaks: dict[st
         "rollout_seconds": round(rollout_timer.seconds, 3),
         "generated_tokens": stats["generated_tokens"],
         "completion_tokens_before_stop": stats["real_tokens"],
+        "cache_implementation": args.cache_implementation,
         "rollout_tokens_per_s": round(rollout_tps, 1),
+        "first_rollout_seconds": round(rollout_timer.each[0], 3),
+        "rollout_tokens_per_s_after_first": round(steady_tps, 1) if steady_tps else None,
         "update_seconds": round(update_timer.seconds, 3),
         "update_tokens": stats["update_tokens"],
     }
@@ -293,6 +301,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch_size", type=int, default=16, help="completions per rollout")
     parser.add_argument("--num_generations", type=int, default=4, help="GRPO completions per prompt")
     parser.add_argument("--response_length", type=int, default=128)
+    parser.add_argument(
+        "--cache_implementation",
+        default=None,
+        choices=["dynamic", "static"],
+        help="the trainers' decode engine (static: preallocated cache + compiled decode step)",
+    )
     parser.add_argument("--hbm_gbps", type=float, default=None, help="HBM bandwidth, GB/s (default: table)")
     parser.add_argument("--peak_tflops", type=float, default=None, help="peak bf16 TFLOP/s (default: table)")
     parser.add_argument("--bf16", default=None, type=lambda s: s.lower() in ("1", "true", "yes"))
