@@ -524,3 +524,37 @@ def test_compiled_static_step_samples_the_legacy_tokens(builder):
     assert torch.equal(new_next, old_next)
     # Completions after a stop hold pad (== eos here) and are masked out.
     assert (new.completion_ids[~new.completion_mask] == 2).all()
+
+
+def test_compiled_step_compiles_once_for_rollouts_of_different_prompt_widths():
+    """A training run's rollouts differ in prompt width and in when rows stop; the compiled decode
+    step must not compile again for each (on a GPU every compilation costs seconds, and the compiler's
+    recompile limit would silently fall back to eager). Prompts are padded to the same bucket width
+    and rows are not compacted, so the second and third rollouts reuse the first one's compilation,
+    and each samples the eager engine's tokens for the same seed."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_llama()
+    cfg = SamplingConfig(max_new_tokens=12, stop_token_ids=(2, 3, 5, 7))
+    batches = [
+        [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22], [30]],  # width 5
+        [[5, 6, 7, 8, 9, 10, 11, 12, 13], [14], [15, 16], [17, 18, 19]],  # width 9
+        [[40, 41], [42], [43, 44, 45], [46]],  # width 3
+    ]
+    graphs = []
+    for rows in batches:
+        ids, mask = left_pad(rows, pad=2)
+
+        def run(ids, mask, **options):
+            g = torch.Generator().manual_seed(3)
+            return generate(model, ids, mask, cfg, pad_token_id=2, num_samples=2, generator=g, **options)
+
+        eager, compiled = run(ids, mask, **LEGACY), run(ids, mask, compile_mode="default")
+        graphs.append(counters["stats"]["unique_graphs"])
+        assert torch.equal(compiled.completion_ids, eager.completion_ids)
+        assert torch.equal(compiled.completion_lengths, eager.completion_lengths)
+        assert torch.allclose(compiled.logprobs, eager.logprobs, atol=1e-5)
+        # The Rollout keeps the caller's prompt width: the bucket padding is internal.
+        assert torch.equal(compiled.prompt_ids, eager.prompt_ids)
+        assert torch.equal(compiled.prompt_mask, eager.prompt_mask)
+    assert graphs[1] == graphs[0] and graphs[2] == graphs[0]

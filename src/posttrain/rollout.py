@@ -367,6 +367,17 @@ def _generate_chunk(
     the callable that runs the one-token decode forwards (the model, or its compiled call)."""
     device = prompt_ids.device
     max_new = sampling.max_new_tokens
+    out_prompt_ids, out_prompt_mask = prompt_ids, prompt_mask  # what the Rollout reports
+    if step_fn is not None:
+        # A compiled step compiles (and on CUDA records a graph) for every new shape, so its shapes
+        # must not change from one rollout to the next: the prompt width is padded up to a multiple
+        # of COMPILED_PROMPT_BUCKET (the static cache then has the same length whenever the
+        # prompts' width falls in the same bucket) and rows are never compacted (each batch size
+        # would be a new compilation). Extra left padding is masked out: it changes no real token.
+        width = -(-prompt_ids.size(1) // COMPILED_PROMPT_BUCKET) * COMPILED_PROMPT_BUCKET
+        prompt_ids = F.pad(prompt_ids, (width - prompt_ids.size(1), 0), value=0)
+        prompt_mask = F.pad(prompt_mask, (width - prompt_mask.size(1), 0), value=False)
+        compact = False
     # Masked prompt slots get id 0: an out-of-vocabulary pad (TRL examples add [PAD] without
     # resizing embeddings) must never reach the embedding; masked ids do not affect real tokens.
     prefill_ids = prompt_ids.masked_fill(~prompt_mask, 0)
@@ -515,9 +526,11 @@ def _generate_chunk(
             rng.set_state(rng_states[used - rng_base])
         steps = used
     # A row ended on a stop token iff it finished; length counts the stop token.
+    if row_prompt is not None:
+        out_prompt_ids, out_prompt_mask = out_prompt_ids[row_prompt], out_prompt_mask[row_prompt]
     return Rollout(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
+        prompt_ids=out_prompt_ids,
+        prompt_mask=out_prompt_mask,
         completion_ids=completion[:, :steps],
         completion_mask=lengths_to_mask(lengths, steps),
         completion_lengths=lengths,
@@ -529,6 +542,7 @@ def _generate_chunk(
 
 
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
+COMPILED_PROMPT_BUCKET = 64  # prompt widths a compiled decode step rounds up to (see _generate_chunk)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _COMPILED: dict[str, Any] = {}
 
@@ -601,10 +615,12 @@ def generate(
       has the same shapes. The same tokens as the dynamic cache in fp32; prompts are prefilled once
       per row (no prefill sharing). Needs a transformers model (its config sizes the cache).
     - compile_mode: None (eager) or a torch.compile mode ("default", "reduce-overhead" = CUDA graphs,
-      ...): the one-token decode forward runs compiled, with a static cache. Each new shape (batch
-      size after compaction, prompt length) compiles on its first use; torch.compile makes the batch
-      dimension dynamic after the first recompile. Compiled kernels round differently from eager
-      ones, so a draw within float error of a token boundary can pick a neighbouring token.
+      ...): the one-token decode forward runs compiled, with a static cache. Every new shape would
+      compile again, so with a compiled step the prompts are left-padded to a multiple of
+      COMPILED_PROMPT_BUCKET tokens (masked: no real token changes) and rows are not compacted:
+      a training run's rollouts of the same batch size then share one compilation. Compiled
+      kernels round differently from eager ones, so a draw within float error of a token boundary
+      can pick a neighbouring token.
     `decode_engine` maps a trainer's `cache_implementation` field to these options.
     Prefill sharing and compaction need a KV cache whose rows can be indexed (transformers'
     DynamicCache or a tuple of per-layer tensors). With any other cache, compaction is skipped and
