@@ -65,20 +65,27 @@ class RLOOConfig(OnPolicyConfig):
 
     exp_name: str = flag("Experiment name.", default="rloo_config")
     learning_rate: float = flag("Initial AdamW learning rate (TRL's documented RLOOConfig default).", default=5e-5)
-    num_ppo_epochs: int = flag("Passes over each rollout batch (PPO epochs).", default=4)
+    num_ppo_epochs: int = flag("Passes over each rollout batch (PPO epochs; TRL >= 0.21: num_iterations).", default=4)
     whiten_rewards: bool = flag(
         "Divide the per-sequence RLHF rewards of the rollout batch by their std (mean kept). TRL declares "
         "this flag but never uses it.",
         default=False,
     )
-    kl_coef: float = flag("KL coefficient: rlhf_reward = score − kl_coef · Σ_t KL_t.", default=0.05)
-    cliprange: float = flag("PPO clip range of the sequence-level probability ratio.", default=0.2)
-    rloo_k: int = flag("Completions sampled per prompt (the leave-one-out group size, ≥ 2).", default=2)
+    kl_coef: float = flag("KL coefficient: rlhf_reward = score − kl_coef · Σ_t KL_t (TRL >= 0.21: beta).", default=0.05)
+    cliprange: float = flag(
+        "PPO clip range of the sequence-level probability ratio (TRL >= 0.21: epsilon).", default=0.2
+    )
+    rloo_k: int = flag(
+        "Completions sampled per prompt (the leave-one-out group size, ≥ 2; TRL >= 0.21: num_generations).", default=2
+    )
     normalize_reward: bool = flag(
         "Normalise scores to mean 0 / std 1 over the rollout batch, then clip to ±reward_clip_range.", default=False
     )
     reward_clip_range: float = flag("Clip range of the normalized scores (with normalize_reward).", default=10.0)
-    normalize_advantage: bool = flag("Normalise advantages to mean 0 / std 1 over the rollout batch.", default=False)
+    normalize_advantage: bool = flag(
+        "Normalise advantages to mean 0 / std 1 over the rollout batch (TRL >= 0.21: normalize_advantages).",
+        default=False,
+    )
     token_level_kl: bool = flag(
         "Put the KL penalty per token (score on the last token) instead of per sequence; with a "
         "masked KL both give the same per-sequence reward.",
@@ -86,15 +93,25 @@ class RLOOConfig(OnPolicyConfig):
     )
 
     # TRL >= 0.21 names (GRPO-style RLOOConfig); each sets the TRL 0.19 field named in its help.
-    num_generations: int | None = flag("TRL >= 0.21 name of rloo_k (completions per prompt).", default=None)
-    beta: float | None = flag("TRL >= 0.21 name of kl_coef (KL coefficient in the reward).", default=None)
-    max_completion_length: int | None = flag(
-        "TRL >= 0.21 name of response_length (maximum new tokens per completion).", default=None
+    num_generations: int | None = flag(
+        "TRL >= 0.21 name of rloo_k (completions per prompt); None: rloo_k applies.", default=None
     )
-    epsilon: float | None = flag("TRL >= 0.21 name of cliprange (PPO clip range).", default=None)
-    num_iterations: int | None = flag("TRL >= 0.21 name of num_ppo_epochs (passes per rollout batch).", default=None)
+    beta: float | None = flag(
+        "TRL >= 0.21 name of kl_coef (KL coefficient in the reward); None: kl_coef applies.", default=None
+    )
+    max_completion_length: int | None = flag(
+        "TRL >= 0.21 name of response_length (maximum new tokens per completion); None: response_length applies.",
+        default=None,
+    )
+    epsilon: float | None = flag(
+        "TRL >= 0.21 name of cliprange (PPO clip range); None: cliprange applies.", default=None
+    )
+    num_iterations: int | None = flag(
+        "TRL >= 0.21 name of num_ppo_epochs (passes per rollout batch); None: num_ppo_epochs applies.", default=None
+    )
     normalize_advantages: bool | None = flag(
-        "TRL >= 0.21 name of normalize_advantage (advantages to mean 0 / std 1).", default=None
+        "TRL >= 0.21 name of normalize_advantage (advantages to mean 0 / std 1); None: normalize_advantage applies.",
+        default=None,
     )
 
     def __post_init__(self) -> None:
