@@ -15,10 +15,11 @@
 #     OUT          result folder (default: benchmarks/results/compare-<UTC date-time>): raw.txt (one line per
 #                  pair: repeat, then compare.sh's line), table.md
 #
-# rloo_grpo: posttrain's RLOOTrainer takes TRL 0.19's arguments (rloo_k, kl_coef, config=/policy=/reward_model=);
-# TRL 1.16's run_rloo_grpo.py calls it with TRL 1.x's (num_generations, beta, model=/reward_funcs=/args=). That
-# row runs compare.sh from a mirror of SHARED_BENCH whose posttrain_shim is benchmarks/curves_shim: the strict
-# shim that renames those arguments one to one (and drops nothing). Every other row uses SHARED_BENCH as it is.
+# rloo_grpo: TRL 1.16's run_rloo_grpo.py calls RLOOTrainer with TRL 1.x's names (num_generations, beta,
+# model=/reward_funcs=/args=), which posttrain's RLOOConfig / RLOOTrainer accept as they are. That row runs
+# compare.sh from a mirror of SHARED_BENCH whose posttrain_shim is benchmarks/curves_shim: the strict shim,
+# which drops no keyword (the shared one drops config keywords posttrain lacks), so the row fails rather
+# than time a run with a setting left out. Every other row uses SHARED_BENCH as it is.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(dirname "$HERE")

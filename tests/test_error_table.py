@@ -138,6 +138,12 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("prompt-overflow", [*RLOO, "--prompt_overflow", "cut"], 2, "prompt_overflow='cut' must be"),
     ("total-episodes-0", [*RLOO, "--total_episodes", "0"], 2, "total_episodes=0 must be >= 1."),
     ("rloo-k-1", [*RLOO, "--rloo_k", "1"], 2, "rloo_k=1: RLOO needs at least 2 completions per prompt"),
+    (
+        "rloo-two-names",
+        [*RLOO, "--num_generations", "4", "--rloo_k", "3"],
+        2,
+        "num_generations=4 and rloo_k=3 are two names of the same setting",
+    ),
     # -- win-rate evaluation (judge) --------------------------------------------------------------
     (
         "judge-and-judge-model",

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -82,11 +83,104 @@ from posttrain.trainers.online import (
 )
 from posttrain.trainers.rloo_config import RLOOConfig
 
+# The same argument under TRL 0.19's name and TRL >= 0.21's.
+RENAMED_ARGUMENTS = {
+    "config": "args",
+    "policy": "model",
+    "reward_model": "reward_funcs",
+    "reward_processing_class": "reward_processing_classes",
+}
+
+
+def _trl_019_call(
+    config: RLOOConfig | None = None,
+    processing_class: Any = None,
+    policy: nn.Module | str | None = None,
+    ref_policy: nn.Module | str | None = None,
+    reward_model: Any = None,
+    train_dataset: Any = None,
+    data_collator: Callable | None = None,
+    eval_dataset: Any = None,
+    optimizers: tuple[Any, Any] = (None, None),
+    callbacks: Sequence[Any] | None = None,
+    *,
+    tokenizer: Any = None,
+    reward_processing_class: Any = None,
+    accelerator: Any = None,
+    peft_config: Any = None,
+    model: nn.Module | str | None = None,
+    reward_funcs: Any = None,
+    args: RLOOConfig | None = None,
+    reward_processing_classes: Any = None,
+) -> dict[str, Any]:
+    """The arguments of a call in TRL 0.19's positional order (the TRL >= 0.21 names as keywords)."""
+    return dict(locals())
+
+
+def _trl_1x_call(
+    model: nn.Module | str | None = None,
+    reward_funcs: Any = None,
+    args: RLOOConfig | None = None,
+    train_dataset: Any = None,
+    eval_dataset: Any = None,
+    processing_class: Any = None,
+    reward_processing_classes: Any = None,
+    callbacks: Sequence[Any] | None = None,
+    optimizers: tuple[Any, Any] = (None, None),
+    *,
+    peft_config: Any = None,
+    config: RLOOConfig | None = None,
+    policy: nn.Module | str | None = None,
+    ref_policy: nn.Module | str | None = None,
+    reward_model: Any = None,
+    data_collator: Callable | None = None,
+    tokenizer: Any = None,
+    reward_processing_class: Any = None,
+    accelerator: Any = None,
+) -> dict[str, Any]:
+    """The arguments of a call in TRL >= 0.21's positional order (model, reward_funcs, args, ...)."""
+    return dict(locals())
+
+
+def trainer_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """RLOOTrainer's arguments by their TRL 0.19 names, from a call in either TRL's form.
+
+    A first positional argument that is a model (nn.Module) or a model name / path selects TRL >= 0.21's
+    positional order; anything else TRL 0.19's. TRL >= 0.21's keywords (model, reward_funcs, args,
+    reward_processing_classes) are accepted in both; one argument under both names is a TypeError.
+    A list of reward_processing_classes gives its first tokenizer (one reward tokenizer, as GRPOTrainer)."""
+    first = args[0] if args else None
+    call = _trl_1x_call if isinstance(first, (str, os.PathLike, nn.Module)) else _trl_019_call
+    values = call(*args, **kwargs)
+    for old, new in RENAMED_ARGUMENTS.items():
+        if values[old] is not None and values[new] is not None:
+            raise TypeError(
+                f"RLOOTrainer got both {old}= (TRL 0.19's name) and {new}= (TRL >= 0.21's name) for the same "
+                "argument; give only one."
+            )
+    classes = values.pop("reward_processing_classes")
+    if isinstance(classes, (list, tuple)):
+        classes = next((t for t in classes if t is not None), None)
+    if classes is not None:
+        values["reward_processing_class"] = classes
+    values["config_name"] = "args" if values["args"] is not None else "config"
+    for old in ("config", "policy", "reward_model"):
+        new = values.pop(RENAMED_ARGUMENTS[old])
+        if new is not None:
+            values[old] = new
+    return values
+
 
 class RLOOTrainer(OnlineTrainer):
-    """TRL's on-policy RLOO trainer: `RLOOTrainer(config, processing_class, policy, ref_policy,
-    reward_model, train_dataset, data_collator=None, eval_dataset=None, optimizers=(None, None),
-    callbacks=None)`, then `.train()`.
+    """TRL's RLOO trainer, called the way TRL 0.19 or TRL >= 0.21 calls it, then `.train()`:
+
+    - TRL 0.19: `RLOOTrainer(config, processing_class, policy, ref_policy, reward_model, train_dataset,
+      data_collator=None, eval_dataset=None, optimizers=(None, None), callbacks=None)`;
+    - TRL >= 0.21: `RLOOTrainer(model, reward_funcs, args=None, train_dataset=None, eval_dataset=None,
+      processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+      peft_config=None)`, with `RLOOConfig(num_generations=..., beta=..., ...)` (rloo_config.py maps
+      those names onto TRL 0.19's). model / reward_funcs / args are policy / reward_model / config
+      (`trainer_arguments`); both names of one argument is a TypeError.
 
     policy / ref_policy: modules, hub ids or folders (None: config.sft_model_path). reward_model: a
     sequence-classification reward model (nn.Module or path), a text reward function
@@ -94,45 +188,31 @@ class RLOOTrainer(OnlineTrainer):
     (texts = prompt + completion, special tokens skipped; trl#2612), or a list of them (summed); None
     reads config.reward_model_path / reward_funcs. ref_policy None with kl_coef > 0: a frozen copy of
     the initial policy, or with `peft_config` (a peft.LoraConfig: only the adapter trains) the policy
-    with its adapter disabled. `tokenizer=` is accepted for `processing_class` (TRL ≤ 0.11),
-    `reward_processing_class=` when the reward model has its own tokenizer (texts are re-tokenized),
-    `accelerator=` to share one. callbacks: `transformers.TrainerCallback` objects (trainers/online.py,
-    `OnlineTrainer`: the events, `trainer.state`).
+    with its adapter disabled. `tokenizer=` is accepted for `processing_class` (TRL <= 0.11),
+    `reward_processing_class=` (TRL >= 0.21: `reward_processing_classes=`, a list: its first tokenizer)
+    when the reward model has its own tokenizer (texts are re-tokenized), `accelerator=` to share one.
+    callbacks: `transformers.TrainerCallback` objects (trainers/online.py, `OnlineTrainer`: the events,
+    `trainer.state`).
     """
 
-    def __init__(
-        self,
-        config: RLOOConfig | None = None,
-        processing_class: Any = None,
-        policy: nn.Module | str | None = None,
-        ref_policy: nn.Module | str | None = None,
-        reward_model: Any = None,
-        train_dataset: Any = None,
-        data_collator: Callable | None = None,
-        eval_dataset: Any = None,
-        optimizers: tuple[Any, Any] = (None, None),
-        callbacks: Sequence[Any] | None = None,
-        *,
-        tokenizer: Any = None,
-        reward_processing_class: Any = None,
-        accelerator: Any = None,
-        peft_config: Any = None,
-    ) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        a = trainer_arguments(args, kwargs)
+        config, policy, processing_class = a["config"], a["policy"], a["processing_class"]
         if config is None:
             config = default_config(RLOOConfig, policy, "RLOO")
         if not isinstance(config, RLOOConfig):
-            raise ConfigError(f"config must be an RLOOConfig, got {type(config).__name__}.")
+            raise ConfigError(f"{a['config_name']} must be an RLOOConfig, got {type(config).__name__}.")
         self.use_reference = config.kl_coef > 0
         parts = load_parts(
             config,
             model=policy,
-            ref_model=ref_policy,
-            rewards=reward_model,
-            processing_class=processing_class if processing_class is not None else tokenizer,
-            reward_processing_class=reward_processing_class,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            peft_config=peft_config,
+            ref_model=a["ref_policy"],
+            rewards=a["reward_model"],
+            processing_class=processing_class if processing_class is not None else a["tokenizer"],
+            reward_processing_class=a["reward_processing_class"],
+            train_dataset=a["train_dataset"],
+            eval_dataset=a["eval_dataset"],
+            peft_config=a["peft_config"],
             needs_reference=self.use_reference,
         )
         policy, self.ref_model = prepare_policy(
@@ -144,11 +224,11 @@ class RLOOTrainer(OnlineTrainer):
             policy,
             train_dataset=parts.train_dataset,
             eval_dataset=parts.eval_dataset,
-            data_collator=data_collator,
-            optimizers=optimizers,
-            callbacks=callbacks,
+            data_collator=a["data_collator"],
+            optimizers=a["optimizers"],
+            callbacks=a["callbacks"],
             position_limits=parts.position_limits,
-            accelerator=accelerator,
+            accelerator=a["accelerator"],
         )
         self.ref_model = dist.prepare_frozen(self.ref_model, self.accelerator)
         self.reward = self.reward_source(parts.rewards, parts.reward_tokenizer)
@@ -246,6 +326,16 @@ class RLOOTrainer(OnlineTrainer):
 
     def table_scores(self, rollout: Rollout, batch: dict) -> torch.Tensor:
         return score(self.run, self.reward, rollout, batch, 1)
+
+
+# help(RLOOTrainer) / IDEs: TRL 0.19's positional order with TRL >= 0.21's keywords.
+RLOOTrainer.__init__.__signature__ = inspect.signature(_trl_019_call).replace(  # type: ignore[attr-defined]
+    parameters=[
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        *inspect.signature(_trl_019_call).parameters.values(),
+    ],
+    return_annotation=None,
+)
 
 
 def full_text_reward(reward: Any) -> Any:

@@ -17,6 +17,26 @@ handling). Deliberate differences, each for a reason:
   ranks (TRL: each rank's own), so N processes give the update of one process with the same
   global batch.
 
+TRL >= 0.21 rewrote RLOOConfig in GRPO's vocabulary for the same algorithm (sequence-level k1 KL
+penalty in the reward, leave-one-out baseline, sequence-level PPO-clip). Its six renamed fields are
+fields here too, default None; each one given sets the TRL 0.19 field it renames (`TRL_1X_NAMES`),
+which the trainer reads, and keeps the value given:
+
+    TRL >= 0.21 name        TRL 0.19 field (read by the trainer)
+    num_generations         rloo_k
+    beta                    kl_coef
+    max_completion_length   response_length
+    epsilon                 cliprange
+    num_iterations          num_ppo_epochs
+    normalize_advantages    normalize_advantage
+
+Both names given with different values is a ConfigError naming both (a 0.19 field left at its
+default yields to the new name). A field neither name sets keeps its 0.19 default, which may differ
+from TRL 1.x's: num_ppo_epochs 4 (num_iterations 1), response_length 53 (max_completion_length 512),
+learning_rate 5e-05 (1e-06), temperature 0.7 (1.0); README.md, "RLOO", lists them. TRL 1.x's
+`reward_clip_range` is a (min, max) pair clipping raw rewards; here it is 0.19's float (with
+normalize_reward), so a pair is refused.
+
 Standard library only: `posttrain rloo --help` and validation run before torch loads.
 """
 
@@ -24,7 +44,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.configs import ConfigError, OnPolicyConfig, flag
+from posttrain.configs import ConfigError, OnPolicyConfig, _field_default, flag
+
+# TRL >= 0.21's RLOOConfig name -> the TRL 0.19 field it sets (same meaning and units).
+TRL_1X_NAMES = {
+    "num_generations": "rloo_k",
+    "beta": "kl_coef",
+    "max_completion_length": "response_length",
+    "epsilon": "cliprange",
+    "num_iterations": "num_ppo_epochs",
+    "normalize_advantages": "normalize_advantage",
+}
 
 
 @dataclass
@@ -35,40 +65,99 @@ class RLOOConfig(OnPolicyConfig):
 
     exp_name: str = flag("Experiment name.", default="rloo_config")
     learning_rate: float = flag("Initial AdamW learning rate (TRL's documented RLOOConfig default).", default=5e-5)
-    num_ppo_epochs: int = flag("Passes over each rollout batch (PPO epochs).", default=4)
+    num_ppo_epochs: int = flag("Passes over each rollout batch (PPO epochs; TRL >= 0.21: num_iterations).", default=4)
     whiten_rewards: bool = flag(
         "Divide the per-sequence RLHF rewards of the rollout batch by their std (mean kept). TRL declares "
         "this flag but never uses it.",
         default=False,
     )
-    kl_coef: float = flag("KL coefficient: rlhf_reward = score − kl_coef · Σ_t KL_t.", default=0.05)
-    cliprange: float = flag("PPO clip range of the sequence-level probability ratio.", default=0.2)
-    rloo_k: int = flag("Completions sampled per prompt (the leave-one-out group size, ≥ 2).", default=2)
+    kl_coef: float = flag("KL coefficient: rlhf_reward = score − kl_coef · Σ_t KL_t (TRL >= 0.21: beta).", default=0.05)
+    cliprange: float = flag(
+        "PPO clip range of the sequence-level probability ratio (TRL >= 0.21: epsilon).", default=0.2
+    )
+    rloo_k: int = flag(
+        "Completions sampled per prompt (the leave-one-out group size, ≥ 2; TRL >= 0.21: num_generations).", default=2
+    )
     normalize_reward: bool = flag(
         "Normalise scores to mean 0 / std 1 over the rollout batch, then clip to ±reward_clip_range.", default=False
     )
     reward_clip_range: float = flag("Clip range of the normalized scores (with normalize_reward).", default=10.0)
-    normalize_advantage: bool = flag("Normalise advantages to mean 0 / std 1 over the rollout batch.", default=False)
+    normalize_advantage: bool = flag(
+        "Normalise advantages to mean 0 / std 1 over the rollout batch (TRL >= 0.21: normalize_advantages).",
+        default=False,
+    )
     token_level_kl: bool = flag(
         "Put the KL penalty per token (score on the last token) instead of per sequence; with a "
         "masked KL both give the same per-sequence reward.",
         default=False,
     )
 
+    # TRL >= 0.21 names (GRPO-style RLOOConfig); each sets the TRL 0.19 field named in its help.
+    num_generations: int | None = flag(
+        "TRL >= 0.21 name of rloo_k (completions per prompt); None: rloo_k applies.", default=None
+    )
+    beta: float | None = flag(
+        "TRL >= 0.21 name of kl_coef (KL coefficient in the reward); None: kl_coef applies.", default=None
+    )
+    max_completion_length: int | None = flag(
+        "TRL >= 0.21 name of response_length (maximum new tokens per completion); None: response_length applies.",
+        default=None,
+    )
+    epsilon: float | None = flag(
+        "TRL >= 0.21 name of cliprange (PPO clip range); None: cliprange applies.", default=None
+    )
+    num_iterations: int | None = flag(
+        "TRL >= 0.21 name of num_ppo_epochs (passes per rollout batch); None: num_ppo_epochs applies.", default=None
+    )
+    normalize_advantages: bool | None = flag(
+        "TRL >= 0.21 name of normalize_advantage (advantages to mean 0 / std 1); None: normalize_advantage applies.",
+        default=None,
+    )
+
     def __post_init__(self) -> None:
+        self._resolve_trl_1x_names()
+        if isinstance(self.reward_clip_range, (tuple, list)):
+            raise ConfigError(
+                f"reward_clip_range={self.reward_clip_range!r}: a (min, max) pair is TRL >= 0.21's clip of the raw "
+                "rewards, which posttrain's RLOO does not have; here reward_clip_range is TRL 0.19's float c, the "
+                "clip to ±c of the scores normalised by normalize_reward. Drop it, or set normalize_reward=True "
+                "with a float."
+            )
+        if self.max_completion_length is not None and self.max_completion_length < 1:
+            raise ConfigError(f"max_completion_length={self.max_completion_length} must be >= 1.")
         super().__post_init__()
         if self.rloo_k < 2:
             raise ConfigError(
-                f"rloo_k={self.rloo_k}: RLOO needs at least 2 completions per prompt for a leave-one-out baseline."
+                f"{self._named('rloo_k')}={self.rloo_k}: RLOO needs at least 2 completions per prompt for a "
+                "leave-one-out baseline."
             )
         if self.num_ppo_epochs < 1:
-            raise ConfigError(f"num_ppo_epochs={self.num_ppo_epochs} must be >= 1.")
+            raise ConfigError(f"{self._named('num_ppo_epochs')}={self.num_ppo_epochs} must be >= 1.")
         if self.cliprange <= 0:
-            raise ConfigError(f"cliprange={self.cliprange} must be > 0.")
+            raise ConfigError(f"{self._named('cliprange')}={self.cliprange} must be > 0.")
         if self.kl_coef < 0:
-            raise ConfigError(f"kl_coef={self.kl_coef} must be >= 0.")
-        if self.normalize_reward and self.reward_clip_range <= 0:
+            raise ConfigError(f"{self._named('kl_coef')}={self.kl_coef} must be >= 0.")
+        if self.normalize_reward and (self.reward_clip_range is None or self.reward_clip_range <= 0):
             raise ConfigError(f"reward_clip_range={self.reward_clip_range} must be > 0 when normalize_reward is set.")
+
+    def _resolve_trl_1x_names(self) -> None:
+        """Each TRL >= 0.21 name given sets its TRL 0.19 field; both given and different: ConfigError."""
+        for new, old in TRL_1X_NAMES.items():
+            value = getattr(self, new)
+            if value is None:
+                continue
+            current = getattr(self, old)
+            if current != _field_default(type(self), old) and current != value:
+                raise ConfigError(
+                    f"{new}={value!r} and {old}={current!r} are two names of the same setting ({new}: TRL >= 0.21, "
+                    f"{old}: TRL 0.19) with different values; give only one."
+                )
+            setattr(self, old, value)
+
+    def _named(self, old: str) -> str:
+        """The name the caller used for a TRL 0.19 field (its TRL >= 0.21 name when that was given)."""
+        new = next(n for n, o in TRL_1X_NAMES.items() if o == old)
+        return new if getattr(self, new) is not None else old
 
     @property
     def samples_per_prompt(self) -> int:
