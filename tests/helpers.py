@@ -385,6 +385,24 @@ def tensorboard_scalars(folder) -> dict[str, list[int]]:
     return {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
+# -- a causal LM built from config (64-word vocabulary) -----------------------------------------------------
+
+
+def tiny_llama() -> transformers.LlamaForCausalLM:
+    """A 2-layer Llama (hidden 32, 4 query / 2 key-value heads) over 64 ids, seeded 0, in eval mode."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=128,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
 # -- encoder-decoder models (64-word vocabulary) -------------------------------------------------------------
 
 VOCAB = 64
