@@ -305,6 +305,17 @@ def pair_config(config_cls, tmp_path, **overrides):
     return config_cls(**values)
 
 
+def assert_resumed_as_uninterrupted(full, resumed, restored: int = 2) -> None:
+    """A pair trainer resumed from a checkpoint ends where the uninterrupted run ends: the checkpoint's
+    first `restored` log_history entries kept as they were, the same policy weights, and the same last
+    rollout-batch log (its wall-clock `eps` aside)."""
+    assert resumed.state.log_history[:restored] == full.state.log_history[:restored]  # restored from the checkpoint
+    for (k, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), k
+    last, full_last = resumed.state.log_history[-2], full.state.log_history[-2]
+    assert last == {**full_last, "eps": last["eps"]}
+
+
 def online_prompts(n: int) -> Dataset:
     """The prompts of `online_trainer`: n short phrases, each numbered."""
     words = ["Hello world", "The quick brown fox", "Once upon a time", "Thank you", "Good morning", "Blue sea"]
