@@ -539,6 +539,19 @@ def run_processes(
     return proc
 
 
+def one_and_two_processes(tmp_path: Path, script: str, *args: str, timeout: int = 150) -> tuple[dict, dict]:
+    """Write `script` and run it as `python script *args OUT TESTS` in 1 process, then in 2 (torchrun and
+    gloo: `accelerate launch --cpu --num_processes 2` starts a single process with accelerate 1.15, while
+    torchrun with ACCELERATE_USE_CPU gives accelerate a real 2-rank group). Each run saves its results with
+    torch.save to OUT; TESTS is this folder, for the script to import helpers. Returns (one, two)."""
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    here = str(Path(__file__).parent)
+    for nproc, name in ((1, "one.pt"), (2, "two.pt")):
+        run_processes([str(path), *args, str(tmp_path / name), here], nproc=nproc, timeout=timeout, check=True)
+    return torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+
+
 def launch(argv: list[str], nproc: int = 2, timeout: int = 300, check: bool = False) -> subprocess.CompletedProcess:
     """`posttrain *argv` in `nproc` CPU processes, as a user starts it (run_processes)."""
     return run_processes(["-m", "posttrain", *argv], nproc, timeout, check)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import RL_METRICS, flat, run_processes, train_and_last_log
+from helpers import RL_METRICS, flat, one_and_two_processes, train_and_last_log
 from helpers import ppo_config as train_config
 from posttrain.configs import ConfigError
 from posttrain.models import CausalLMWithValueHead
@@ -397,15 +397,8 @@ MULTIPROC_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.multiproc
 def test_two_processes_equal_one_process(tmp_path):
-    script = tmp_path / "script.py"
-    script.write_text(MULTIPROC_SCRIPT)
     # A clean launch environment (helpers.child_env): no accelerate settings left behind by in-process tests.
-    here = str(Path(__file__).parent)
-    run_processes([str(script), str(tmp_path / "one.pt"), here], nproc=1, timeout=120, check=True)
-    # `accelerate launch --cpu --num_processes 2` starts a single process with accelerate 1.15;
-    # torchrun with ACCELERATE_USE_CPU gives accelerate a real 2-rank gloo group.
-    run_processes([str(script), str(tmp_path / "two.pt"), here], timeout=120, check=True)
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    one, two = one_and_two_processes(tmp_path, MULTIPROC_SCRIPT, timeout=120)
     assert two["kl"] == pytest.approx(one["kl"], rel=1e-5)
     torch.testing.assert_close(two["params"], one["params"], rtol=0, atol=2e-6)
 
@@ -557,12 +550,7 @@ def train_dp_run(out_path: str) -> None:
 
 @pytest.mark.multiproc
 def test_train_on_two_processes_equals_one_process(tmp_path):
-    script = tmp_path / "train_dp.py"
-    script.write_text(TRAIN_DP_SCRIPT)
-    here = str(Path(__file__).parent)
-    run_processes([str(script), str(tmp_path / "one.pt"), here], nproc=1, timeout=150, check=True)
-    run_processes([str(script), str(tmp_path / "two.pt"), here], timeout=150, check=True)
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    one, two = one_and_two_processes(tmp_path, TRAIN_DP_SCRIPT)
     assert (one["policy"] - one["initial"]).abs().max() > 1e-4  # the update really moved the policy
     assert two["kl"] == pytest.approx(one["kl"], rel=1e-5, abs=1e-7)
     # Adam turns float-reduction-order noise on near-zero gradients into steps far above it, so the
