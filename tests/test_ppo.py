@@ -48,6 +48,15 @@ def step_data(tok, n: int, seed: int = 0):
     return queries, responses, scores
 
 
+def classic_trainer(tok, **config) -> PPOTrainer:
+    """The classic step() API on batches of 4 (one minibatch), no reporting: a fresh tiny policy and a
+    reference seeded 5; `config` adds PPOConfig fields."""
+    cfg = PPOConfig(batch_size=4, mini_batch_size=4, report_to="none", **config)
+    return PPOTrainer(
+        config=cfg, model=build_tiny_causal_lm(tok), tokenizer=tok, ref_model=build_tiny_causal_lm(tok, seed=5)
+    )
+
+
 # -- config ---------------------------------------------------------------------------------------
 def test_config_aliases_and_contradictions():
     c = PPOConfig(ppo_epochs=2, init_kl_coef=0.1, kl_penalty="kl", kl_estimator="k1", steps=64, log_with="tensorboard")
@@ -249,22 +258,14 @@ def test_generate_and_step_with_and_without_masks(tmp_path, tiny_tokenizer):
 
 def test_adaptive_kl_controller_moves_the_right_way(tiny_tokenizer):
     def coef_after(target: float) -> float:
-        cfg = PPOConfig(
+        trainer = classic_trainer(
+            tiny_tokenizer,
             adap_kl_ctrl=True,
             init_kl_coef=0.2,
             target=target,
             horizon=10.0,
             kl_penalty="k3",
             learning_rate=1e-3,
-            batch_size=4,
-            mini_batch_size=4,
-            report_to="none",
-        )
-        trainer = PPOTrainer(
-            config=cfg,
-            model=build_tiny_causal_lm(tiny_tokenizer),
-            tokenizer=tiny_tokenizer,
-            ref_model=build_tiny_causal_lm(tiny_tokenizer, seed=5),
         )
         data = step_data(tiny_tokenizer, 4)
         stats = trainer.step(*data)
@@ -309,7 +310,8 @@ def test_full_kl_whitening_and_early_stopping(tiny_tokenizer):
     the remaining epochs, while a large one never does."""
 
     def run(target_kl: float) -> dict:
-        cfg = PPOConfig(
+        trainer = classic_trainer(
+            tiny_tokenizer,
             kl_penalty="full",
             whiten_rewards=True,
             whiten_advantages=False,
@@ -317,15 +319,6 @@ def test_full_kl_whitening_and_early_stopping(tiny_tokenizer):
             target_kl=target_kl,
             ppo_epochs=3,
             learning_rate=5e-2,
-            batch_size=4,
-            mini_batch_size=4,
-            report_to="none",
-        )
-        trainer = PPOTrainer(
-            config=cfg,
-            model=build_tiny_causal_lm(tiny_tokenizer),
-            tokenizer=tiny_tokenizer,
-            ref_model=build_tiny_causal_lm(tiny_tokenizer, seed=5),
         )
         queries, responses, _ = step_data(tiny_tokenizer, 4)
         return trainer.step(queries, responses, [torch.tensor(-5.0)] * 4)
