@@ -113,24 +113,15 @@ def run(trainer_name: str, seed: int, csv_path: str, steps: int) -> None:
     train = load_from_disk(f"{ART}/prompts")["train"]
     out = tempfile.mkdtemp(prefix=f"curves-{trainer_name}-{seed}-")  # the final save (posttrain saves) goes here
     settings = {**SHARED, **PER_TRAINER[trainer_name], "max_steps": steps, "seed": seed, "output_dir": out}
-    if trainer_name == "grpo":
-        args = trl.GRPOConfig(**settings)
-        trainer = trl.GRPOTrainer(
-            model=AutoModelForCausalLM.from_pretrained(policy),
-            reward_funcs=vowels,
-            args=args,
-            train_dataset=train,
-            processing_class=tokenizer,
-        )
-    else:
-        args = trl.RLOOConfig(**settings)
-        trainer = trl.RLOOTrainer(
-            model=AutoModelForCausalLM.from_pretrained(policy),
-            reward_funcs=vowels,
-            args=args,
-            train_dataset=train,
-            processing_class=tokenizer,
-        )
+    classes = {"grpo": (trl.GRPOConfig, trl.GRPOTrainer), "rloo": (trl.RLOOConfig, trl.RLOOTrainer)}
+    config_cls, trainer_cls = classes[trainer_name]
+    trainer = trainer_cls(
+        model=AutoModelForCausalLM.from_pretrained(policy),
+        reward_funcs=vowels,
+        args=config_cls(**settings),
+        train_dataset=train,
+        processing_class=tokenizer,
+    )
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0

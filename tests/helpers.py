@@ -305,6 +305,17 @@ def pair_config(config_cls, tmp_path, **overrides):
     return config_cls(**values)
 
 
+def assert_resumed_as_uninterrupted(full, resumed, restored: int = 2) -> None:
+    """A pair trainer resumed from a checkpoint ends where the uninterrupted run ends: the checkpoint's
+    first `restored` log_history entries kept as they were, the same policy weights, and the same last
+    rollout-batch log (its wall-clock `eps` aside)."""
+    assert resumed.state.log_history[:restored] == full.state.log_history[:restored]  # restored from the checkpoint
+    for (k, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), k
+    last, full_last = resumed.state.log_history[-2], full.state.log_history[-2]
+    assert last == {**full_last, "eps": last["eps"]}
+
+
 def online_prompts(n: int) -> Dataset:
     """The prompts of `online_trainer`: n short phrases, each numbered."""
     words = ["Hello world", "The quick brown fox", "Once upon a time", "Thank you", "Good morning", "Blue sea"]
@@ -383,6 +394,24 @@ def tensorboard_scalars(folder) -> dict[str, list[int]]:
     events = EventAccumulator(str(folder))
     events.Reload()
     return {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+# -- a causal LM built from config (64-word vocabulary) -----------------------------------------------------
+
+
+def tiny_llama() -> transformers.LlamaForCausalLM:
+    """A 2-layer Llama (hidden 32, 4 query / 2 key-value heads) over 64 ids, seeded 0, in eval mode."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=128,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
 
 
 # -- encoder-decoder models (64-word vocabulary) -------------------------------------------------------------
@@ -508,6 +537,19 @@ def run_processes(
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
+
+
+def one_and_two_processes(tmp_path: Path, script: str, *args: str, timeout: int = 150) -> tuple[dict, dict]:
+    """Write `script` and run it as `python script *args OUT TESTS` in 1 process, then in 2 (torchrun and
+    gloo: `accelerate launch --cpu --num_processes 2` starts a single process with accelerate 1.15, while
+    torchrun with ACCELERATE_USE_CPU gives accelerate a real 2-rank group). Each run saves its results with
+    torch.save to OUT; TESTS is this folder, for the script to import helpers. Returns (one, two)."""
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    here = str(Path(__file__).parent)
+    for nproc, name in ((1, "one.pt"), (2, "two.pt")):
+        run_processes([str(path), *args, str(tmp_path / name), here], nproc=nproc, timeout=timeout, check=True)
+    return torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
 
 
 def launch(argv: list[str], nproc: int = 2, timeout: int = 300, check: bool = False) -> subprocess.CompletedProcess:

@@ -78,6 +78,35 @@ def names(recorder):
     return [(name, step) for name, step, _ in recorder.events]
 
 
+def add_pop_and_remove(trainer, kept: Recorder) -> Recorder:
+    """The callback list as on transformers.Trainer: add_callback(a class) instantiates it and
+    pop_callback(the class) hands that instance back; `kept` is added, and a second Recorder is added
+    and removed again. Returns the removed one (it must see no event)."""
+    before = list(trainer.callback_handler.callbacks)
+    trainer.add_callback(Recorder)  # a class is instantiated
+    (added,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, Recorder)]
+    assert trainer.pop_callback(Recorder) is added and trainer.callback_handler.callbacks == before
+    removed = Recorder()
+    trainer.add_callback(kept)
+    trainer.add_callback(removed)
+    trainer.remove_callback(removed)
+    assert trainer.callback_handler.callbacks == [*before, kept]
+    return removed
+
+
+def log_and_evaluate(trainer, recorder: Recorder) -> dict:
+    """trainer.log then trainer.evaluate before training: both entries land in log_history at step 0
+    and reach the callbacks in order. Returns the evaluation metrics."""
+    trainer.log({"custom": 1.5})
+    metrics = trainer.evaluate()
+    assert trainer.state.log_history == [
+        {"custom": 1.5, "epoch": 0.0, "step": 0},
+        {**metrics, "epoch": 0.0, "step": 0},
+    ]
+    assert names(recorder) == [("log", 0), ("log", 0), ("evaluate", 0)]
+    return metrics
+
+
 def test_sft_fires_every_event_in_transformers_order(tmp_path, tiny_tokenizer):
     recorder = Recorder()
     # 8 examples, batch 2: one epoch is 4 steps, so step s ends at epoch s/4.
@@ -197,13 +226,9 @@ def test_a_callback_asks_for_a_checkpoint_and_a_log(tmp_path, tiny_tokenizer):
 
 def test_callback_list_as_on_transformers_trainer(tmp_path, tiny_tokenizer):
     trainer = sft_trainer(tmp_path, tiny_tokenizer, eval_dataset=False, max_steps=1)
-    trainer.add_callback(Recorder)  # a class is instantiated
-    (added,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, Recorder)]
-    assert trainer.pop_callback(Recorder) is added and trainer.callback_handler.callbacks == []
-    kept, removed = Recorder(), Recorder()
-    trainer.add_callback(kept)
-    trainer.add_callback(removed)
-    trainer.remove_callback(removed)
+    assert trainer.callback_handler.callbacks == []
+    kept = Recorder()
+    removed = add_pop_and_remove(trainer, kept)
     trainer.train()
     assert names(kept) == [("train_begin", 0), ("step_end", 1), ("log", 1), ("log", 1), ("train_end", 1)]
     assert removed.events == []
@@ -212,14 +237,8 @@ def test_callback_list_as_on_transformers_trainer(tmp_path, tiny_tokenizer):
 def test_trainer_log_and_evaluate_reach_the_state_and_callbacks(tmp_path, tiny_tokenizer):
     recorder = Recorder()
     trainer = sft_trainer(tmp_path, tiny_tokenizer, callbacks=[recorder])
-    trainer.log({"custom": 1.5})
-    metrics = trainer.evaluate()
+    metrics = log_and_evaluate(trainer, recorder)
     assert set(metrics) == {"eval_loss", "eval_mean_token_accuracy", "eval_entropy", "eval_num_tokens"}
-    assert trainer.state.log_history == [
-        {"custom": 1.5, "epoch": 0.0, "step": 0},
-        {**metrics, "epoch": 0.0, "step": 0},
-    ]
-    assert names(recorder) == [("log", 0), ("log", 0), ("evaluate", 0)]
 
 
 def test_reward_training_fires_the_events(tmp_path, tiny_tokenizer):
@@ -493,26 +512,14 @@ def test_online_trainer_log_evaluate_and_the_callback_list(tmp_path, tiny_tokeni
         per_device_eval_batch_size=3,  # two eval batches: 3 prompts, then 1
         eval_steps=2,
     )
-    trainer.add_callback(Recorder)  # a class is instantiated
-    (added,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, Recorder)]
-    assert trainer.pop_callback(Recorder) is added
-    removed = Recorder()
-    trainer.add_callback(recorder)
-    trainer.add_callback(removed)
-    trainer.remove_callback(removed)
+    removed = add_pop_and_remove(trainer, recorder)
 
-    trainer.log({"custom": 1.5})
-    metrics = trainer.evaluate()
+    metrics = log_and_evaluate(trainer, recorder)
     assert set(metrics) == {"eval_objective/scores", "eval_completions/mean_length", "eval_val/num_eos_tokens"}
     # Each score is 2.0, less missing_eos_penalty for the completions of the 4 prompts that did not end.
     eos = metrics["eval_val/num_eos_tokens"]
     assert 0 <= eos <= 4 and metrics["eval_objective/scores"] == pytest.approx(2.0 - (4 - eos) / 4)
     assert 1 <= metrics["eval_completions/mean_length"] <= 4  # response_length 4
-    assert trainer.state.log_history == [
-        {"custom": 1.5, "epoch": 0.0, "step": 0},
-        {**metrics, "epoch": 0.0, "step": 0},
-    ]
-    assert names(recorder) == [("log", 0), ("log", 0), ("evaluate", 0)]
 
     # eval_steps=2: evaluated after the second rollout batch, before the summary.
     trainer.train()

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from helpers import online_trainer
+from helpers import online_trainer, tiny_llama
 from posttrain.rollout import SamplingConfig, generate
 from posttrain.scoring import completion_logprobs
 from posttrain.testing import build_tiny_reward_model
@@ -45,19 +45,7 @@ def check_bf16_training(algo: str, out, tokenizer, device_type: str) -> dict:
 
 def check_rollout_contract(device_type: str) -> None:
     """Masks, lengths, stop tokens, padding, seeding and log-probs of `generate` on `device_type`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=128,
-    )
-    model = LlamaForCausalLM(config).eval().to(device_type)
+    model = tiny_llama().to(device_type)
     ids = torch.tensor([[0, 0, 5, 6, 7], [0, 0, 0, 11, 12], [20, 21, 22, 23, 24]], device=device_type)
     mask = ids != 0
     sampling = SamplingConfig(max_new_tokens=12, temperature=1.0, stop_token_ids=(1, 2, 3))

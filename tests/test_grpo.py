@@ -27,6 +27,15 @@ def config(tmp_path, **overrides) -> GRPOConfig:
     return grpo_config(tmp_path, **{"per_device_train_batch_size": 8, "total_episodes": 16, **overrides})
 
 
+def letter_trainer(cfg: GRPOConfig, tokenizer, prompts: int = 32, policy=None, **kwargs) -> GRPOTrainer:
+    """GRPO on `prompts` numbered prompts rewarded by letter_fraction; a fresh tiny policy unless given."""
+    if policy is None:
+        policy = build_tiny_causal_lm(tokenizer)
+    return GRPOTrainer(
+        policy, letter_fraction, cfg, prompt_dataset(prompts, numbered=True), processing_class=tokenizer, **kwargs
+    )
+
+
 def test_command_line_with_reward_functions_and_a_reward_model(
     tmp_path, monkeypatch, tiny_policy_dir, tiny_reward_model_dir
 ):
@@ -109,13 +118,7 @@ def test_learnable_reward_raises_scores(tmp_path, tiny_tokenizer):
         beta=0.0,
         lr_scheduler_type="constant",
     )
-    trainer = GRPOTrainer(
-        build_tiny_causal_lm(tiny_tokenizer),
-        letter_fraction,
-        cfg,
-        prompt_dataset(64, numbered=True),
-        processing_class=tiny_tokenizer,
-    )
+    trainer = letter_trainer(cfg, tiny_tokenizer, prompts=64)
     assert trainer.ref_model is None  # beta = 0: no reference model
     trainer.train()
     scores = [h["objective/scores"] for h in trainer.state.log_history[:-1]]
@@ -158,12 +161,10 @@ def test_loss_is_a_global_token_mean(tmp_path, tiny_tokenizer):
             response_length=8,
         )
         optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
-        trainer = GRPOTrainer(
-            policy,
-            letter_fraction,
+        trainer = letter_trainer(
             cfg,
-            prompt_dataset(32, numbered=True),
-            processing_class=tiny_tokenizer,
+            tiny_tokenizer,
+            policy=policy,
             ref_model=build_tiny_causal_lm(tiny_tokenizer, seed=3),
             optimizers=(optimizer, None),
         )
@@ -186,13 +187,7 @@ def test_mask_truncated_completions(tmp_path, tiny_tokenizer, monkeypatch):
     original_group = grpo.grpo_advantages
     monkeypatch.setattr(grpo, "grpo_advantages", lambda r, **kw: seen.append(r) or original_group(r, **kw))
     cfg = config(tmp_path, mask_truncated_completions=True, response_length=3, total_episodes=8)
-    trainer = GRPOTrainer(
-        build_tiny_causal_lm(tiny_tokenizer),
-        letter_fraction,
-        cfg,
-        prompt_dataset(32, numbered=True),
-        processing_class=tiny_tokenizer,
-    )
+    trainer = letter_trainer(cfg, tiny_tokenizer)
     last = train_and_last_log(trainer)
     (mask,) = masks
     # Random weights rarely emit EOS within 3 tokens: every completion is truncated, so no token is
@@ -217,13 +212,7 @@ def test_static_cache_implementation_selects_the_compiled_static_engine(tmp_path
 
     monkeypatch.setattr(online, "generate", spy)
     cfg = config(tmp_path, cache_implementation="static", total_episodes=8, response_length=4)
-    trainer = GRPOTrainer(
-        build_tiny_causal_lm(tiny_tokenizer),
-        letter_fraction,
-        cfg,
-        prompt_dataset(32, numbered=True),
-        processing_class=tiny_tokenizer,
-    )
+    trainer = letter_trainer(cfg, tiny_tokenizer)
     last = train_and_last_log(trainer)
     assert options and all(o["cache_implementation"] == "static" for o in options)
     assert all(o["compile_mode"] == "default" for o in options)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import RL_METRICS, flat, run_processes, train_and_last_log
+from helpers import RL_METRICS, flat, one_and_two_processes, train_and_last_log
 from helpers import ppo_config as train_config
 from posttrain.configs import ConfigError
 from posttrain.models import CausalLMWithValueHead
@@ -46,6 +46,15 @@ def step_data(tok, n: int, seed: int = 0):
     responses = [torch.randint(2, vocab, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g) for _ in range(n)]
     scores = [torch.tensor(float(s)) for s in torch.linspace(-1.0, 1.0, n)]
     return queries, responses, scores
+
+
+def classic_trainer(tok, **config) -> PPOTrainer:
+    """The classic step() API on batches of 4 (one minibatch), no reporting: a fresh tiny policy and a
+    reference seeded 5; `config` adds PPOConfig fields."""
+    cfg = PPOConfig(batch_size=4, mini_batch_size=4, report_to="none", **config)
+    return PPOTrainer(
+        config=cfg, model=build_tiny_causal_lm(tok), tokenizer=tok, ref_model=build_tiny_causal_lm(tok, seed=5)
+    )
 
 
 # -- config ---------------------------------------------------------------------------------------
@@ -249,22 +258,14 @@ def test_generate_and_step_with_and_without_masks(tmp_path, tiny_tokenizer):
 
 def test_adaptive_kl_controller_moves_the_right_way(tiny_tokenizer):
     def coef_after(target: float) -> float:
-        cfg = PPOConfig(
+        trainer = classic_trainer(
+            tiny_tokenizer,
             adap_kl_ctrl=True,
             init_kl_coef=0.2,
             target=target,
             horizon=10.0,
             kl_penalty="k3",
             learning_rate=1e-3,
-            batch_size=4,
-            mini_batch_size=4,
-            report_to="none",
-        )
-        trainer = PPOTrainer(
-            config=cfg,
-            model=build_tiny_causal_lm(tiny_tokenizer),
-            tokenizer=tiny_tokenizer,
-            ref_model=build_tiny_causal_lm(tiny_tokenizer, seed=5),
         )
         data = step_data(tiny_tokenizer, 4)
         stats = trainer.step(*data)
@@ -309,7 +310,8 @@ def test_full_kl_whitening_and_early_stopping(tiny_tokenizer):
     the remaining epochs, while a large one never does."""
 
     def run(target_kl: float) -> dict:
-        cfg = PPOConfig(
+        trainer = classic_trainer(
+            tiny_tokenizer,
             kl_penalty="full",
             whiten_rewards=True,
             whiten_advantages=False,
@@ -317,15 +319,6 @@ def test_full_kl_whitening_and_early_stopping(tiny_tokenizer):
             target_kl=target_kl,
             ppo_epochs=3,
             learning_rate=5e-2,
-            batch_size=4,
-            mini_batch_size=4,
-            report_to="none",
-        )
-        trainer = PPOTrainer(
-            config=cfg,
-            model=build_tiny_causal_lm(tiny_tokenizer),
-            tokenizer=tiny_tokenizer,
-            ref_model=build_tiny_causal_lm(tiny_tokenizer, seed=5),
         )
         queries, responses, _ = step_data(tiny_tokenizer, 4)
         return trainer.step(queries, responses, [torch.tensor(-5.0)] * 4)
@@ -397,15 +390,8 @@ MULTIPROC_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.multiproc
 def test_two_processes_equal_one_process(tmp_path):
-    script = tmp_path / "script.py"
-    script.write_text(MULTIPROC_SCRIPT)
     # A clean launch environment (helpers.child_env): no accelerate settings left behind by in-process tests.
-    here = str(Path(__file__).parent)
-    run_processes([str(script), str(tmp_path / "one.pt"), here], nproc=1, timeout=120, check=True)
-    # `accelerate launch --cpu --num_processes 2` starts a single process with accelerate 1.15;
-    # torchrun with ACCELERATE_USE_CPU gives accelerate a real 2-rank gloo group.
-    run_processes([str(script), str(tmp_path / "two.pt"), here], timeout=120, check=True)
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    one, two = one_and_two_processes(tmp_path, MULTIPROC_SCRIPT, timeout=120)
     assert two["kl"] == pytest.approx(one["kl"], rel=1e-5)
     torch.testing.assert_close(two["params"], one["params"], rtol=0, atol=2e-6)
 
@@ -557,12 +543,7 @@ def train_dp_run(out_path: str) -> None:
 
 @pytest.mark.multiproc
 def test_train_on_two_processes_equals_one_process(tmp_path):
-    script = tmp_path / "train_dp.py"
-    script.write_text(TRAIN_DP_SCRIPT)
-    here = str(Path(__file__).parent)
-    run_processes([str(script), str(tmp_path / "one.pt"), here], nproc=1, timeout=150, check=True)
-    run_processes([str(script), str(tmp_path / "two.pt"), here], timeout=150, check=True)
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    one, two = one_and_two_processes(tmp_path, TRAIN_DP_SCRIPT)
     assert (one["policy"] - one["initial"]).abs().max() > 1e-4  # the update really moved the policy
     assert two["kl"] == pytest.approx(one["kl"], rel=1e-5, abs=1e-7)
     # Adam turns float-reduction-order noise on near-zero gradients into steps far above it, so the

@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers import LlamaConfig, StaticCache
 
+from helpers import tiny_llama
 from posttrain.rollout import (
     Rollout,
     SamplingConfig,
@@ -101,20 +102,6 @@ def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tenso
         ids[i, P - len(r) :] = torch.tensor(r)
         mask[i, P - len(r) :] = True
     return ids, mask
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=128,
-    )
-    return LlamaForCausalLM(config).eval()
 
 
 @pytest.mark.parametrize("engine", ENGINES)

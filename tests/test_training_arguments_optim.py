@@ -276,10 +276,9 @@ def test_torch_compile_config_follows_transformers():
         TrainingConfig(torch_compile_mode="fast")
 
 
-def test_torch_compile_online_trains_compiled_and_generates_uncompiled(tmp_path, tiny_tokenizer, monkeypatch):
-    """RLOO with torch_compile: the training forwards run the compiled policy; sampling runs it
-    uncompiled (decoding changes shapes every token); the saved policy holds plain weights."""
-    generated_with = []
+def record_generate_compiled(monkeypatch) -> list[bool]:
+    """Spy on the online skeleton's `generate`: the list gets, per call, whether the sampling model is compiled."""
+    generated_with: list[bool] = []
     real_generate = online.generate
 
     def spy(model, *args, **kwargs):
@@ -287,6 +286,13 @@ def test_torch_compile_online_trains_compiled_and_generates_uncompiled(tmp_path,
         return real_generate(model, *args, **kwargs)
 
     monkeypatch.setattr(online, "generate", spy)
+    return generated_with
+
+
+def test_torch_compile_online_trains_compiled_and_generates_uncompiled(tmp_path, tiny_tokenizer, monkeypatch):
+    """RLOO with torch_compile: the training forwards run the compiled policy; sampling runs it
+    uncompiled (decoding changes shapes every token); the saved policy holds plain weights."""
+    generated_with = record_generate_compiled(monkeypatch)
     trainer = rloo_trainer(tmp_path, tiny_tokenizer, torch_compile=True, torch_compile_backend="eager")
     assert is_compiled(trainer.model)
     trainer.train()
@@ -525,14 +531,7 @@ def online_trainer(kind, tmp_path, tokenizer, **fields):
 def test_online_trainers_honour_optim_schedule_and_compile(kind, tmp_path, tiny_tokenizer, monkeypatch):
     """Every online trainer builds the optimizer optim names (with optim_args), the schedule with
     lr_scheduler_kwargs, trains the compiled module and samples with the uncompiled forward."""
-    generated_with = []
-    real_generate = online.generate
-
-    def spy(model, *args, **kwargs):
-        generated_with.append(is_compiled(model))
-        return real_generate(model, *args, **kwargs)
-
-    monkeypatch.setattr(online, "generate", spy)
+    generated_with = record_generate_compiled(monkeypatch)
     trainer = online_trainer(
         kind, tmp_path, tiny_tokenizer, optim="sgd", optim_args="momentum=0.5", torch_compile_backend="eager",
         lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr": 2e-4},

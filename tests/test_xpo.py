@@ -14,7 +14,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from helpers import WORDS, pair_config, word_prompts
+from helpers import WORDS, assert_resumed_as_uninterrupted, pair_config, word_prompts
 from posttrain.configs import ConfigError
 from posttrain.judges import CallableJudge
 from posttrain.testing import build_tiny_causal_lm, build_tiny_reward_model
@@ -166,11 +166,7 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_tokenizer):
     full = train(tmp_path / "a")
     assert [log["alpha"] for log in full.state.log_history[:-1]] == [1e-3, 1e-3, 1e-2, 1e-2]
     resumed = train(tmp_path / "b", resume=str(tmp_path / "a" / "checkpoint-2"))
-    for (k, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
-        assert torch.equal(a, b), k
-    assert resumed.state.log_history[:2] == full.state.log_history[:2]  # restored from the checkpoint
-    last, full_last = resumed.state.log_history[-2], full.state.log_history[-2]
-    assert last == {**full_last, "eps": last["eps"]}
+    assert_resumed_as_uninterrupted(full, resumed, restored=2)
 
 
 @pytest.mark.parametrize("feedback", ["judge", "reward_model"])

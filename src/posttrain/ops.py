@@ -117,6 +117,27 @@ def _rows(logits: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     return logits.reshape(-1, logits.size(-1)), tuple(lead)
 
 
+def _log_softmax(block: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 log softmax(block / temperature) over the last dimension: the one kernel behind every
+    log-prob, entropy and KL in this file, so the chunked and head-chunked forms agree bitwise."""
+    block = block.float()
+    if temperature != 1.0:
+        block = block / temperature
+    return F.log_softmax(block, dim=-1)
+
+
+def _gather(logp: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """logp[i, index[i]] for a (n, V) block and (n,) ids."""
+    return logp.gather(-1, index[:, None]).squeeze(-1)
+
+
+def _entropy(logp: torch.Tensor, grad: bool = True) -> torch.Tensor:
+    """−Σ_v p_v log p_v of a (n, V) log-softmax block; detached first unless `grad` (then backward does
+    not run through exp(logp)·logp over the vocabulary; the value is the same either way)."""
+    source = logp if grad else logp.detach()
+    return -(source.exp() * source).sum(-1)
+
+
 def selective_log_softmax(
     logits: torch.Tensor,
     index: torch.Tensor,
@@ -133,18 +154,12 @@ def selective_log_softmax(
     train-time logprobs match rollout logprobs ("N implementation details of RLHF with PPO").
     """
     flat, lead = _rows(logits)
-    chunk_tokens = chunk_rows(flat.size(-1), chunk_tokens)
+    rows = chunk_rows(flat.size(-1), chunk_tokens)
     idx = index.reshape(-1)
-    out = []
-    for start in range(0, flat.size(0), chunk_tokens):
-        block = flat[start : start + chunk_tokens].float()
-        if temperature != 1.0:
-            block = block / temperature
-        logp = F.log_softmax(block, dim=-1)
-        out.append(logp.gather(-1, idx[start : start + chunk_tokens, None]).squeeze(-1))
-    if not out:
-        return flat.new_zeros(lead, dtype=torch.float32)
-    return torch.cat(out).reshape(lead)
+    out = [
+        _gather(_log_softmax(flat[s : s + rows], temperature), idx[s : s + rows]) for s in range(0, flat.size(0), rows)
+    ]
+    return torch.cat(out).reshape(lead) if out else flat.new_zeros(lead, dtype=torch.float32)
 
 
 def entropy_from_logits(
@@ -152,17 +167,9 @@ def entropy_from_logits(
 ) -> torch.Tensor:
     """Entropy −Σ_v p_v log p_v of softmax(logits / temperature) per position, in chunks. float32 (...)."""
     flat, lead = _rows(logits)
-    chunk_tokens = chunk_rows(flat.size(-1), chunk_tokens)
-    out = []
-    for start in range(0, flat.size(0), chunk_tokens):
-        block = flat[start : start + chunk_tokens].float()
-        if temperature != 1.0:
-            block = block / temperature
-        logp = F.log_softmax(block, dim=-1)
-        out.append(-(logp.exp() * logp).sum(-1))
-    if not out:
-        return flat.new_zeros(lead, dtype=torch.float32)
-    return torch.cat(out).reshape(lead)
+    rows = chunk_rows(flat.size(-1), chunk_tokens)
+    out = [_entropy(_log_softmax(flat[s : s + rows], temperature)) for s in range(0, flat.size(0), rows)]
+    return torch.cat(out).reshape(lead) if out else flat.new_zeros(lead, dtype=torch.float32)
 
 
 def logprobs_and_entropy(
@@ -179,17 +186,13 @@ def logprobs_and_entropy(
     the vocabulary (it is the same value either way).
     """
     flat, lead = _rows(logits)
-    chunk_tokens = chunk_rows(flat.size(-1), chunk_tokens)
+    rows = chunk_rows(flat.size(-1), chunk_tokens)
     idx = index.reshape(-1)
     lps, ents = [], []
-    for start in range(0, flat.size(0), chunk_tokens):
-        block = flat[start : start + chunk_tokens].float()
-        if temperature != 1.0:
-            block = block / temperature
-        logp = F.log_softmax(block, dim=-1)
-        lps.append(logp.gather(-1, idx[start : start + chunk_tokens, None]).squeeze(-1))
-        source = logp if entropy_grad else logp.detach()
-        ents.append(-(source.exp() * source).sum(-1))
+    for start in range(0, flat.size(0), rows):
+        logp = _log_softmax(flat[start : start + rows], temperature)
+        lps.append(_gather(logp, idx[start : start + rows]))
+        ents.append(_entropy(logp, entropy_grad))
     if not lps:
         z = flat.new_zeros(lead, dtype=torch.float32)
         return z, z.clone()
@@ -219,15 +222,9 @@ def _head_block(
     entropy_grad: bool,
 ) -> tuple[torch.Tensor, ...]:
     """(selected log-probs[, entropy]) of one block of rows: the only float32 logits alive at a time."""
-    block = head(hidden).float()
-    if temperature != 1.0:
-        block = block / temperature
-    logp = F.log_softmax(block, dim=-1)
-    selected = logp.gather(-1, index[:, None]).squeeze(-1)
-    if not with_entropy:
-        return (selected,)
-    source = logp if entropy_grad else logp.detach()
-    return selected, -(source.exp() * source).sum(-1)
+    logp = _log_softmax(head(hidden), temperature)
+    selected = _gather(logp, index)
+    return (selected, _entropy(logp, entropy_grad)) if with_entropy else (selected,)
 
 
 def _blocks(fn: Callable[..., tuple[torch.Tensor, ...]], *args: Any) -> tuple[torch.Tensor, ...]:
@@ -286,10 +283,7 @@ def _kl_block(
     ref_hidden: torch.Tensor,
     temperature: float,
 ) -> tuple[torch.Tensor]:
-    block, ref_block = head(hidden).float(), ref_head(ref_hidden).float()
-    if temperature != 1.0:
-        block, ref_block = block / temperature, ref_block / temperature
-    logp, ref_logp = F.log_softmax(block, dim=-1), F.log_softmax(ref_block, dim=-1)
+    logp, ref_logp = _log_softmax(head(hidden), temperature), _log_softmax(ref_head(ref_hidden), temperature)
     return ((logp.exp() * (logp - ref_logp)).sum(-1),)
 
 

@@ -176,9 +176,10 @@ def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose forward signature tells what it accepts (DDP keeps it at .module, PEFT
-    behind get_base_model())."""
+def bare_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare transformers module under DDP / DeepSpeed (kept at `.module`) and PEFT (behind
+    `get_base_model()`): the one whose forward signature tells what it accepts and whose config and
+    output embeddings describe the model. Needs no accelerator (unlike `distributed.unwrap`)."""
     model = getattr(model, "module", model)
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
@@ -188,7 +189,7 @@ def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     """Whether the model's forward takes `logits_to_keep` (transformers ≥ 4.50 causal LMs): then the
     LM head runs only on the positions we need."""
     try:
-        params = inspect.signature(_unwrap(model).forward).parameters
+        params = inspect.signature(bare_module(model).forward).parameters
     except (TypeError, ValueError):
         return False
     return "logits_to_keep" in params
@@ -401,7 +402,7 @@ def _generate_chunk(
     stop_ids = sampling.stop_token_ids
     stop_tensor = torch.tensor(stop_ids, dtype=torch.long, device=device) if len(stop_ids) > 1 else None
 
-    cache_name = compat.cache_argument(_unwrap(model).forward)
+    cache_name = compat.cache_argument(bare_module(model).forward)
 
     def forward(
         input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, past: Any, fn: Any = model, **kw: Any
@@ -424,7 +425,7 @@ def _generate_chunk(
     past = None
     cache_slots = None
     if static and max_new > 0:
-        base = _unwrap(model)
+        base = bare_module(model)
         past = compat.static_cache(base.config, N, P + max_new, device, next(model.parameters()).dtype)
         if "cache_position" in inspect.signature(base.forward).parameters:
             cache_slots = torch.arange(P + max_new, device=device)
@@ -635,7 +636,7 @@ def generate(
     if compile_mode is not None and compile_mode not in COMPILE_MODES:
         raise ValueError(f"compile_mode must be None or one of {list(COMPILE_MODES)}, got {compile_mode!r}")
     static = cache_implementation == "static" or compile_mode is not None
-    if static and getattr(_unwrap(model), "config", None) is None:
+    if static and getattr(bare_module(model), "config", None) is None:
         raise ValueError(
             "cache_implementation='static' and compile_mode need a transformers causal LM (its .config sizes the "
             "StaticCache); this model has no config: leave cache_implementation=None and compile_mode=None"

@@ -45,8 +45,8 @@ from posttrain.ops import (
 )
 from posttrain.rollout import (
     Rollout,
-    _unwrap,
     accepts_logits_to_keep,
+    bare_module,
     decode_completions,
     decode_prompts,
     position_ids_from_mask,
@@ -154,7 +154,7 @@ def lm_head(model: nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor], i
     run) followed by the model's logit scaling: Cohere's `logit_scale` (multiplied), Granite's
     `logits_scaling` (divided), Gemma 2/3's `final_logit_softcapping` (tanh). None when the model
     (DDP / DeepSpeed `.module` and PEFT's base model unwrapped) has no output embeddings."""
-    bare = _unwrap(model)
+    bare = bare_module(model)
     get = getattr(bare, "get_output_embeddings", None)
     try:
         module = get() if callable(get) else None
@@ -188,7 +188,7 @@ def _head_matches(
     """Whether head(hidden) equals the model's own `logits` at the same position (within the
     rounding of the logits' dtype); checked on the first chunked forward of each model and cached.
     A model whose head we do not reproduce gets one warning and the full-logits path from then on."""
-    bare = _unwrap(model)
+    bare = bare_module(model)
     known = _HEAD_MATCHES.get(bare)
     if known is not None:
         return known
@@ -238,7 +238,7 @@ def completion_forward(
     targets, completion_mask = rollout.completion_ids[:, :Tc], rollout.completion_mask[:, :Tc]
     kwargs: dict[str, Any] = dict(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
     takes_keep = accepts_logits_to_keep(model)
-    found = lm_head(model) if takes_keep and not full_logits and _HEAD_MATCHES.get(_unwrap(model), True) else None
+    found = lm_head(model) if takes_keep and not full_logits and _HEAD_MATCHES.get(bare_module(model), True) else None
     if found is not None and ids.size(0) * Tc > head_chunk_rows(found[1], chunk_tokens):
         head, vocab = found
         out = model(**kwargs, output_hidden_states=True, logits_to_keep=1)

@@ -20,8 +20,8 @@ Per rollout batch of P prompts:
 
 Reward functions and judges see each prompt as the policy sees it (chat template applied for
 conversational datasets) and the completion decoded without special tokens. The pair mechanics
-(ranking, the pair update, the per-sequence metrics) are in trainers/pairs.py, the plumbing in
-trainers/online.py.
+(ranking, the pair update, the per-sequence metrics, the checkpoint and sample-table hooks of
+`PairTrainer`) are in trainers/pairs.py, the plumbing in trainers/online.py.
 
 Metrics (per completion sums run over real completion tokens only, so padding never enters them —
 TRL summed padded positions into objective/kl and entropy, TRL#6803):
@@ -50,11 +50,11 @@ from typing import Any
 import torch
 
 from posttrain.losses import dpo_loss
-from posttrain.rollout import Rollout
 from posttrain.trainers import online
-from posttrain.trainers.online import OnlineTrainer, as_list, default_config, row_texts, sample
+from posttrain.trainers.online import as_list, default_config, row_texts, sample
 from posttrain.trainers.online_dpo_config import OnlineDPOConfig
 from posttrain.trainers.pairs import (
+    PairTrainer,
     choose,
     record_sequence_metrics,
     reference_logps,
@@ -75,7 +75,7 @@ __all__ = [
 ]
 
 
-class OnlineDPOTrainer(OnlineTrainer):
+class OnlineDPOTrainer(PairTrainer):
     """Online DPO with a reward model, reward functions or a pairwise judge (TRL's older API).
 
     `model` / `ref_model` may be modules, hub ids or folders (model None: args.model_name_or_path);
@@ -84,8 +84,6 @@ class OnlineDPOTrainer(OnlineTrainer):
     `reward_funcs` adds callables; `judge` a pairwise judge (not with rewards). callbacks:
     `transformers.TrainerCallback` objects (see trainers/online.py, `OnlineTrainer`).
     """
-
-    schedule_per_update = False
 
     def __init__(
         self,
@@ -174,18 +172,6 @@ class OnlineDPOTrainer(OnlineTrainer):
                 m.add_value("beta", beta)
                 self.end_of_update(update)
         return self.train_output
-
-    # -- checkpointed state and the sample table --------------------------------------------------
-    def extra_state(self) -> dict:
-        return {"feedback": self.feedback.state_dict()}
-
-    def load_extra_state(self, state: dict) -> None:
-        self.feedback.load_state_dict(state.get("feedback", {}))
-
-    def table_scores(self, rollout: Rollout, batch: dict) -> torch.Tensor | None:
-        if self.feedback.reward is None:
-            return None
-        return self.feedback.reward(rollout, *row_texts(self.run, batch, rollout, 1, blocks=False))
 
 
 def main(config: OnlineDPOConfig) -> int:

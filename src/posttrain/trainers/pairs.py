@@ -4,7 +4,8 @@ A rollout batch holds B pairs as rows (2i, 2i+1). This module ranks them (a rewa
 functions or a pairwise judge: `Feedback`), takes the reference log-probs of both completions,
 runs the pair update (`train_on_pairs`: minibatches of whole pairs, micro-batches of whole pairs,
 normalized by the global number of valid pairs, on the online skeleton's `minibatch_step` and its
-non-finite policy) and records the per-sequence metrics both trainers log.
+non-finite policy) and records the per-sequence metrics both trainers log. `PairTrainer` fills in the
+skeleton's hooks both trainers answer alike (checkpointed judge state, sample-table scores).
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from posttrain.rollout import Rollout
 from posttrain.scoring import RewardSource, batched_completion_logprobs, completion_logprobs
 from posttrain.trainers.online import (
     OnlineRun,
+    OnlineTrainer,
     Parts,
     global_normalizer,
     load_parts,
     minibatch_step,
     prepare_policy,
     reference_policy,
+    row_texts,
 )
 
 
@@ -171,6 +174,29 @@ def setup_pair_trainer(
     )
     for r in trainer.feedback.reward.models if trainer.feedback.reward is not None else ():
         dist.prepare_frozen(r, trainer.accelerator)  # under --fsdp sharded like the policy
+
+
+class PairTrainer(OnlineTrainer):
+    """The online skeleton's hooks for a trainer set up by `setup_pair_trainer` (Online DPO, XPO).
+
+    The learning-rate schedule steps once per optimizer step (as TRL's Online DPO / XPO), not once
+    per rollout batch; a checkpoint keeps the judge's state (resume is exact); the sample table
+    shows the reward's scores (none with a judge).
+    """
+
+    schedule_per_update = False
+    feedback: Feedback
+
+    def extra_state(self) -> dict:
+        return {"feedback": self.feedback.state_dict()}
+
+    def load_extra_state(self, state: dict) -> None:
+        self.feedback.load_state_dict(state.get("feedback", {}))
+
+    def table_scores(self, rollout: Rollout, batch: dict) -> torch.Tensor | None:
+        if self.feedback.reward is None:
+            return None
+        return self.feedback.reward(rollout, *row_texts(self.run, batch, rollout, 1, blocks=False))
 
 
 # ---------------------------------------------------------------------------------------------

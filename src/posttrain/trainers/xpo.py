@@ -16,8 +16,8 @@ Per rollout batch of P prompts:
      normalized by the global number of valid pairs; minimising the second term pushes probability
      away from what the reference says (exploration);
   5. log masked metrics.
-The pair mechanics (ranking, the pair update, the per-sequence metrics) are in trainers/pairs.py,
-the plumbing in trainers/online.py.
+The pair mechanics (ranking, the pair update, the per-sequence metrics, the checkpoint and
+sample-table hooks of `PairTrainer`) are in trainers/pairs.py, the plumbing in trainers/online.py.
 
 Metrics (completion sums over real tokens only):
   loss/xpo, loss/dpo         means of α·Σ log π_θ(y_ref) and of the DPO term, over valid pairs
@@ -39,10 +39,8 @@ from typing import Any
 import torch
 
 from posttrain.losses import xpo_loss
-from posttrain.rollout import Rollout
 from posttrain.trainers import online
 from posttrain.trainers.online import (
-    OnlineTrainer,
     as_list,
     default_config,
     reference_policy,
@@ -50,6 +48,7 @@ from posttrain.trainers.online import (
     sample,
 )
 from posttrain.trainers.pairs import (
+    PairTrainer,
     choose,
     interleave_pairs,
     record_sequence_metrics,
@@ -63,15 +62,13 @@ from posttrain.trainers.pairs import (
 from posttrain.trainers.xpo_config import XPOConfig
 
 
-class XPOTrainer(OnlineTrainer):
+class XPOTrainer(PairTrainer):
     """XPO with a reward model (or reward callables) or a pairwise judge; TRL's signature.
 
     `model` / `ref_model` may be modules, hub ids or folders (model None: args.model_name_or_path).
     With `peft_config` and no `ref_model` the reference is the base model (adapter disabled).
     callbacks: `transformers.TrainerCallback` objects (see trainers/online.py, `OnlineTrainer`).
     """
-
-    schedule_per_update = False
 
     def __init__(
         self,
@@ -171,18 +168,6 @@ class XPOTrainer(OnlineTrainer):
                 m.add_value("beta", beta)
                 self.end_of_update(update)
         return self.train_output
-
-    # -- checkpointed state and the sample table --------------------------------------------------
-    def extra_state(self) -> dict:
-        return {"feedback": self.feedback.state_dict()}
-
-    def load_extra_state(self, state: dict) -> None:
-        self.feedback.load_state_dict(state.get("feedback", {}))
-
-    def table_scores(self, rollout: Rollout, batch: dict) -> torch.Tensor | None:
-        if self.feedback.reward is None:
-            return None
-        return self.feedback.reward(rollout, *row_texts(self.run, batch, rollout, 1, blocks=False))
 
 
 def main(config: XPOConfig) -> int:
