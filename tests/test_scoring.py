@@ -233,3 +233,30 @@ def test_trl_grpo_style_reward_functions_get_keywords():
         [with_solution], prompts, completions, columns={"solution": ["xy", "q"]}
     ).tolist() == [1.0, 0.0]
     assert reward_function_scores([positional], prompts, completions).tolist() == [1.0, 1.0]
+
+
+def test_reward_functions_get_completion_ids_and_trainer_state_by_name():
+    """TRL GRPO's reward-function keywords: a function may ask for `completion_ids` or `trainer_state`
+    alone; a function without **kwargs gets only the keywords it names (extra dataset columns and
+    extras never break it); a positional one keeps (prompts, completions)."""
+    prompts, completions = ["a", "b"], ["xy", "z"]
+    extras = {"completion_ids": [[7, 8, 2], [9]], "trainer_state": "STATE"}
+    columns = {"answer": ["xy", "q"]}
+
+    def by_ids(completion_ids, **kwargs):
+        return [float(len(ids)) for ids in completion_ids]
+
+    def by_state(completions, trainer_state):
+        assert trainer_state == "STATE"
+        return [1.0] * len(completions)
+
+    def no_kwargs(prompts, completions):
+        return [float(len(c)) for c in completions]
+
+    def positional(p, c, completion_ids):
+        return [float(len(x) + len(ids)) for x, ids in zip(p, completion_ids)]
+
+    matrix = reward_function_matrix(
+        [by_ids, by_state, no_kwargs, positional], prompts, completions, columns=columns, extras=extras
+    )
+    assert matrix.tolist() == [[3.0, 1.0, 2.0, 4.0], [1.0, 1.0, 1.0, 2.0]]

@@ -636,20 +636,33 @@ def import_reward_function(path: str) -> Callable[..., Any]:
     return fn
 
 
-def _takes_keywords(func: Callable) -> bool:
-    """Whether `func` can be called as func(prompts=..., completions=..., **columns): it names a
-    `completions` parameter and either names `prompts` or takes **kwargs (TRL GRPO's convention)."""
+def _call_reward_function(func: Callable, prompts: list, completions: list, kwargs: dict[str, Any]) -> Any:
+    """Call a reward function the way TRL's GRPOTrainer does, or positionally.
+
+    Keyword call, func(prompts=..., completions=..., completion_ids=..., trainer_state=..., **columns),
+    when every parameter without a default is one of those names and the function names `prompts`,
+    `completions` or `completion_ids` or takes **kwargs (`def f(completions, **kwargs)`,
+    `def f(completion_ids, **kwargs)`, `def f(prompts, completions, answer)`). Otherwise positional:
+    func(prompts, completions, **keywords). A function without **kwargs is given only the keywords it
+    names, so extra dataset columns never break `def f(prompts, completions)`."""
+    available = {"prompts": prompts, "completions": completions, **kwargs}
     try:
         params = inspect.signature(func).parameters
     except (TypeError, ValueError):
-        return False
+        return func(prompts, completions, **kwargs)
     var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     named = {
-        n
+        n: p
         for n, p in params.items()
         if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     }
-    return "completions" in named and ("prompts" in named or var_kw)
+    required = [n for n, p in named.items() if p.default is inspect.Parameter.empty]
+    keyword_style = all(n in available for n in required) and (
+        var_kw or bool({"prompts", "completions", "completion_ids"} & named.keys())
+    )
+    if keyword_style:
+        return func(**{k: v for k, v in available.items() if var_kw or k in named})
+    return func(prompts, completions, **{k: v for k, v in kwargs.items() if var_kw or k in named})
 
 
 def reward_function_matrix(
@@ -658,6 +671,7 @@ def reward_function_matrix(
     completions: Sequence[Any],
     *,
     columns: Mapping[str, Sequence[Any]] | None = None,
+    extras: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """Each function's scores, (B, F) float32, validated.
 
@@ -666,7 +680,10 @@ def reward_function_matrix(
     naming the function and the first bad row; an exception raised inside a function becomes
     RewardFunctionRaised (chained from it). TRL's new PPO accepted only nn.Module reward models
     (TRL#2518). Functions written for TRL's GRPO (`def f(completions, **kwargs)`, prompts passed as a
-    keyword) are called with keywords; others positionally as f(prompts, completions, **columns).
+    keyword) are called with keywords; others positionally as f(prompts, completions, **columns)
+    (`_call_reward_function`). `extras`: keywords passed whole, not per row — the trainers pass
+    `completion_ids` (each row's token ids up to and including its stop token) and `trainer_state`
+    (the transformers.TrainerState), as TRL's GRPOTrainer does.
     """
     funcs = [funcs] if callable(funcs) else list(funcs)
     if not funcs:
@@ -682,10 +699,7 @@ def reward_function_matrix(
     for j, func in enumerate(funcs):
         name = reward_function_name(func)
         try:
-            if _takes_keywords(func):
-                result = func(prompts=list(prompts), completions=list(completions), **columns)
-            else:
-                result = func(list(prompts), list(completions), **columns)
+            result = _call_reward_function(func, list(prompts), list(completions), {**columns, **(extras or {})})
         except Exception as err:
             raise RewardFunctionRaised(reward_function_path(func), err) from err
         if isinstance(result, torch.Tensor):
@@ -715,9 +729,10 @@ def reward_function_scores(
     *,
     weights: Sequence[float] | None = None,
     columns: Mapping[str, Sequence[Any]] | None = None,
+    extras: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
-    """Σ_j weight_j · f_j(prompts, completions, **columns), (B,) float32 (weights default to 1)."""
-    matrix = reward_function_matrix(funcs, prompts, completions, columns=columns)
+    """Σ_j weight_j · f_j(prompts, completions, **columns, **extras), (B,) float32 (weights default to 1)."""
+    matrix = reward_function_matrix(funcs, prompts, completions, columns=columns, extras=extras)
     if weights is None:
         return matrix.sum(-1)
     if len(weights) != matrix.size(1):
@@ -743,6 +758,8 @@ class RewardSource:
     token, re-tokenized when its tokenizer differs from the policy's), a callable
     `f(prompts, completions, **columns) -> list[float]`, or a list of those. The missing-EOS
     penalty looks at the completion only (`rollout.ended`, set by the configured stop tokens).
+    Reward functions also get `completion_ids` and `trainer_state` (`self.trainer_state`, which the
+    online trainers point at their transformers.TrainerState when training starts), as in TRL's GRPO.
     """
 
     def __init__(
@@ -772,6 +789,15 @@ class RewardSource:
         self.func_weights = [w for r, w in zip(items, weights) if not isinstance(r, nn.Module)]
         self.policy_tokenizer, self.reward_tokenizer = policy_tokenizer, reward_tokenizer
         self.batch_size, self.missing_eos_penalty = batch_size, missing_eos_penalty
+        self.trainer_state: Any = None
+
+    def function_extras(self, rollout: Rollout) -> dict[str, Any]:
+        """The keywords every reward function gets besides prompts, completions and the dataset
+        columns: each row's completion token ids (up to and including its stop token) and the
+        trainer's state."""
+        ids = rollout.completion_ids.cpu().tolist()
+        lengths = rollout.completion_lengths.cpu().tolist()
+        return {"completion_ids": [row[:n] for row, n in zip(ids, lengths)], "trainer_state": self.trainer_state}
 
     @torch.no_grad()
     def __call__(
@@ -789,7 +815,14 @@ class RewardSource:
             )
             scores = scores + w * s.to(device=device, dtype=torch.float32)
         if self.funcs:
-            s = reward_function_scores(self.funcs, prompts, completions, weights=self.func_weights, columns=columns)
+            s = reward_function_scores(
+                self.funcs,
+                prompts,
+                completions,
+                weights=self.func_weights,
+                columns=columns,
+                extras=self.function_extras(rollout),
+            )
             scores = scores + s.to(device=device, dtype=torch.float32)
         return apply_missing_eos_penalty(scores, rollout.ended, self.missing_eos_penalty)
 
@@ -813,6 +846,8 @@ class RewardSource:
                 reward_tokenizer=self.reward_tokenizer,
             ).to(device=device, dtype=torch.float32)
         if self.funcs:
-            matrix = reward_function_matrix(self.funcs, prompts, completions, columns=columns)
+            matrix = reward_function_matrix(
+                self.funcs, prompts, completions, columns=columns, extras=self.function_extras(rollout)
+            )
             out[:, func_columns] = matrix.to(device=device, dtype=torch.float32)
         return out

@@ -1215,6 +1215,12 @@ class OnlineTrainer(hub.PushToHub):
         return metrics
 
     # -- the steps around the algorithm -------------------------------------------------------------
+    def reward_sources(self) -> list[RewardSource]:
+        """The RewardSources this trainer scores with: `self.reward`, or the reward side of an Online
+        DPO / XPO trainer's `self.feedback`."""
+        found = [getattr(self, "reward", None), getattr(getattr(self, "feedback", None), "reward", None)]
+        return [source for source in found if isinstance(source, RewardSource)]
+
     @contextlib.contextmanager
     def training(self) -> Iterator[None]:
         """Around every train(): the output-dir guard (no half-written output_dir on failure), OOM
@@ -1230,6 +1236,8 @@ class OnlineTrainer(hub.PushToHub):
             events.restore_checkpoint_state(extra.pop("callback_state", {}))
             if extra:
                 self.load_extra_state(extra)
+            for source in self.reward_sources():  # reward functions get `trainer_state`, as in TRL's GRPO
+                source.trainer_state = self.state
             events.train_begin()
             if self.args.eval_on_start:
                 self.evaluate()
