@@ -260,3 +260,43 @@ def test_reward_functions_get_completion_ids_and_trainer_state_by_name():
         [by_ids, by_state, no_kwargs, positional], prompts, completions, columns=columns, extras=extras
     )
     assert matrix.tolist() == [[3.0, 1.0, 2.0, 4.0], [1.0, 1.0, 1.0, 2.0]]
+
+
+def test_async_reward_functions_run_concurrently_also_inside_a_running_loop():
+    """`async def` reward functions (TRL GRPO supports them) are awaited together: `waits` finishes
+    only once `signals` has started, which a one-after-the-other schedule would never allow. Called
+    from code that already runs an event loop (a notebook), they run on a loop of their own."""
+    import asyncio
+
+    started = {}
+
+    async def waits(completions, **kwargs):
+        await asyncio.wait_for(started["event"].wait(), timeout=5)
+        return [float(len(c)) for c in completions]
+
+    def plain(completions, **kwargs):
+        return [10.0] * len(completions)
+
+    async def signals(completions, **kwargs):
+        started["event"].set()
+        return [1.0] * len(completions)
+
+    def score():
+        started["event"] = asyncio.Event()  # binds to the loop that first waits on it
+        return reward_function_matrix([waits, plain, signals], ["p", "q"], ["ab", "c"]).tolist()
+
+    assert score() == [[2.0, 10.0, 1.0], [1.0, 10.0, 1.0]]
+
+    async def notebook():
+        return score()
+
+    assert asyncio.run(notebook()) == [[2.0, 10.0, 1.0], [1.0, 10.0, 1.0]]
+
+
+def test_async_reward_function_errors_name_the_function():
+    async def broken_grader(completions, **kwargs):
+        raise ConnectionError("grader down")
+
+    with pytest.raises(ValueError, match="broken_grader") as err:
+        reward_function_matrix([broken_grader], ["p"], ["a"])
+    assert "grader down" in str(err.value)

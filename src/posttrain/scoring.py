@@ -17,6 +17,8 @@ Index conventions (sequence = prompt (P, left-padded) + completion (T, right-pad
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import importlib
 import inspect
 import math
@@ -665,6 +667,22 @@ def _call_reward_function(func: Callable, prompts: list, completions: list, kwar
     return func(prompts, completions, **{k: v for k, v in kwargs.items() if var_kw or k in named})
 
 
+def _run_concurrently(awaitables: list[Any]) -> list[Any]:
+    """Await `awaitables` together on one event loop and return their results (an exception in
+    place of a result that raised). Inside a running loop (a notebook), on a fresh loop in a helper
+    thread, since that loop cannot be blocked on."""
+
+    async def gather() -> list[Any]:
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, gather()).result()
+
+
 def reward_function_matrix(
     funcs: RewardFunction | Sequence[RewardFunction],
     prompts: Sequence[Any],
@@ -683,7 +701,8 @@ def reward_function_matrix(
     keyword) are called with keywords; others positionally as f(prompts, completions, **columns)
     (`_call_reward_function`). `extras`: keywords passed whole, not per row — the trainers pass
     `completion_ids` (each row's token ids up to and including its stop token) and `trainer_state`
-    (the transformers.TrainerState), as TRL's GRPOTrainer does.
+    (the transformers.TrainerState), as TRL's GRPOTrainer does. `async def` functions are awaited
+    together, concurrently.
     """
     funcs = [funcs] if callable(funcs) else list(funcs)
     if not funcs:
@@ -696,12 +715,24 @@ def reward_function_matrix(
         if len(values) != B:
             raise ValueError(f"column {key!r} has {len(values)} values for {B} completions (repeat it per sample)")
     out = torch.empty(B, len(funcs), dtype=torch.float32)
-    for j, func in enumerate(funcs):
-        name = reward_function_name(func)
+    results: list[Any] = []
+    for func in funcs:
         try:
-            result = _call_reward_function(func, list(prompts), list(completions), {**columns, **(extras or {})})
+            results.append(_call_reward_function(func, list(prompts), list(completions), {**columns, **(extras or {})}))
         except Exception as err:
+            for earlier in results:  # coroutines of async functions called before this one
+                if inspect.iscoroutine(earlier):
+                    earlier.close()
             raise RewardFunctionRaised(reward_function_path(func), err) from err
+    pending = [j for j, result in enumerate(results) if inspect.isawaitable(result)]
+    if pending:  # `async def` reward functions (e.g. calls to a remote grader) run concurrently
+        awaited = _run_concurrently([results[j] for j in pending])
+        for j, result in zip(pending, awaited):
+            if isinstance(result, BaseException):
+                raise RewardFunctionRaised(reward_function_path(funcs[j]), result) from result
+            results[j] = result
+    for j, (func, result) in enumerate(zip(funcs, results)):
+        name = reward_function_name(func)
         if isinstance(result, torch.Tensor):
             result = result.detach().cpu().reshape(-1).tolist()
         try:
