@@ -174,6 +174,44 @@ def test_loss_is_a_global_token_mean(tmp_path, tiny_tokenizer):
     torch.testing.assert_close(params[1], params[0], rtol=0, atol=1e-6)
 
 
+def test_single_pass_reuses_the_update_forward_as_the_old_policy(tmp_path, tiny_tokenizer, monkeypatch):
+    """num_iterations = 1 and one minibatch: no separate old-logprob pass runs, and the update forward's
+    detached log-probs it uses as log π_old are bitwise what that pass would have computed (the same
+    rows, before any optimizer step), so loss, gradient and metrics are those of the two-pass update."""
+    import posttrain.trainers.online as online
+
+    old_pass = online.old_policy_logprobs
+
+    def fail(*args, **kwargs):
+        raise AssertionError("num_iterations = 1 with one minibatch must reuse the update forward")
+
+    monkeypatch.setattr(online, "old_policy_logprobs", fail)
+    holder, compared = [], []
+    original = grpo.completion_logprobs
+
+    def spy(policy, mb, **kwargs):
+        logprobs, entropy = original(policy, mb, **kwargs)
+        trainer = holder[0]
+        rows = torch.arange(len(mb))  # one micro-batch of the same rows, as the removed pass ran it
+        expected = old_pass(trainer.run, trainer.model, mb, rows, kwargs["temperature"])
+        compared.append(torch.equal(logprobs.detach(), expected))
+        return logprobs, entropy
+
+    monkeypatch.setattr(grpo, "completion_logprobs", spy)
+    # 2 rollout batches of 8 completions, each one minibatch of 2 micro-batches of 4 rows.
+    cfg = config(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, response_length=6)
+    policy = build_tiny_causal_lm(tiny_tokenizer)
+    before = flat(policy).clone()
+    trainer = GRPOTrainer(
+        policy, letter_fraction, cfg, prompt_dataset(32, numbered=True), processing_class=tiny_tokenizer
+    )
+    holder.append(trainer)
+    last = train_and_last_log(trainer)
+    assert compared == [True] * 4
+    assert last["val/ratio"] == 1.0 and last["policy/approxkl_avg"] == 0.0 and last["clip_ratio/region_mean"] == 0.0
+    assert not torch.equal(before, flat(trainer.model))
+
+
 def test_mask_truncated_completions(tmp_path, tiny_tokenizer, monkeypatch):
     masks = []
     original = grpo.grpo_policy_loss
