@@ -556,3 +556,17 @@ def test_sft_model_init_kwargs_from_a_path(tmp_path, tiny_tokenizer, tiny_policy
         processing_class=copy.deepcopy(tiny_tokenizer),
     )
     assert trainer.model.config._attn_implementation == "eager"
+
+
+def test_default_optim_is_the_installed_transformers_default():
+    """TrainingArguments defaults `optim` to adamw_torch_fused from transformers 4.54 with torch >= 2.8
+    (huggingface/transformers#37358); a TRL user on the same install gets the same optimizer here, and
+    `adafactor=True` still replaces that default."""
+    from transformers import TrainingArguments
+
+    assert TrainingConfig().optim == TrainingArguments(output_dir="unused").optim
+    layer = torch.nn.Linear(2, 2)
+    opt = build_optimizer(layer.parameters(), TrainingConfig())
+    assert type(opt) is torch.optim.AdamW
+    assert bool(opt.defaults["fused"]) == (TrainingConfig().optim == "adamw_torch_fused")
+    assert TrainingConfig(adafactor=True).optim == "adafactor"

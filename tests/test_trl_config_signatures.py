@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain import RLOOConfig, XPOConfig
+from posttrain import RLOOConfig, XPOConfig, compat
 from posttrain.cli import parse_config
 from posttrain.configs import UNSUPPORTED_FIELDS, ConfigError
 
@@ -39,6 +39,9 @@ DIFFERENT_DEFAULTS = {
     # to model_name_or_path and asks for a model when none is given.
     "sft_model_path": None,
     "reward_model_path": None,
+    # transformers.TrainingArguments' own default depends on the install (adamw_torch_fused from
+    # transformers 4.54 with torch >= 2.8, huggingface/transformers#37358); posttrain follows it.
+    "optim": compat.default_optim(),
 }
 
 

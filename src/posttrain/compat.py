@@ -28,6 +28,17 @@ def transformers_version() -> tuple[int, ...]:
     return _version_tuple("transformers")
 
 
+def default_optim() -> str:
+    """transformers.TrainingArguments' default `optim` on this install: "adamw_torch_fused" from
+    transformers 4.54 with torch >= 2.8 (huggingface/transformers#37358), "adamw_torch" before. Read
+    from the installed versions' metadata, without importing torch or transformers."""
+    try:
+        fused = transformers_version() >= (4, 54) and _version_tuple("torch") >= (2, 8)
+    except Exception:  # a package without metadata (a source checkout on sys.path): transformers' old default
+        return "adamw_torch"
+    return "adamw_torch_fused" if fused else "adamw_torch"
+
+
 def dtype_kwargs(dtype: Any) -> dict[str, Any]:
     """The keyword that `from_pretrained` / `from_config` take for the weights' dtype.
 

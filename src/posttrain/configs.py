@@ -6,7 +6,8 @@ names, meanings and defaults follow TRL's `TrainingArguments` / `OnPolicyConfig`
 TRL's `OnPolicyConfig`) so code and command lines written for TRL port unchanged.
 Each field's `help` metadata is its `--help` text on the command line.
 
-This module imports only the standard library: `posttrain --help` and config validation run before
+This module imports only the standard library (and posttrain.compat, which reads package metadata):
+`posttrain --help` and config validation run before
 torch loads.
 """
 
@@ -20,6 +21,8 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
+
+from posttrain import compat
 
 
 def flag(text: str, **kw: Any) -> Any:
@@ -204,8 +207,9 @@ class TrainingConfig:
         "sgd, adagrad, rmsprop, or with bitsandbytes installed adamw_bnb_8bit, adamw_8bit, paged_adamw_8bit, "
         "paged_adamw_32bit, lion_8bit, lion_32bit, paged_lion_8bit, paged_lion_32bit, rmsprop_bnb, "
         "rmsprop_bnb_8bit, rmsprop_bnb_32bit. All take learning_rate and weight_decay; the Adam ones "
-        "adam_beta1/2 and adam_epsilon; Lion the betas.",
-        default="adamw_torch",
+        "adam_beta1/2 and adam_epsilon; Lion the betas. Default: transformers' TrainingArguments default on this "
+        "install (adamw_torch_fused from transformers 4.54 with torch >= 2.8, else adamw_torch).",
+        default=compat.default_optim(),
     )
     optim_args: str | None = flag(
         'Extra optimizer keyword arguments as "key=value,key=value" (e.g. "momentum=0.9,nesterov=true" for sgd); '
@@ -616,7 +620,7 @@ class TrainingConfig:
         if self.no_cuda:
             self.use_cpu = True
         if self.adafactor:
-            if self.optim not in ("adamw_torch", "adafactor"):
+            if self.optim not in (_field_default(type(self), "optim"), "adafactor"):
                 raise ConfigError(f"adafactor=True and optim={self.optim!r} conflict; give only optim.")
             self.optim = "adafactor"
         if self.fp16_backend != "auto" and self.half_precision_backend == "auto":
