@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.configs import ConfigError, OnPolicyConfig, _field_default, flag
+from posttrain.configs import ConfigError, OnPolicyConfig, _field_default, check_reward_weights, flag
 
 # TRL >= 0.21's RLOOConfig name -> the TRL 0.19 field it sets (same meaning and units).
 TRL_1X_NAMES = {
@@ -85,6 +85,11 @@ class RLOOConfig(OnPolicyConfig):
     normalize_advantage: bool = flag(
         "Normalise advantages to mean 0 / std 1 over the rollout batch (TRL >= 0.21: normalize_advantages).",
         default=False,
+    )
+    reward_weights: list[float] | None = flag(
+        "One weight per reward (TRL >= 0.21): the reward model first (when reward_model_path is set), then "
+        "reward_funcs in order; the score is their weighted sum. None: all 1.",
+        default=None,
     )
     token_level_kl: bool = flag(
         "Put the KL penalty per token (score on the last token) instead of per sequence; with a "
@@ -137,6 +142,7 @@ class RLOOConfig(OnPolicyConfig):
             raise ConfigError(f"{self._named('cliprange')}={self.cliprange} must be > 0.")
         if self.kl_coef < 0:
             raise ConfigError(f"{self._named('kl_coef')}={self.kl_coef} must be >= 0.")
+        check_reward_weights(self)
         if self.normalize_reward and (self.reward_clip_range is None or self.reward_clip_range <= 0):
             raise ConfigError(f"reward_clip_range={self.reward_clip_range} must be > 0 when normalize_reward is set.")
 
