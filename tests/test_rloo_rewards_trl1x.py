@@ -148,3 +148,38 @@ def test_grpo_trains_with_none_rewards(tmp_path, tiny_tokenizer):
     # every group holds one prompt: number is constant in it, even_only too, so no learning signal
     assert last["frac_reward_zero_std"] == 1.0
     assert math.isfinite(last["loss/policy_avg"])
+
+
+def test_eval_steps_with_num_generations_eval(tmp_path, tiny_tokenizer):
+    """TRL >= 0.21's evaluation settings: eval_strategy="steps" evaluates every eval_steps rollout batches
+    (one greedy completion per eval prompt, so num_generations_eval=1 is what runs); other values are refused."""
+    trainer = RLOOTrainer(
+        model=build_tiny_causal_lm(tiny_tokenizer),
+        reward_funcs=length,
+        args=RLOOConfig(
+            output_dir=str(tmp_path / "eval"),
+            per_device_train_batch_size=3,
+            per_device_eval_batch_size=3,
+            num_generations=3,
+            max_completion_length=4,
+            num_iterations=1,
+            num_generations_eval=1,
+            eval_strategy="steps",
+            eval_steps=2,
+            max_steps=2,
+            report_to="none",
+            num_sample_generations=0,
+            save_steps=0,
+        ),
+        train_dataset=prompt_dataset(4),
+        eval_dataset=prompt_dataset(3),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    evals = [e for e in trainer.state.log_history if "eval_objective/scores" in e]
+    assert [e["step"] for e in evals] == [2]
+    # the score is the mean length in characters of the 3 greedy completions, each of 1 to 4 tokens
+    assert evals[0]["eval_completions/mean_length"] <= 4 and evals[0]["eval_objective/scores"] > 0
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    with pytest.raises(ConfigError, match="num_generations_eval=2: .*one greedy completion"):
+        RLOOConfig(num_generations_eval=2)
