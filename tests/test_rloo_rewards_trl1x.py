@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from helpers import flat, grpo_config, prompt_dataset, train_and_last_log
+from helpers import flat, grpo_config, prompt_dataset, rloo_config, train_and_last_log, word_prompts
 from posttrain.configs import ConfigError
 from posttrain.scoring import RewardFunctionError, reward_function_matrix, reward_function_scores
 from posttrain.testing import build_tiny_causal_lm
@@ -183,3 +183,54 @@ def test_eval_steps_with_num_generations_eval(tmp_path, tiny_tokenizer):
     assert trainer.state.log_history[-1]["train_loss"] is not None
     with pytest.raises(ConfigError, match="num_generations_eval=2: .*one greedy completion"):
         RLOOConfig(num_generations_eval=2)
+
+
+def test_conversational_prompts_give_reward_functions_messages(tmp_path, tiny_tokenizer):
+    """TRL >= 0.21's form: with a conversational prompt, a reward function gets the prompt's messages and
+    each completion as [{"role": "assistant", "content": text}]; a TRL 0.19-style call keeps the texts."""
+    seen = {}
+
+    def content_length(prompts, completions, **kwargs):
+        seen.setdefault("prompts", prompts)
+        seen.setdefault("completions", completions)
+        assert "prompt_messages" not in kwargs
+        return [float(len(completion[0]["content"])) for completion in completions]
+
+    args = dict(per_device_train_batch_size=4, max_completion_length=6, num_iterations=1, max_steps=1)
+    args = RLOOConfig(output_dir=str(tmp_path / "chat"), learning_rate=1e-3, report_to="none", save_steps=0, **args)
+    model = build_tiny_causal_lm(tiny_tokenizer)
+    before = flat(model).clone()
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=content_length,
+        args=args,
+        train_dataset=word_prompts(2, conversational=True),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    prompts, completions = seen["prompts"], seen["completions"]
+    assert len(prompts) == len(completions) == 4
+    assert sorted(p[0]["content"] for p in prompts) == ["Hello world"] * 2 + ["The quick brown fox"] * 2
+    assert all(p[0]["role"] == "user" and len(p) == 1 for p in prompts)
+    assert all(len(c) == 1 and c[0]["role"] == "assistant" and isinstance(c[0]["content"], str) for c in completions)
+    assert not torch.equal(before, flat(trainer.policy))
+
+    # TRL 0.19's call: the rendered prompt text and the completion text
+    texts = {}
+
+    def text_reward(prompts, completions, **kwargs):
+        texts.setdefault("prompt", prompts[0])
+        texts.setdefault("completion", completions[0])
+        return [float(len(c)) for c in completions]
+
+    config = rloo_config(tmp_path, "chat019", max_steps=1)
+    RLOOTrainer(
+        config,
+        tiny_tokenizer,
+        build_tiny_causal_lm(tiny_tokenizer),
+        None,
+        text_reward,
+        word_prompts(2, conversational=True),
+    ).train()
+    assert isinstance(texts["prompt"], str) and texts["prompt"].endswith("assistant:")
+    assert isinstance(texts["completion"], str)

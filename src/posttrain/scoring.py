@@ -845,6 +845,9 @@ class RewardSource:
         self.policy_tokenizer, self.reward_tokenizer = policy_tokenizer, reward_tokenizer
         self.batch_size, self.missing_eos_penalty = batch_size, missing_eos_penalty
         self.trainer_state: Any = None
+        # TRL 1.x's form: reward functions get a conversational row's prompt as its messages and its
+        # completion as [{"role": "assistant", "content": text}] (trainers/online.py, row_texts).
+        self.messages = False
 
     def function_extras(self, rollout: Rollout) -> dict[str, Any]:
         """The keywords every reward function gets besides prompts, completions and the dataset

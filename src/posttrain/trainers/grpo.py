@@ -68,6 +68,7 @@ from posttrain import distributed as dist
 from posttrain import runtime
 from posttrain.advantages import kl_penalty
 from posttrain.configs import ConfigError
+from posttrain.data.prepare import PROMPT_MESSAGES
 from posttrain.data.prompts import PromptStream
 from posttrain.grpo_losses import grpo_advantages, grpo_policy_loss, high_entropy_mask, truncation_loss_mask
 from posttrain.rollout import Rollout, decode_completions
@@ -230,7 +231,7 @@ class GRPOTrainer(OnlineTrainer):
         if self.reward.funcs:
             prompts = [batch["prompt"][p] for p in picked]
             completions = decode_completions(run.tokenizer, rollout)
-            skip = ("input_ids", "attention_mask", "prompt")
+            skip = ("input_ids", "attention_mask", "prompt", PROMPT_MESSAGES)
             columns = {k: [v[p] for p in picked] for k, v in batch.items() if k not in skip}
         with run.autocast():
             rewards = self.reward.per_reward(rollout, prompts, completions, columns)

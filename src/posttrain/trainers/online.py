@@ -44,6 +44,7 @@ from posttrain import distributed as dist
 from posttrain import hub, positions, runtime
 from posttrain.configs import ConfigError, OnPolicyConfig
 from posttrain.data.loading import load_split
+from posttrain.data.prepare import PROMPT_MESSAGES
 from posttrain.data.prompts import PromptStream, prompt_dataset
 from posttrain.health import HealthMonitor, oom_advice
 from posttrain.models import compile_for_training, model_init_kwargs, uncompiled
@@ -651,16 +652,26 @@ def sample(
         )
 
 
-def row_texts(run: OnlineRun, batch: dict, rollout: Rollout, repeat: int, *, blocks: bool) -> tuple[list, list, dict]:
+def row_texts(
+    run: OnlineRun, batch: dict, rollout: Rollout, repeat: int, *, blocks: bool, messages: bool = False
+) -> tuple[list, list, dict]:
     """Per-row prompt texts, completion texts and extra dataset columns (for reward functions and
     judges) of a rollout whose rows are the batch's prompts repeated `repeat` times, as blocks
-    (row = sample·P + prompt) or prompt-major (row = prompt·repeat + sample)."""
+    (row = sample·P + prompt) or prompt-major (row = prompt·repeat + sample). With `messages`
+    (TRL 1.x's form), a conversational row's prompt is its list of messages as the dataset gave it
+    and its completion [{"role": "assistant", "content": text}]."""
 
     def per_row(values: Sequence) -> list:
         return list(values) * repeat if blocks else [v for v in values for _ in range(repeat)]
 
-    columns = {k: per_row(v) for k, v in batch.items() if k not in ("input_ids", "attention_mask", "prompt")}
-    return per_row(batch["prompt"]), decode_completions(run.tokenizer, rollout), columns
+    skip = ("input_ids", "attention_mask", "prompt", PROMPT_MESSAGES)
+    columns = {k: per_row(v) for k, v in batch.items() if k not in skip}
+    prompts, completions = per_row(batch["prompt"]), decode_completions(run.tokenizer, rollout)
+    if messages and PROMPT_MESSAGES in batch:
+        for i, chat in enumerate(per_row(batch[PROMPT_MESSAGES])):
+            if chat is not None:
+                prompts[i], completions[i] = chat, [{"role": "assistant", "content": completions[i]}]
+    return prompts, completions, columns
 
 
 def score_rewards(run: OnlineRun, reward: RewardSource, rollout: Rollout, batch: dict, k: int) -> torch.Tensor:
@@ -670,7 +681,7 @@ def score_rewards(run: OnlineRun, reward: RewardSource, rollout: Rollout, batch:
     n = len(rollout)
     prompts, completions, columns = [""] * n, [""] * n, {}
     if reward.funcs:
-        prompts, completions, columns = row_texts(run, batch, rollout, k, blocks=True)
+        prompts, completions, columns = row_texts(run, batch, rollout, k, blocks=True, messages=reward.messages)
     with run.autocast():
         rewards = reward.per_reward(rollout, prompts, completions, columns)
     reward.check_finite(rewards)

@@ -11,7 +11,8 @@ One rollout batch (`update`), per rank, with P = prompts_per_rollout prompts and
    from lengths (rollout.py).
 2. Score. s = Σ_f w_f·r_f over the rewards r_f (reward models scored at the last real token, reward
    functions f(prompt, completion)), w = reward_weights (default 1); a function's None (it does not
-   apply to that row) is left out of the sum, as TRL's nansum, and a row no reward scores is an error;
+   apply to that row) is left out of the sum, as TRL's nansum, and a row no reward scores is an error
+   (a TRL >= 0.21-style call passes conversational prompts and completions as messages, as TRL 1.x);
    s −= missing_eos_penalty where no stop token was produced (scoring.RewardSource).
    normalize_reward: s ← clip((s − mean)/(std + 1e-8), ±reward_clip_range) over the global batch.
 3. KL-shaped reward, one number per sequence. kl_t = log π(y_t) − log π_ref(y_t) (k1 on the
@@ -154,10 +155,12 @@ def trainer_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str
     A first positional argument that is a model (nn.Module) or a model name / path selects TRL >= 0.21's
     positional order; anything else TRL 0.19's. TRL >= 0.21's keywords (model, reward_funcs, args,
     reward_processing_classes) are accepted in both; one argument under both names is a TypeError.
-    A list of reward_processing_classes gives its first tokenizer (one reward tokenizer, as GRPOTrainer)."""
+    A list of reward_processing_classes gives its first tokenizer (one reward tokenizer, as GRPOTrainer).
+    `trl_1x`: whether the call was TRL >= 0.21's (its positional order or any of its keywords)."""
     first = args[0] if args else None
     call = _trl_1x_call if isinstance(first, (str, os.PathLike, nn.Module)) else _trl_019_call
     values = call(*args, **kwargs)
+    values["trl_1x"] = call is _trl_1x_call or any(values[new] is not None for new in RENAMED_ARGUMENTS.values())
     for old, new in RENAMED_ARGUMENTS.items():
         if values[old] is not None and values[new] is not None:
             raise TypeError(
@@ -238,6 +241,9 @@ class RLOOTrainer(OnlineTrainer):
         )
         self.ref_model = dist.prepare_frozen(self.ref_model, self.accelerator)
         self.reward = self.reward_source(parts.rewards, parts.reward_tokenizer)
+        # TRL >= 0.21 passes reward functions a conversational prompt's messages and the completion as
+        # [{"role": "assistant", "content": text}]; TRL 0.19's reward callables got texts.
+        self.reward.messages = a["trl_1x"]
 
     @classmethod
     def from_config(cls, config: RLOOConfig) -> RLOOTrainer:
