@@ -35,7 +35,9 @@ default yields to the new name). A field neither name sets keeps its 0.19 defaul
 from TRL 1.x's: num_ppo_epochs 4 (num_iterations 1), response_length 53 (max_completion_length 512),
 learning_rate 5e-05 (1e-06), temperature 0.7 (1.0); README.md, "RLOO", lists them. TRL 1.x's
 `reward_clip_range` is a (min, max) pair clipping raw rewards; here it is 0.19's float (with
-normalize_reward), so a pair is refused.
+normalize_reward), so a pair is refused. TRL 1.x's `reward_weights` (one weight per reward) is a field
+with TRL's meaning; its `num_generations_eval` accepts only 1, the one greedy completion per eval
+prompt that evaluation draws.
 
 Standard library only: `posttrain rloo --help` and validation run before torch loads.
 """
