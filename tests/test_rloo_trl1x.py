@@ -102,11 +102,16 @@ def reward_1x(completions, **kwargs):
 
 def logs_and_weights(trainer: RLOOTrainer) -> tuple[list[dict], torch.Tensor]:
     """The two logged steps (max_steps=2, one optimizer step per rollout batch) without the timing, and the
-    trained weights."""
+    trained weights. The per-reward metrics rewards/<function name>/... are renamed rewards/<i>/..."""
     trainer.train()
     history = trainer.state.log_history
     assert [e["step"] for e in history] == [1, 2, 2] and "train_runtime" in history[2]
-    return [{k: v for k, v in e.items() if k != "eps"} for e in history[:2]], flat(trainer.policy)
+    names = {f"rewards/{name}/": f"rewards/{i}/" for i, name in enumerate(trainer.reward.names)}
+
+    def renamed(key: str) -> str:
+        return next((key.replace(a, b) for a, b in names.items() if key.startswith(a)), key)
+
+    return [{renamed(k): v for k, v in e.items() if k != "eps"} for e in history[:2]], flat(trainer.policy)
 
 
 def test_trl_1x_call_trains_like_the_trl_019_call(tmp_path, tiny_tokenizer):

@@ -656,6 +656,23 @@ class TrainingConfig:
         return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * total_steps)
 
 
+def check_reward_weights(config: Any) -> None:
+    """`reward_weights` (GRPOConfig, RLOOConfig): None, or one weight per reward, the reward model
+    (reward_model_path) first, then each of reward_funcs. Rewards passed to the trainer as objects
+    are counted there (scoring.RewardSource)."""
+    weights = config.reward_weights
+    if weights is None:
+        return
+    if not weights:
+        raise ConfigError("reward_weights is empty; give one weight per reward or leave it unset.")
+    expected = int(bool(config.reward_model_path)) + len(config.reward_funcs or [])
+    if expected and len(weights) != expected:
+        raise ConfigError(
+            f"reward_weights has {len(weights)} entries for {expected} rewards "
+            "(reward_model_path first, then each of reward_funcs); give one weight per reward."
+        )
+
+
 @dataclass
 class OnPolicyConfig(TrainingConfig):
     """Rollout sizes and generation settings of the online trainers (TRL's OnPolicyConfig).

@@ -690,12 +690,16 @@ def reward_function_matrix(
     *,
     columns: Mapping[str, Sequence[Any]] | None = None,
     extras: Mapping[str, Any] | None = None,
+    scored_elsewhere: bool = False,
 ) -> torch.Tensor:
     """Each function's scores, (B, F) float32, validated.
 
     Every function gets the prompts, the completions and the dataset columns and must return B
-    finite real numbers; anything else (wrong length, None, NaN, inf, non-number) raises ValueError
-    naming the function and the first bad row; an exception raised inside a function becomes
+    finite real numbers or None (TRL's multi-task rewards: the function does not apply to that row;
+    NaN in its column, which the weighted sums skip). Anything else (wrong length, NaN, inf,
+    non-number) raises ValueError naming the function and the first bad row, and so does a row where
+    every function returned None, unless `scored_elsewhere` (a reward model also scores every row).
+    An exception raised inside a function becomes
     RewardFunctionRaised (chained from it). TRL's new PPO accepted only nn.Module reward models
     (TRL#2518). Functions written for TRL's GRPO (`def f(completions, **kwargs)`, prompts passed as a
     keyword) are called with keywords; others positionally as f(prompts, completions, **columns)
@@ -744,12 +748,31 @@ def reward_function_matrix(
         if n != B:
             raise RewardFunctionError(f"reward function {name!r} returned {n} values for {B} completions")
         for i, value in enumerate(result):
+            if value is None:
+                out[i, j] = math.nan
+                continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
                 raise RewardFunctionError(
                     f"reward function {name!r} returned {value!r} at row {i + 1} of {B} "
-                    f"(completion {str(completions[i])[:80]!r}); every value must be a finite number"
+                    f"(completion {str(completions[i])[:80]!r}); every value must be a finite number, or None "
+                    "where the function does not apply"
                 )
             out[i, j] = float(value)
+    unscored = torch.isnan(out).all(dim=1).nonzero()
+    if len(unscored) and not scored_elsewhere:
+        i = int(unscored[0])
+        where = f"at row {i + 1} of {B} (completion {str(completions[i])[:80]!r})"
+        if len(funcs) == 1:
+            raise RewardFunctionError(
+                f"reward function {reward_function_name(funcs[0])!r} returned None {where}; None means the reward "
+                "does not apply, and it is the only reward, so that completion has none. Return a number for every "
+                "completion, or add a reward that scores the rows this one skips."
+            )
+        names = ", ".join(repr(reward_function_name(f)) for f in funcs)
+        raise RewardFunctionError(
+            f"every reward function ({names}) returned None {where}, so that completion has no reward (TRL warns "
+            "and trains on NaN; posttrain refuses it). Make at least one function return a number for every completion."
+        )
     return out
 
 
@@ -762,13 +785,14 @@ def reward_function_scores(
     columns: Mapping[str, Sequence[Any]] | None = None,
     extras: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
-    """Σ_j weight_j · f_j(prompts, completions, **columns, **extras), (B,) float32 (weights default to 1)."""
+    """Σ_j weight_j · f_j(prompts, completions, **columns, **extras), (B,) float32 (weights default to 1);
+    a function's None (NaN) is left out of its row's sum, as TRL's nansum."""
     matrix = reward_function_matrix(funcs, prompts, completions, columns=columns, extras=extras)
     if weights is None:
-        return matrix.sum(-1)
+        return matrix.nansum(-1)
     if len(weights) != matrix.size(1):
         raise ValueError(f"got {len(weights)} reward weights for {matrix.size(1)} reward functions")
-    return matrix @ torch.tensor([float(w) for w in weights], dtype=torch.float32)
+    return (matrix * torch.tensor([float(w) for w in weights], dtype=torch.float32)).nansum(-1)
 
 
 def apply_missing_eos_penalty(scores: torch.Tensor, ended: torch.Tensor, penalty: float | None) -> torch.Tensor:
@@ -821,6 +845,9 @@ class RewardSource:
         self.policy_tokenizer, self.reward_tokenizer = policy_tokenizer, reward_tokenizer
         self.batch_size, self.missing_eos_penalty = batch_size, missing_eos_penalty
         self.trainer_state: Any = None
+        # TRL 1.x's form: reward functions get a conversational row's prompt as its messages and its
+        # completion as [{"role": "assistant", "content": text}] (trainers/online.py, row_texts).
+        self.messages = False
 
     def function_extras(self, rollout: Rollout) -> dict[str, Any]:
         """The keywords every reward function gets besides prompts, completions and the dataset
@@ -830,40 +857,48 @@ class RewardSource:
         lengths = rollout.completion_lengths.cpu().tolist()
         return {"completion_ids": [row[:n] for row, n in zip(ids, lengths)], "trainer_state": self.trainer_state}
 
+    @property
+    def names(self) -> list[str]:
+        """Each reward's name in metrics (`rewards/<name>/mean`, TRL's): a function's __name__, a reward
+        model's folder or hub name."""
+        names = []
+        for r in self.items:
+            if isinstance(r, nn.Module):
+                path = str(getattr(getattr(r, "config", None), "_name_or_path", "") or "")
+                names.append(path.rstrip("/").split("/")[-1] or "reward_model")
+            else:
+                names.append(reward_function_name(r))
+        return names
+
     @torch.no_grad()
     def __call__(
         self, rollout: Rollout, prompts: list[str], completions: list[str], columns: dict[str, list] | None = None
     ) -> torch.Tensor:
-        device = rollout.completion_ids.device
-        scores = torch.zeros(len(rollout), dtype=torch.float32, device=device)
-        for model, w in zip(self.models, self.model_weights):
-            s = reward_model_scores(
-                model,
-                rollout,
-                batch_size=self.batch_size,
-                policy_tokenizer=self.policy_tokenizer,
-                reward_tokenizer=self.reward_tokenizer,
-            )
-            scores = scores + w * s.to(device=device, dtype=torch.float32)
-        if self.funcs:
-            s = reward_function_scores(
-                self.funcs,
-                prompts,
-                completions,
-                weights=self.func_weights,
-                columns=columns,
-                extras=self.function_extras(rollout),
-            )
-            scores = scores + s.to(device=device, dtype=torch.float32)
-        return apply_missing_eos_penalty(scores, rollout.ended, self.missing_eos_penalty)
+        """The score of each row, (B,): `weighted_sum` of `per_reward`."""
+        return self.weighted_sum(self.per_reward(rollout, prompts, completions, columns), rollout.ended)
+
+    def weighted_sum(self, rewards: torch.Tensor, ended: torch.Tensor) -> torch.Tensor:
+        """Σ_f weights_f · rewards[:, f] over the rewards each row has (a function's None, NaN, is left
+        out, as TRL's nansum), minus missing_eos_penalty where the completion did not end. (B,)."""
+        weights = torch.tensor(self.weights, dtype=torch.float32, device=rewards.device)
+        return apply_missing_eos_penalty((rewards.float() * weights).nansum(-1), ended, self.missing_eos_penalty)
+
+    def check_finite(self, rewards: torch.Tensor) -> None:
+        """FloatingPointError unless every reward-model score is finite and every function score is finite
+        or NaN (a function's None, validated by reward_function_matrix)."""
+        skipped = torch.tensor([not isinstance(r, nn.Module) for r in self.items], device=rewards.device)
+        skipped = torch.cat([skipped, skipped.new_zeros(rewards.size(1) - skipped.numel())])
+        if not (torch.isfinite(rewards) | (torch.isnan(rewards) & skipped)).all():
+            raise FloatingPointError(f"reward scores are not finite ({rewards.flatten()[:4].tolist()} ...).")
 
     @torch.no_grad()
     def per_reward(
         self, rollout: Rollout, prompts: list[str], completions: list[str], columns: dict[str, list] | None = None
     ) -> torch.Tensor:
         """Each reward's own scores, unweighted and without the missing-EOS penalty: (B, F) float32,
-        one column per reward in the order given (`self.weights` holds their weights). GRPO's
-        multi-objective advantages combine them; `__call__` is Σ_f weights_f · column_f − penalty."""
+        one column per reward in the order given (`self.weights` holds their weights); NaN where a
+        reward function returned None (it does not apply to that row). GRPO's multi-objective
+        advantages combine them; `__call__` is `weighted_sum` of them."""
         device = rollout.completion_ids.device
         out = torch.zeros(len(rollout), len(self.items), dtype=torch.float32, device=device)
         model_columns = [j for j, r in enumerate(self.items) if isinstance(r, nn.Module)]
@@ -878,7 +913,12 @@ class RewardSource:
             ).to(device=device, dtype=torch.float32)
         if self.funcs:
             matrix = reward_function_matrix(
-                self.funcs, prompts, completions, columns=columns, extras=self.function_extras(rollout)
+                self.funcs,
+                prompts,
+                completions,
+                columns=columns,
+                extras=self.function_extras(rollout),
+                scored_elsewhere=bool(self.models),
             )
             out[:, func_columns] = matrix.to(device=device, dtype=torch.float32)
         return out

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
+# The conversational prompt as the dataset gave it (a list of messages), kept by prepare_prompt_dataset
+# next to the rendered `prompt`: TRL 1.x passes it to reward functions as `prompts`.
+PROMPT_MESSAGES = "prompt_messages"
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,7 +136,9 @@ def prepare_prompt_dataset(
     source: str | None = None,
 ) -> Dataset:
     """Tokenize prompts for generation: adds `input_ids` and sets `prompt` to the text after the
-    chat template; other columns are kept (reward functions receive them).
+    chat template; other columns are kept (reward functions receive them). A conversational
+    dataset also keeps each prompt's messages in `prompt_messages` (PROMPT_MESSAGES; None for a
+    plain-text row), which reward functions get as `prompts` in TRL 1.x's form.
 
     The prompts are read from `prompt_column`; None reads `prompt`, or `query` (the name of
     DeepSpeed-Chat-style and older TRL data) when the dataset has neither `prompt` nor `input_ids`.
@@ -158,6 +163,7 @@ def prepare_prompt_dataset(
     if "attention_mask" in dataset.column_names:
         dataset = dataset.remove_columns("attention_mask")
     vocab_size = len(tokenizer)
+    keep_messages = not tokenized and len(dataset) > 0 and isinstance(dataset[0][prompt_column], list)
 
     def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         if tokenized:
@@ -191,7 +197,10 @@ def prepare_prompt_dataset(
                 if long:
                     ids[k] = ids[k][-max_prompt_length:]
                     texts[k] = tokenizer.decode(ids[k], skip_special_tokens=False)
-        return {"input_ids": ids, "prompt": texts, "__overlong": overlong}
+        out = {"input_ids": ids, "prompt": texts, "__overlong": overlong}
+        if keep_messages:
+            out[PROMPT_MESSAGES] = [v if c else None for v, c in zip(values, conversational)]
+        return out
 
     out = dataset.map(encode, batched=True, with_indices=True, desc="Tokenizing prompts")
     out = _resolve_overflow(

@@ -36,7 +36,8 @@ is its reward relative to its group. One rollout batch of B = batch_size complet
 Metrics (masked, count-weighted across micro-batches and ranks):
   objective/scores            mean score Σ_f w_f·r_f − missing_eos_penalty
   reward, reward_std          mean and std of Σ_f w_f·r_f over the global batch (TRL's names)
-  rewards/<name>/mean         each reward's own (unweighted) mean
+  rewards/<name>/mean, rewards/<name>/std   each reward's own (unweighted) mean and std over the
+                              global batch, rows where a reward function returned None left out
   objective/entropy           mean over sequences of Σ_t −log π(y_t) (sampled-token NLL of the rollout)
   objective/kl                mean over sequences of Σ_t k1 (log π − log π_ref on sampled tokens; with beta > 0)
   val/num_eos_tokens          completions that ended on a stop token (sum over ranks)
@@ -67,10 +68,11 @@ from posttrain import distributed as dist
 from posttrain import runtime
 from posttrain.advantages import kl_penalty
 from posttrain.configs import ConfigError
+from posttrain.data.prepare import PROMPT_MESSAGES
 from posttrain.data.prompts import PromptStream
 from posttrain.grpo_losses import grpo_advantages, grpo_policy_loss, high_entropy_mask, truncation_loss_mask
 from posttrain.rollout import Rollout, decode_completions
-from posttrain.scoring import RewardSource, completion_logprobs, reward_function_name
+from posttrain.scoring import RewardSource, completion_logprobs
 from posttrain.trainers import online
 from posttrain.trainers.grpo_config import GRPOConfig
 from posttrain.trainers.online import (
@@ -229,36 +231,22 @@ class GRPOTrainer(OnlineTrainer):
         if self.reward.funcs:
             prompts = [batch["prompt"][p] for p in picked]
             completions = decode_completions(run.tokenizer, rollout)
-            skip = ("input_ids", "attention_mask", "prompt")
+            skip = ("input_ids", "attention_mask", "prompt", PROMPT_MESSAGES)
             columns = {k: [v[p] for p in picked] for k, v in batch.items() if k not in skip}
         with run.autocast():
             rewards = self.reward.per_reward(rollout, prompts, completions, columns)
-        if not torch.isfinite(rewards).all():
-            raise FloatingPointError(f"reward scores are not finite ({rewards.flatten()[:4].tolist()} ...).")
+        self.reward.check_finite(rewards)  # NaN only where a reward function returned None
         penalty = self.args.missing_eos_penalty
         if penalty is not None:
             missing = -penalty * (~rollout.ended.to(rewards.device, torch.bool)).to(rewards.dtype)
             rewards = torch.cat([rewards, missing[:, None]], dim=1)
         m, completion_mask = run.metrics, rollout.completion_mask
-        for name, column in zip(self.reward_names, rewards.T):
-            m.add_mean(f"rewards/{name}/mean", column)
-        m.add_mean("objective/scores", rewards @ self.reward_weights(rewards))
+        online.log_reward_metrics(run, self.reward, rewards, total=False)  # reward / reward_std: `advantages`
+        m.add_mean("objective/scores", (rewards * self.reward_weights(rewards)).nansum(-1))
         m.add_mean("objective/entropy", -(rollout.logprobs * completion_mask).sum(-1))
         m.add_sum("val/num_eos_tokens", rollout.ended.sum())
         m.add_mean("completions/mean_length", rollout.completion_lengths.float())
         return rollout, rewards
-
-    @property
-    def reward_names(self) -> list[str]:
-        """TRL's `rewards/<name>/mean` names: a function's __name__, a reward model's folder or hub name."""
-        names = []
-        for r in self.reward.items:
-            if isinstance(r, nn.Module):
-                path = str(getattr(getattr(r, "config", None), "_name_or_path", "") or "")
-                names.append(path.rstrip("/").split("/")[-1] or "reward_model")
-            else:
-                names.append(reward_function_name(r))
-        return names
 
     def reward_weights(self, rewards: torch.Tensor) -> torch.Tensor:
         """The weight of each column of `rewards`: reward_weights, then 1 for the missing-EOS column."""

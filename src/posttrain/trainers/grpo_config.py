@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.configs import ConfigError, OnPolicyConfig, flag
+from posttrain.configs import ConfigError, OnPolicyConfig, check_reward_weights, flag
 
 _DEFAULT_RESPONSE_LENGTH = 53  # OnPolicyConfig.response_length's default
 
@@ -146,14 +146,7 @@ class GRPOConfig(OnPolicyConfig):
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0.")
-        if self.reward_weights is not None and not self.reward_weights:
-            raise ConfigError("reward_weights is empty; give one weight per reward or leave it unset.")
-        expected = int(bool(self.reward_model_path)) + len(self.reward_funcs or [])
-        if self.reward_weights is not None and expected and len(self.reward_weights) != expected:
-            raise ConfigError(
-                f"reward_weights has {len(self.reward_weights)} entries for {expected} rewards "
-                "(reward_model_path first, then each of reward_funcs); give one weight per reward."
-            )
+        check_reward_weights(self)
 
     @property
     def samples_per_prompt(self) -> int:

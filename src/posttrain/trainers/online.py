@@ -44,6 +44,7 @@ from posttrain import distributed as dist
 from posttrain import hub, positions, runtime
 from posttrain.configs import ConfigError, OnPolicyConfig
 from posttrain.data.loading import load_split
+from posttrain.data.prepare import PROMPT_MESSAGES
 from posttrain.data.prompts import PromptStream, prompt_dataset
 from posttrain.health import HealthMonitor, oom_advice
 from posttrain.models import compile_for_training, model_init_kwargs, uncompiled
@@ -651,30 +652,46 @@ def sample(
         )
 
 
-def row_texts(run: OnlineRun, batch: dict, rollout: Rollout, repeat: int, *, blocks: bool) -> tuple[list, list, dict]:
+def row_texts(
+    run: OnlineRun, batch: dict, rollout: Rollout, repeat: int, *, blocks: bool, messages: bool = False
+) -> tuple[list, list, dict]:
     """Per-row prompt texts, completion texts and extra dataset columns (for reward functions and
     judges) of a rollout whose rows are the batch's prompts repeated `repeat` times, as blocks
-    (row = sample·P + prompt) or prompt-major (row = prompt·repeat + sample)."""
+    (row = sample·P + prompt) or prompt-major (row = prompt·repeat + sample). With `messages`
+    (TRL 1.x's form), a conversational row's prompt is its list of messages as the dataset gave it
+    and its completion [{"role": "assistant", "content": text}]."""
 
     def per_row(values: Sequence) -> list:
         return list(values) * repeat if blocks else [v for v in values for _ in range(repeat)]
 
-    columns = {k: per_row(v) for k, v in batch.items() if k not in ("input_ids", "attention_mask", "prompt")}
-    return per_row(batch["prompt"]), decode_completions(run.tokenizer, rollout), columns
+    skip = ("input_ids", "attention_mask", "prompt", PROMPT_MESSAGES)
+    columns = {k: per_row(v) for k, v in batch.items() if k not in skip}
+    prompts, completions = per_row(batch["prompt"]), decode_completions(run.tokenizer, rollout)
+    if messages and PROMPT_MESSAGES in batch:
+        for i, chat in enumerate(per_row(batch[PROMPT_MESSAGES])):
+            if chat is not None:
+                prompts[i], completions[i] = chat, [{"role": "assistant", "content": completions[i]}]
+    return prompts, completions, columns
 
 
-def score(run: OnlineRun, reward: RewardSource, rollout: Rollout, batch: dict, k: int) -> torch.Tensor:
-    """Scores (B,) of a rollout whose prompts are `batch` repeated as k blocks; texts are decoded only
+def score_rewards(run: OnlineRun, reward: RewardSource, rollout: Rollout, batch: dict, k: int) -> torch.Tensor:
+    """Each reward's scores (B, F) (`RewardSource.per_reward`: unweighted, NaN where a reward function
+    returned None) of a rollout whose prompts are `batch` repeated as k blocks; texts are decoded only
     for reward functions. Non-finite scores stop the run with a message."""
     n = len(rollout)
     prompts, completions, columns = [""] * n, [""] * n, {}
     if reward.funcs:
-        prompts, completions, columns = row_texts(run, batch, rollout, k, blocks=True)
+        prompts, completions, columns = row_texts(run, batch, rollout, k, blocks=True, messages=reward.messages)
     with run.autocast():
-        scores = reward(rollout, prompts, completions, columns)
-    if not torch.isfinite(scores).all():
-        raise FloatingPointError(f"reward scores are not finite ({scores.detach().flatten()[:4].tolist()} ...).")
-    return scores
+        rewards = reward.per_reward(rollout, prompts, completions, columns)
+    reward.check_finite(rewards)
+    return rewards
+
+
+def score(run: OnlineRun, reward: RewardSource, rollout: Rollout, batch: dict, k: int) -> torch.Tensor:
+    """Scores (B,) of a rollout whose prompts are `batch` repeated as k blocks: the weighted sum of
+    `score_rewards`, minus missing_eos_penalty (`RewardSource.weighted_sum`)."""
+    return reward.weighted_sum(score_rewards(run, reward, rollout, batch, k), rollout.ended)
 
 
 @torch.no_grad()
@@ -742,6 +759,7 @@ class Experience:
     kl: torch.Tensor | None  # (B, T) k1 = rollout logprobs − ref_logprobs, 0 off-mask
     num_prompts: int
     k: int
+    rewards: torch.Tensor  # (B, F) each reward's own scores (RewardSource.per_reward), NaN where not applicable
 
 
 @torch.no_grad()
@@ -768,7 +786,8 @@ def sample_and_score(
     rollout = sample(
         run, policy, batch["input_ids"].repeat(k, 1), batch["attention_mask"].repeat(k, 1), return_logprobs=True
     )
-    scores = score(run, reward, rollout, batch, k)
+    rewards = score_rewards(run, reward, rollout, batch, k)
+    scores = reward.weighted_sum(rewards, rollout.ended)
     mask = rollout.completion_mask
     ref_logprobs = kl = None
     m = run.metrics
@@ -780,7 +799,36 @@ def sample_and_score(
     m.add_mean("objective/entropy", -(rollout.logprobs * mask).sum(-1))
     m.add_sum("val/num_eos_tokens", rollout.ended.sum())
     m.add_mean("completions/mean_length", rollout.completion_lengths.float())
-    return Experience(rollout, scores, ref_logprobs, kl, num_prompts, k)
+    return Experience(rollout, scores, ref_logprobs, kl, num_prompts, k, rewards)
+
+
+@torch.no_grad()
+def log_reward_metrics(run: OnlineRun, reward: RewardSource, rewards: torch.Tensor, *, total: bool) -> None:
+    """TRL 1.x's reward metrics of one rollout batch, over the rows of all ranks (`rewards` (B, F), as
+    `score_rewards`; columns past the rewards', e.g. GRPO's missing-EOS column, are not reward columns):
+    rewards/<name>/mean and rewards/<name>/std (unbiased) of each reward over the rows it applies to
+    (a function's None, NaN, skipped; a metric with no value, or a std of fewer than 2 values, is left
+    out of this batch); with `total`, reward and reward_std of Σ_f w_f·r_f (nansum; before
+    missing_eos_penalty and any KL term)."""
+    from posttrain.grpo_losses import nanstd
+
+    everyone = dist.gather(rewards, run.accelerator).float()[:, : len(reward.items)]
+    m = run.metrics
+
+    def add(mean_name: str, std_name: str, values: torch.Tensor) -> None:
+        applied = values[~torch.isnan(values)]
+        if applied.numel():
+            m.add(mean_name, applied.mean(), 1)
+        if applied.numel() > 1:
+            m.add(std_name, nanstd(applied), 1)
+
+    for name, column in zip(reward.names, everyone.T):
+        add(f"rewards/{name}/mean", f"rewards/{name}/std", column)
+    if total:
+        weights = torch.tensor(reward.weights, dtype=everyone.dtype, device=everyone.device)
+        summed = (everyone * weights).nansum(-1)
+        summed[torch.isnan(everyone).all(-1)] = torch.nan
+        add("reward", "reward_std", summed)
 
 
 # ---------------------------------------------------------------------------------------------

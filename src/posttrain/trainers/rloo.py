@@ -9,7 +9,10 @@ One rollout batch (`update`), per rank, with P = prompts_per_rollout prompts and
 1. Rollout. The P prompts are repeated k times as blocks (TRL's `queries.repeat(rloo_k, 1)`), so
    row i·P + p is sample i of prompt p. Completions stop at EOS / stop_token_id (kept); masks come
    from lengths (rollout.py).
-2. Score. s = reward model score at the last real token and/or Σ_f w_f·f(prompt, completion);
+2. Score. s = Σ_f w_f·r_f over the rewards r_f (reward models scored at the last real token, reward
+   functions f(prompt, completion)), w = reward_weights (default 1); a function's None (it does not
+   apply to that row) is left out of the sum, as TRL's nansum, and a row no reward scores is an error
+   (a TRL >= 0.21-style call passes conversational prompts and completions as messages, as TRL 1.x);
    s −= missing_eos_penalty where no stop token was produced (scoring.RewardSource).
    normalize_reward: s ← clip((s − mean)/(std + 1e-8), ±reward_clip_range) over the global batch.
 3. KL-shaped reward, one number per sequence. kl_t = log π(y_t) − log π_ref(y_t) (k1 on the
@@ -33,6 +36,10 @@ One rollout batch (`update`), per rank, with P = prompts_per_rollout prompts and
 
 Metrics (masked, count-weighted across micro-batches and ranks; names as TRL's):
   objective/scores            mean s (after missing_eos_penalty, before normalize_reward)
+  reward, reward_std          mean and std of Σ_f w_f·r_f over the global batch (TRL >= 0.21's names;
+                              before missing_eos_penalty and the KL term)
+  rewards/<name>/mean, rewards/<name>/std   each reward's own (unweighted) mean and std over the
+                              rows it applies to (TRL >= 0.21's names)
   objective/kl                mean over sequences of Σ_t kl_t
   objective/entropy           mean over sequences of Σ_t −log π(y_t) (sampled-token NLL of the
                               rollout, ≥ 0; TRL counted padding as INVALID_LOGPROB = 1 and could go
@@ -148,10 +155,12 @@ def trainer_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str
     A first positional argument that is a model (nn.Module) or a model name / path selects TRL >= 0.21's
     positional order; anything else TRL 0.19's. TRL >= 0.21's keywords (model, reward_funcs, args,
     reward_processing_classes) are accepted in both; one argument under both names is a TypeError.
-    A list of reward_processing_classes gives its first tokenizer (one reward tokenizer, as GRPOTrainer)."""
+    A list of reward_processing_classes gives its first tokenizer (one reward tokenizer, as GRPOTrainer).
+    `trl_1x`: whether the call was TRL >= 0.21's (its positional order or any of its keywords)."""
     first = args[0] if args else None
     call = _trl_1x_call if isinstance(first, (str, os.PathLike, nn.Module)) else _trl_019_call
     values = call(*args, **kwargs)
+    values["trl_1x"] = call is _trl_1x_call or any(values[new] is not None for new in RENAMED_ARGUMENTS.values())
     for old, new in RENAMED_ARGUMENTS.items():
         if values[old] is not None and values[new] is not None:
             raise TypeError(
@@ -185,10 +194,10 @@ class RLOOTrainer(OnlineTrainer):
     policy / ref_policy: modules, hub ids or folders (None: config.sft_model_path). reward_model: a
     sequence-classification reward model (nn.Module or path), a text reward function
     `f(prompts, completions, **columns) -> list[float]`, TRL's one-argument form `f(texts) -> list[float]`
-    (texts = prompt + completion, special tokens skipped; trl#2612), or a list of them (summed); None
-    reads config.reward_model_path / reward_funcs. ref_policy None with kl_coef > 0: a frozen copy of
-    the initial policy, or with `peft_config` (a peft.LoraConfig: only the adapter trains) the policy
-    with its adapter disabled. `tokenizer=` is accepted for `processing_class` (TRL <= 0.11),
+    (texts = prompt + completion, special tokens skipped; trl#2612), or a list of them (summed, weighted
+    by reward_weights); None reads config.reward_model_path / reward_funcs. ref_policy None with
+    kl_coef > 0: a frozen copy of the initial policy, or with `peft_config` (a peft.LoraConfig: only the
+    adapter trains) the policy with its adapter disabled. `tokenizer=` is accepted for `processing_class` (TRL <= 0.11),
     `reward_processing_class=` (TRL >= 0.21: `reward_processing_classes=`, a list: its first tokenizer)
     when the reward model has its own tokenizer (texts are re-tokenized), `accelerator=` to share one.
     callbacks: `transformers.TrainerCallback` objects (trainers/online.py, `OnlineTrainer`: the events,
@@ -232,6 +241,9 @@ class RLOOTrainer(OnlineTrainer):
         )
         self.ref_model = dist.prepare_frozen(self.ref_model, self.accelerator)
         self.reward = self.reward_source(parts.rewards, parts.reward_tokenizer)
+        # TRL >= 0.21 passes reward functions a conversational prompt's messages and the completion as
+        # [{"role": "assistant", "content": text}]; TRL 0.19's reward callables got texts.
+        self.reward.messages = a["trl_1x"]
 
     @classmethod
     def from_config(cls, config: RLOOConfig) -> RLOOTrainer:
@@ -256,6 +268,7 @@ class RLOOTrainer(OnlineTrainer):
                     k,
                     with_reference=self.use_reference,
                 )
+                online.log_reward_metrics(run, self.reward, exp.rewards, total=True)
                 mask = exp.rollout.completion_mask
                 scores = exp.scores
                 if config.normalize_reward:
@@ -320,6 +333,7 @@ class RLOOTrainer(OnlineTrainer):
             [full_text_reward(dist.prepare_frozen(r, self.accelerator)) for r in rewards],
             policy_tokenizer=self.processing_class,
             reward_tokenizer=reward_tokenizer,
+            weights=self.args.reward_weights,
             batch_size=self.args.local_rollout_forward_batch_size,
             missing_eos_penalty=self.args.missing_eos_penalty,
         )

@@ -35,7 +35,9 @@ default yields to the new name). A field neither name sets keeps its 0.19 defaul
 from TRL 1.x's: num_ppo_epochs 4 (num_iterations 1), response_length 53 (max_completion_length 512),
 learning_rate 5e-05 (1e-06), temperature 0.7 (1.0); README.md, "RLOO", lists them. TRL 1.x's
 `reward_clip_range` is a (min, max) pair clipping raw rewards; here it is 0.19's float (with
-normalize_reward), so a pair is refused.
+normalize_reward), so a pair is refused. TRL 1.x's `reward_weights` (one weight per reward) is a field
+with TRL's meaning; its `num_generations_eval` accepts only 1, the one greedy completion per eval
+prompt that evaluation draws.
 
 Standard library only: `posttrain rloo --help` and validation run before torch loads.
 """
@@ -44,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.configs import ConfigError, OnPolicyConfig, _field_default, flag
+from posttrain.configs import ConfigError, OnPolicyConfig, _field_default, check_reward_weights, flag
 
 # TRL >= 0.21's RLOOConfig name -> the TRL 0.19 field it sets (same meaning and units).
 TRL_1X_NAMES = {
@@ -85,6 +87,16 @@ class RLOOConfig(OnPolicyConfig):
     normalize_advantage: bool = flag(
         "Normalise advantages to mean 0 / std 1 over the rollout batch (TRL >= 0.21: normalize_advantages).",
         default=False,
+    )
+    reward_weights: list[float] | None = flag(
+        "One weight per reward (TRL >= 0.21): the reward model first (when reward_model_path is set), then "
+        "reward_funcs in order; the score is their weighted sum. None: all 1.",
+        default=None,
+    )
+    num_generations_eval: int | None = flag(
+        "TRL >= 0.21: completions per prompt at evaluation. posttrain evaluates one greedy completion per eval "
+        "prompt, so only 1 (or None) is accepted.",
+        default=None,
     )
     token_level_kl: bool = flag(
         "Put the KL penalty per token (score on the last token) instead of per sequence; with a "
@@ -137,6 +149,13 @@ class RLOOConfig(OnPolicyConfig):
             raise ConfigError(f"{self._named('cliprange')}={self.cliprange} must be > 0.")
         if self.kl_coef < 0:
             raise ConfigError(f"{self._named('kl_coef')}={self.kl_coef} must be >= 0.")
+        check_reward_weights(self)
+        if self.num_generations_eval not in (None, 1):
+            raise ConfigError(
+                f"num_generations_eval={self.num_generations_eval}: posttrain's evaluation draws one greedy completion "
+                "per eval prompt (eval_objective/scores is their mean score), so more completions per prompt would "
+                "all be the same. Set num_generations_eval=1 or leave it unset."
+            )
         if self.normalize_reward and (self.reward_clip_range is None or self.reward_clip_range <= 0):
             raise ConfigError(f"reward_clip_range={self.reward_clip_range} must be > 0 when normalize_reward is set.")
 
