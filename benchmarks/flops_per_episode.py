@@ -18,7 +18,8 @@ Every FLOP lands in one phase:
 Each phase is also split by the class of the outermost module running (policy, reward model, critic).
 
 The same settings as the timed runs apply (environment knobs of BENCH_DIR/common.py: SIZE, EPISODES,
-BATCH, K, RESP_LEN, PPO_EPOCHS, ART); a smaller EPISODES gives the same FLOPs per episode (random-weight
+BATCH, K, RESP_LEN, PPO_EPOCHS, ART; and GRADIENT_CHECKPOINTING=1 enables non-reentrant gradient
+checkpointing on every policy the script loads, as benchmarks/scale.py does); a smaller EPISODES gives the same FLOPs per episode (random-weight
 policies almost never stop early, so every completion has RESP_LEN tokens). Prints one RESULT line
 (JSON: GFLOPs per episode in total and by phase, and the count of matmul calls per episode).
 """
@@ -139,6 +140,16 @@ import common  # noqa: E402
 import transformers  # noqa: E402
 
 transformers.GenerationMixin.generate = _generating(transformers.GenerationMixin.generate)
+
+if os.environ.get("GRADIENT_CHECKPOINTING") == "1":  # on every policy the script loads, as scale.py's runs
+    _load_policy = common.policy
+
+    def _policy_with_checkpointing():
+        model = _load_policy()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    common.policy = _policy_with_checkpointing
 
 
 def counted_train(trainer, name, per_prompt):

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from posttrain.advantages import full_kl
-from posttrain.ops import chunk_rows, head_chunk_rows
+from posttrain.ops import chunk_rows, head_chunk_rows, logprobs_and_entropy
 from posttrain.rollout import Rollout
 from posttrain.scoring import (
     batched_completion_logprobs,
@@ -284,3 +284,33 @@ def test_no_batch_by_length_by_vocab_float32_tensor_is_built():
         with torch.no_grad():
             forward_logprobs(completion_forward(model, rollout, full_logits=True))
     assert max(full.rows)[0] >= B * T
+
+
+class NewStorages(TorchDispatchMode):
+    """Records the storages of the tensors of `shape` that ops create (views of one storage count once)."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.shape, self.storages = torch.Size(shape), {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.shape == self.shape:
+                self.storages.setdefault(t.untyped_storage().data_ptr(), str(func))
+        return out
+
+
+def test_backward_of_the_chunked_log_softmax_builds_the_logits_gradient_once():
+    """Whole (n, V) logits cut into row blocks (the plain path): backward assembles one (n, V)
+    gradient, instead of one zero-filled (n, V) tensor per block summed together."""
+    V, n = 40, 12
+    logits = torch.randn(n, V, requires_grad=True)
+    index = torch.randint(0, V, (n,))
+    lp, _ = logprobs_and_entropy(logits, index, chunk_tokens=4)  # 3 blocks of 4 rows
+    with NewStorages((n, V)) as seen:
+        lp.sum().backward()
+    assert len(seen.storages) == 1, seen.storages
+    # d/dlogits of Σ_i log softmax(logits_i)[index_i] = onehot(index_i) − softmax(logits_i)
+    want = torch.nn.functional.one_hot(index, V).float() - logits.detach().softmax(-1)
+    torch.testing.assert_close(logits.grad, want)

@@ -112,6 +112,11 @@ def lengths_to_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
 
 
+# The chunked functions below cut (n, V) logits into row blocks with `split`, not slicing: in backward
+# a slice's gradient is a zero-filled (n, V) tensor per block (then summed), split's is one (n, V)
+# tensor the blocks' gradients are concatenated into.
+
+
 def _rows(logits: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     lead = logits.shape[:-1]
     return logits.reshape(-1, logits.size(-1)), tuple(lead)
@@ -156,9 +161,7 @@ def selective_log_softmax(
     flat, lead = _rows(logits)
     rows = chunk_rows(flat.size(-1), chunk_tokens)
     idx = index.reshape(-1)
-    out = [
-        _gather(_log_softmax(flat[s : s + rows], temperature), idx[s : s + rows]) for s in range(0, flat.size(0), rows)
-    ]
+    out = [_gather(_log_softmax(block, temperature), i) for block, i in zip(flat.split(rows), idx.split(rows))]
     return torch.cat(out).reshape(lead) if out else flat.new_zeros(lead, dtype=torch.float32)
 
 
@@ -168,7 +171,7 @@ def entropy_from_logits(
     """Entropy −Σ_v p_v log p_v of softmax(logits / temperature) per position, in chunks. float32 (...)."""
     flat, lead = _rows(logits)
     rows = chunk_rows(flat.size(-1), chunk_tokens)
-    out = [_entropy(_log_softmax(flat[s : s + rows], temperature)) for s in range(0, flat.size(0), rows)]
+    out = [_entropy(_log_softmax(block, temperature)) for block in flat.split(rows)]
     return torch.cat(out).reshape(lead) if out else flat.new_zeros(lead, dtype=torch.float32)
 
 
@@ -189,9 +192,9 @@ def logprobs_and_entropy(
     rows = chunk_rows(flat.size(-1), chunk_tokens)
     idx = index.reshape(-1)
     lps, ents = [], []
-    for start in range(0, flat.size(0), rows):
-        logp = _log_softmax(flat[start : start + rows], temperature)
-        lps.append(_gather(logp, idx[start : start + rows]))
+    for block, block_idx in zip(flat.split(rows), idx.split(rows)):
+        logp = _log_softmax(block, temperature)
+        lps.append(_gather(logp, block_idx))
         ents.append(_entropy(logp, entropy_grad))
     if not lps:
         z = flat.new_zeros(lead, dtype=torch.float32)
