@@ -46,7 +46,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.configs import ConfigError, OnPolicyConfig, _field_default, check_reward_weights, flag
+from posttrain.configs import (
+    ConfigError,
+    GroupRolloutOptions,
+    OnPolicyConfig,
+    _field_default,
+    check_group_rollout_options,
+    check_reward_weights,
+    flag,
+)
 
 # TRL >= 0.21's RLOOConfig name -> the TRL 0.19 field it sets (same meaning and units).
 TRL_1X_NAMES = {
@@ -60,7 +68,7 @@ TRL_1X_NAMES = {
 
 
 @dataclass
-class RLOOConfig(OnPolicyConfig):
+class RLOOConfig(GroupRolloutOptions, OnPolicyConfig):
     """REINFORCE leave-one-out: rloo_k completions per prompt, each baselined by the mean reward of
     the other k − 1; sequence-level PPO-clip updates (REINFORCE/A2C when num_ppo_epochs = 1 and
     num_mini_batches = 1)."""
@@ -137,6 +145,7 @@ class RLOOConfig(OnPolicyConfig):
             )
         if self.max_completion_length is not None and self.max_completion_length < 1:
             raise ConfigError(f"max_completion_length={self.max_completion_length} must be >= 1.")
+        check_group_rollout_options(self, kl_field=self._named("kl_coef"), kl_coef=self.kl_coef)
         super().__post_init__()
         if self.rloo_k < 2:
             raise ConfigError(
