@@ -303,6 +303,9 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_tokenizer):
             save_steps=2,
             normalize_advantage=True,
             whiten_rewards=True,
+            # the reference moves every 3 optimizer steps (4 per rollout batch): the checkpoint holds it
+            sync_ref_model=True,
+            ref_model_sync_steps=3,
             **kw,
         )
         return RLOOTrainer(
@@ -317,6 +320,8 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_tokenizer):
     resumed = trainer_for(resumed_dir, resume_from_checkpoint="latest")
     resumed.train()
     assert torch.equal(flat(full.policy), flat(resumed.policy))
+    assert torch.equal(flat(full.ref_model), flat(resumed.ref_model))
+    assert not torch.equal(flat(full.ref_model), flat(build_tiny_causal_lm(tiny_tokenizer)))
     # 32 episodes, 4 per rollout batch: 8 entries and the summary; the resumed run keeps the
     # checkpoint's 2 entries of log_history and logs 6 more.
     assert len(full.state.log_history) == 9 and len(resumed.state.log_history) == 9
