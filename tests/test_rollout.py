@@ -566,8 +566,17 @@ def test_repetition_penalty_is_transformers_processor():
 class TwoFavourites(ScriptedLM):
     """Every position's logits: 3.0 on token 5, 2.0 on token 6, 0 elsewhere."""
 
-    def forward(self, input_ids, **kw):
-        out = super().forward(input_ids, **kw)
+    def forward(
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        use_cache=False,
+        cache_position=None,
+    ):
+        # ScriptedLM's signature: the static engines read it (cache_position, on transformers 4.x)
+        out = super().forward(input_ids, attention_mask, position_ids, past_key_values, use_cache, cache_position)
         out.logits = torch.zeros(*input_ids.shape, V)
         out.logits[..., 5], out.logits[..., 6] = 3.0, 2.0
         return out
