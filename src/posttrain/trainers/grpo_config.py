@@ -2,9 +2,12 @@
 
 Field names and defaults follow TRL 1.16's `GRPOConfig` (num_generations, beta, epsilon,
 epsilon_high, delta, num_iterations, loss_type, importance_sampling_level, scale_rewards,
-multi_objective_aggregation, reward_weights, mask_truncated_completions, top_entropy_quantile,
-use_bias_correction_kl, sapo_temperature_pos / sapo_temperature_neg, max_completion_length) on top
-of `OnPolicyConfig`, which sizes the rollout batch like RLOO / PPO (per_device_train_batch_size ×
+multi_objective_aggregation, reward_weights, top_entropy_quantile, use_bias_correction_kl,
+sapo_temperature_pos / sapo_temperature_neg, max_completion_length), with the TRL 1.x rollout
+settings GRPO shares with RLOO (`configs.GroupRolloutOptions`: steps_per_generation /
+generation_batch_size, sync_ref_model, min_p, repetition_penalty, generation_kwargs,
+log_completions, chat_template_kwargs, pad_to_multiple_of, mask_truncated_completions), on top of
+`OnPolicyConfig`, which sizes the rollout batch like RLOO / PPO (per_device_train_batch_size ×
 gradient_accumulation_steps × num_mini_batches completions per device, num_mini_batches optimizer
 steps per pass). docs/internals.md ("GRPO loss family") gives the equation of every variant.
 

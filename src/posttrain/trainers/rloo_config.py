@@ -37,7 +37,10 @@ learning_rate 5e-05 (1e-06), temperature 0.7 (1.0); README.md, "RLOO", lists the
 `reward_clip_range` is a (min, max) pair clipping raw rewards; here it is 0.19's float (with
 normalize_reward), so a pair is refused. TRL 1.x's `reward_weights` (one weight per reward) is a field
 with TRL's meaning; its `num_generations_eval` accepts only 1, the one greedy completion per eval
-prompt that evaluation draws.
+prompt that evaluation draws. TRL 1.x's rollout settings shared with GRPO (steps_per_generation /
+generation_batch_size, mask_truncated_completions, sync_ref_model, min_p, repetition_penalty,
+generation_kwargs, log_completions, chat_template_kwargs, pad_to_multiple_of) come from
+`configs.GroupRolloutOptions`; docs/internals.md ("TRL 1.x rollout options of GRPO and RLOO").
 
 Standard library only: `posttrain rloo --help` and validation run before torch loads.
 """
