@@ -303,6 +303,9 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_tokenizer):
             save_steps=2,
             normalize_advantage=True,
             whiten_rewards=True,
+            # the reference moves every 3 optimizer steps (4 per rollout batch): the checkpoint holds it
+            sync_ref_model=True,
+            ref_model_sync_steps=3,
             **kw,
         )
         return RLOOTrainer(
@@ -317,6 +320,8 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_tokenizer):
     resumed = trainer_for(resumed_dir, resume_from_checkpoint="latest")
     resumed.train()
     assert torch.equal(flat(full.policy), flat(resumed.policy))
+    assert torch.equal(flat(full.ref_model), flat(resumed.ref_model))
+    assert not torch.equal(flat(full.ref_model), flat(build_tiny_causal_lm(tiny_tokenizer)))
     # 32 episodes, 4 per rollout batch: 8 entries and the summary; the resumed run keeps the
     # checkpoint's 2 entries of log_history and logs 6 more.
     assert len(full.state.log_history) == 9 and len(resumed.state.log_history) == 9
@@ -386,6 +391,10 @@ def dp_run(algo: str, out_path: str) -> None:
         save_steps=0,
         temperature=1.0,
         seed=7,
+        # TR-DPO's reference update after each of the 2 optimizer steps: every rank mixes its own copy
+        sync_ref_model=True,
+        ref_model_sync_steps=1,
+        ref_model_mixup_alpha=0.5,
     )
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
     if algo == "rloo":
@@ -417,6 +426,7 @@ def dp_run(algo: str, out_path: str) -> None:
         params = trainer.model
     assert trainer.run.world_size == world, "the launcher did not start a real process group"
     last = train_and_last_log(trainer)
+    torch.save(flat(trainer.ref_model), f"{out_path}.ref{trainer.run.accelerator.process_index}")
     if trainer.run.is_main:
         torch.save({"params": flat(params), "scores": last["objective/scores"]}, out_path)
 
@@ -436,6 +446,11 @@ def run_dp_equivalence(tmp_path: Path, algo: str) -> None:
     assert not torch.equal(one["params"], initial)
     assert two["scores"] == pytest.approx(one["scores"], rel=1e-6)
     torch.testing.assert_close(two["params"], one["params"], rtol=0, atol=1e-6)
+    # sync_ref_model: the reference moved, identically on both ranks and as with one process
+    refs = [torch.load(tmp_path / name) for name in ("one.pt.ref0", "two.pt.ref0", "two.pt.ref1")]
+    assert not torch.equal(refs[0], flat(build_tiny_causal_lm(build_tiny_tokenizer(), seed=3)))
+    assert torch.equal(refs[1], refs[2])
+    torch.testing.assert_close(refs[1], refs[0], rtol=0, atol=1e-6)
 
 
 @pytest.mark.multiproc

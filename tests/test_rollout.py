@@ -545,3 +545,85 @@ def test_compiled_step_compiles_once_for_rollouts_of_different_prompt_widths():
         assert torch.equal(compiled.prompt_ids, eager.prompt_ids)
         assert torch.equal(compiled.prompt_mask, eager.prompt_mask)
     assert graphs[1] == graphs[0] and graphs[2] == graphs[0]
+
+
+def test_repetition_penalty_is_transformers_processor():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from posttrain.rollout import apply_repetition_penalty, seen_tokens
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    # tokens 0 and 1 are in the row (token 2 only in its left padding, masked out): θ = 2 halves
+    # the positive logit of token 0 and doubles the negative one of token 1.
+    seen = seen_tokens(torch.tensor([[2, 0, 1]]), torch.tensor([[False, True, True]]), 4)
+    assert seen.tolist() == [[True, True, False, False]]
+    assert apply_repetition_penalty(logits, seen, 2.0).tolist() == [[1.0, -2.0, 0.5, 3.0]]
+    assert apply_repetition_penalty(logits, seen, 0.5).tolist() == [[4.0, -0.5, 0.5, 3.0]]
+    hf = RepetitionPenaltyLogitsProcessor(2.0)(torch.tensor([[0, 1]]), logits.clone())
+    assert torch.equal(apply_repetition_penalty(logits, seen, 2.0), hf)
+
+
+class TwoFavourites(ScriptedLM):
+    """Every position's logits: 3.0 on token 5, 2.0 on token 6, 0 elsewhere."""
+
+    def forward(
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        use_cache=False,
+        cache_position=None,
+    ):
+        # ScriptedLM's signature: the static engines read it (cache_position, on transformers 4.x)
+        out = super().forward(input_ids, attention_mask, position_ids, past_key_values, use_cache, cache_position)
+        out.logits = torch.zeros(*input_ids.shape, V)
+        out.logits[..., 5], out.logits[..., 6] = 3.0, 2.0
+        return out
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_repetition_penalty_steers_decoding_but_not_the_recorded_logprobs(engine):
+    ids, mask = left_pad([[5], [7, 6], [3]], pad=0)
+    greedy = SamplingConfig(max_new_tokens=4, do_sample=False)
+    plain = generate(TwoFavourites(), ids, mask, greedy, pad_token_id=0, **engine)
+    assert plain.completion_ids.tolist() == [[5] * 4] * 3
+    penalized = SamplingConfig(max_new_tokens=4, do_sample=False, repetition_penalty=2.0)
+    r = generate(TwoFavourites(), ids, mask, penalized, pad_token_id=0, **engine)
+    # Row 0 holds 5: 3/2 = 1.5 < 2 picks 6, then both are seen (1.5 > 1.0): 5, 5, ...
+    # Row 1 holds 6: 3 > 2/2 picks 5, then 1.5 > 1.0: 5, ... Row 2 holds neither: 5 (3 > 2), then
+    # 6 (1.5 < 2), then 5, 5 as row 0.
+    assert r.completion_ids.tolist() == [[6, 5, 5, 5], [5, 5, 5, 5], [5, 6, 5, 5]]
+    # The recorded logprobs are those of the raw logits (what training recomputes).
+    raw = torch.log_softmax(
+        torch.zeros(V).index_fill(0, torch.tensor([5]), 3.0).index_fill(0, torch.tensor([6]), 2.0), -1
+    )
+    assert torch.allclose(r.logprobs, raw[r.completion_ids])
+    # Sampling draws from softmax(penalized logits): with θ = 100 the seen token 5 falls from
+    # e^3 / (e^3 + e^2 + 14) = 0.48 to e^0.03 / (e^0.03 + e^2 + 14) = 0.05 of the draws.
+    many, many_mask = left_pad([[5]] * 256, pad=0)
+    for theta, low, high in ((1.0, 0.38, 0.58), (100.0, 0.0, 0.12)):
+        g = torch.Generator().manual_seed(0)
+        cfg = SamplingConfig(max_new_tokens=1, repetition_penalty=theta)
+        r = generate(TwoFavourites(), many, many_mask, cfg, pad_token_id=0, generator=g, **engine)
+        assert low < (r.completion_ids == 5).float().mean() < high
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_min_p_keeps_tokens_within_a_ratio_of_the_most_likely(engine):
+    class Fixed(ScriptedLM):
+        def forward(self, input_ids, **kw):
+            out = super().forward(input_ids, **kw)
+            out.logits = torch.linspace(4.0, 0.0, V).expand(*input_ids.shape, V).clone()
+            return out
+
+    ids, mask = left_pad([[1]] * 64, pad=0)
+    g = torch.Generator().manual_seed(0)
+    # Logits step down by 4/15: p_i / p_0 = exp(-4i/15) >= 0.5 for i <= 2 (ln 2 = 0.69 > 0.53, < 0.8).
+    r = generate(Fixed(), ids, mask, SamplingConfig(max_new_tokens=3, min_p=0.5), pad_token_id=0, generator=g, **engine)
+    assert set(r.completion_ids.unique().tolist()) == {0, 1, 2}
+    both = SamplingConfig(max_new_tokens=3, min_p=0.5, top_k=2)
+    r = generate(Fixed(), ids, mask, both, pad_token_id=0, generator=g, **engine)
+    assert set(r.completion_ids.unique().tolist()) == {0, 1}
+    full = torch.log_softmax(torch.linspace(4.0, 0.0, V), -1)
+    assert torch.allclose(r.logprobs, full[r.completion_ids])

@@ -964,6 +964,12 @@ def load_checkpoint(
         _load_engine_state(path, record, models, optimizer, map_location, accelerator)
     elif sharded:
         _load_sharded(path, models, optimizer, accelerator)
+        # DCP leaves frozen parameters out (_state_options); a model with no trainable parameter that
+        # still changes during training (GRPO / RLOO's reference with sync_ref_model) is read back
+        # from the weights saved in its folder.
+        for key, model in models.items():
+            if not any(p.requires_grad for p in model.parameters()) and (path / key).is_dir():
+                _load_model(model, path / key, map_location, accelerator)
     else:
         for key, model in models.items():
             _load_model(model, path / key, map_location, accelerator)

@@ -847,6 +847,13 @@ class OnPolicyConfig(TrainingConfig):
                 "raise total_episodes or lower the batch size."
             )
         self.num_total_batches = math.ceil(self.total_episodes / self.batch_size)
+        generation_batch_size = getattr(self, "generation_batch_size", None)
+        if generation_batch_size is not None and generation_batch_size != self.batch_size:
+            raise ConfigError(
+                f"generation_batch_size={generation_batch_size} was sized for {launch_world_size()} process(es), "
+                f"but this run has {world_size}: its rollout batch is {self.batch_size} completions. Set "
+                "generation_batch_size for this run, or give steps_per_generation instead (per process)."
+            )
         for name, requested in getattr(self, "_requested_sizes", {}).items():
             if getattr(self, name) != requested:
                 raise ConfigError(
@@ -880,6 +887,192 @@ class OnPolicyConfig(TrainingConfig):
         if self.num_sample_generations <= 0:
             return 0
         return max(1, self.num_total_batches // self.num_sample_generations)
+
+
+# generation_kwargs keys the rollout engine honours: each sets the config field of the same name.
+GENERATION_KWARGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample")
+
+
+def launch_world_size() -> int:
+    """Processes of this launch as torchrun / accelerate announce them (WORLD_SIZE; 1 without a
+    launcher): what TRL's configs size generation_batch_size with, before any model loads."""
+    return max(int(os.environ.get("WORLD_SIZE", "1") or 1), 1)
+
+
+@dataclass
+class GroupRolloutOptions:
+    """TRL 1.x settings GRPOConfig and RLOOConfig share (same names, meanings and defaults as TRL
+    1.16's GRPOConfig / RLOOConfig), checked by `check_group_rollout_options` before any model loads.
+    Mixed into both configs after OnPolicyConfig."""
+
+    steps_per_generation: int | None = flag(
+        "TRL 1.x: micro-batches (of per_device_train_batch_size completions per device) in one generation "
+        "batch; each gradient_accumulation_steps of them make one optimizer step, so it sets num_mini_batches = "
+        "steps_per_generation / gradient_accumulation_steps (which must divide). None: gradient_accumulation_steps "
+        "× num_mini_batches. Exclusive with generation_batch_size.",
+        default=None,
+    )
+    generation_batch_size: int | None = flag(
+        "TRL 1.x: completions per generation batch over all processes = per_device_train_batch_size × processes "
+        "× steps_per_generation (must divide). None: from steps_per_generation. Exclusive with it.",
+        default=None,
+    )
+    min_p: float | None = flag(
+        "Sample only tokens whose probability is at least min_p times the most likely token's (0.01-0.2 are "
+        "typical); None or 0: off. Recorded logprobs stay those of the full distribution.",
+        default=None,
+    )
+    repetition_penalty: float = flag(
+        "Penalise tokens already in the prompt or the completion so far (transformers' repetition penalty: "
+        "positive logits divided, negative multiplied); > 1 discourages repeats, 1.0: off.",
+        default=1.0,
+    )
+    generation_kwargs: dict[str, Any] | str | None = flag(
+        "Sampling settings as a dict (JSON on the command line) that override the fields of the same name: "
+        f"{', '.join(GENERATION_KWARGS)} (do_sample must be true). Any other key is refused.",
+        default=None,
+    )
+    chat_template_kwargs: dict[str, Any] | str | None = flag(
+        "Extra keyword arguments of apply_chat_template for conversational prompts, e.g. "
+        "'{\"enable_thinking\": false}' (JSON on the command line).",
+        default=None,
+    )
+    pad_to_multiple_of: int | str | None = flag(
+        "Pad the prompt (left) and completion (right) tensors of each rollout batch to a multiple of this "
+        'many tokens (fewer distinct shapes for compiled models); None or "auto": no padding.',
+        default=None,
+    )
+    mask_truncated_completions: bool = flag(
+        "Leave completions that hit max_completion_length without a stop token out of the loss (DAPO).",
+        default=False,
+    )
+    sync_ref_model: bool = flag(
+        "TR-DPO: every ref_model_sync_steps optimizer steps, ref ← ref_model_mixup_alpha · policy + "
+        "(1 − ref_model_mixup_alpha) · ref. Needs a reference model (a KL coefficient > 0); not with PEFT.",
+        default=False,
+    )
+    ref_model_mixup_alpha: float = flag(
+        "TR-DPO's α, in [0, 1]: the policy's share of the new reference (with sync_ref_model).", default=0.6
+    )
+    ref_model_sync_steps: int = flag(
+        "TR-DPO's τ: optimizer steps between reference updates (with sync_ref_model).", default=512
+    )
+    log_completions: bool = flag(
+        "At each logging step, print (main process, with rich if installed) a table of the rollout batch's "
+        "prompts, completions, rewards and advantages, and write it to samples.jsonl.",
+        default=False,
+    )
+    num_completions_to_print: int | None = flag(
+        "Rows of the log_completions table (None: every completion of the rollout batch).", default=None
+    )
+
+
+def check_group_rollout_options(config: Any, *, kl_field: str, kl_coef: float) -> None:
+    """Validate and apply the `GroupRolloutOptions` of `config` (call before OnPolicyConfig's own
+    checks): generation_kwargs set the sampling fields, steps_per_generation / generation_batch_size
+    set num_mini_batches. `kl_field` / `kl_coef`: the name the caller gave the KL coefficient and its
+    value (sync_ref_model needs a reference model, which only a coefficient > 0 loads)."""
+    config.generation_kwargs = parse_json_field("generation_kwargs", config.generation_kwargs)
+    config.chat_template_kwargs = parse_json_field("chat_template_kwargs", config.chat_template_kwargs)
+    for key, value in (config.generation_kwargs or {}).items():
+        if key not in GENERATION_KWARGS:
+            raise ConfigError(
+                f"generation_kwargs has {key!r}, which posttrain's rollout engine cannot honour; it takes "
+                f"{', '.join(GENERATION_KWARGS)}. Remove {key!r}"
+                + (" (use max_completion_length)." if key in ("max_new_tokens", "max_length") else ".")
+            )
+        if key == "do_sample":
+            if value is not True:
+                raise ConfigError(
+                    f"generation_kwargs do_sample={value!r}: online training samples its completions (greedy "
+                    "decoding would give every completion of a prompt the same tokens); drop do_sample."
+                )
+            continue
+        setattr(config, key, value)  # as TRL: generation_kwargs override the fields of the same name
+    if config.min_p is not None and not 0.0 <= config.min_p <= 1.0:
+        raise ConfigError(f"min_p={config.min_p} must be in [0, 1] (None or 0: off).")
+    if not config.repetition_penalty > 0:
+        raise ConfigError(f"repetition_penalty={config.repetition_penalty} must be > 0 (1.0: off).")
+    if config.min_p or config.repetition_penalty != 1.0:
+        warnings.warn(
+            f"min_p={config.min_p} / repetition_penalty={config.repetition_penalty}: completions are sampled from a "
+            "reshaped distribution while logprobs, ratios and KL use the full softmax of the raw logits (as in TRL), "
+            "so updates are slightly off-policy.",
+            stacklevel=4,
+        )
+    pad = config.pad_to_multiple_of
+    if isinstance(pad, str):
+        text = pad.strip().lower()
+        if text in ("auto", "none", "null", ""):
+            pad = None  # TRL's "auto" pads only on AWS Neuron devices, which posttrain does not run on
+        elif text.isdigit():
+            pad = int(text)
+        else:
+            raise ConfigError(
+                f'pad_to_multiple_of={config.pad_to_multiple_of!r} must be a whole number, "auto" or None.'
+            )
+    if pad is not None and pad < 1:
+        raise ConfigError(f"pad_to_multiple_of={pad} must be >= 1 (None: no padding).")
+    config.pad_to_multiple_of = pad
+    if not 0.0 <= config.ref_model_mixup_alpha <= 1.0:
+        raise ConfigError(f"ref_model_mixup_alpha={config.ref_model_mixup_alpha} must be in [0, 1].")
+    if config.ref_model_sync_steps < 1:
+        raise ConfigError(f"ref_model_sync_steps={config.ref_model_sync_steps} must be >= 1.")
+    if config.sync_ref_model and kl_coef == 0:
+        raise ConfigError(
+            f"sync_ref_model=True with {kl_field}=0: no reference model is loaded, so there is nothing to "
+            f"synchronize (as TRL). Set {kl_field} > 0, or drop sync_ref_model."
+        )
+    if config.sync_ref_model and config.use_peft:
+        raise ConfigError(
+            "sync_ref_model=True with use_peft: the reference is the policy with its adapter disabled, there is no "
+            "separate reference model to mix into (TRL refuses this too). Drop sync_ref_model or use_peft."
+        )
+    if config.num_completions_to_print is not None and config.num_completions_to_print < 1:
+        raise ConfigError(f"num_completions_to_print={config.num_completions_to_print} must be >= 1 (None: all).")
+    _resolve_generation_batch(config)
+
+
+def _resolve_generation_batch(config: Any) -> None:
+    """TRL 1.x's generation batch of steps_per_generation micro-batches (or generation_batch_size
+    completions over all processes) onto posttrain's rollout batch: num_mini_batches =
+    steps_per_generation / gradient_accumulation_steps optimizer steps per pass."""
+    steps, size = config.steps_per_generation, config.generation_batch_size
+    if steps is None and size is None:
+        return
+    if steps is not None and size is not None:
+        raise ConfigError(
+            f"steps_per_generation={steps} and generation_batch_size={size} both size the generation batch; give "
+            "only one (as TRL)."
+        )
+    per_step, accumulation = config.per_device_train_batch_size, config.gradient_accumulation_steps
+    if size is not None:
+        world = launch_world_size()
+        if size < 1 or size % (per_step * world):
+            raise ConfigError(
+                f"generation_batch_size={size} must be a positive multiple of per_device_train_batch_size × "
+                f"processes = {per_step} × {world} = {per_step * world}."
+            )
+        steps, named = size // (per_step * world), f"generation_batch_size={size}"
+    else:
+        if steps < 1:
+            raise ConfigError(f"steps_per_generation={steps} must be >= 1.")
+        named = f"steps_per_generation={steps}"
+    if steps % accumulation:
+        raise ConfigError(
+            f"{named} gives {steps} micro-batches per generation batch, not a multiple of "
+            f"gradient_accumulation_steps={accumulation}: posttrain makes whole optimizer steps from each "
+            "generation batch. Make it a multiple (it then sets num_mini_batches = micro-batches / "
+            "gradient_accumulation_steps)."
+        )
+    mini = steps // accumulation
+    if config.num_mini_batches not in (1, mini):
+        raise ConfigError(
+            f"{named} means num_mini_batches={mini} ({steps} micro-batches / gradient_accumulation_steps "
+            f"{accumulation}), but num_mini_batches={config.num_mini_batches} was given; they are the same "
+            "setting: give one."
+        )
+    config.num_mini_batches = mini
 
 
 # optim names (transformers' OptimizerNames that posttrain builds; see posttrain.optim).

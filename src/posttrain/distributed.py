@@ -615,6 +615,15 @@ def gather_values(values: torch.Tensor, accelerator: Accelerator | None) -> torc
     return gathered[~torch.isnan(gathered)].to(values.dtype)
 
 
+def gather_object(items: list[Any], accelerator: Accelerator | None) -> list[Any]:
+    """Concatenate each rank's list of picklable objects (e.g. texts), in rank order."""
+    if world_size(accelerator) == 1:
+        return list(items)
+    from accelerate.utils import gather_object as gather_lists
+
+    return list(gather_lists(list(items)))
+
+
 def broadcast_object(obj: Any, accelerator: Accelerator | None, from_process: int = 0) -> Any:
     """Send a picklable object from `from_process` to every rank; returns the received copy."""
     if world_size(accelerator) == 1:

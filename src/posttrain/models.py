@@ -543,6 +543,34 @@ def apply_peft(model: nn.Module, peft_config: Any) -> nn.Module:
     return _import_peft().get_peft_model(model, peft_config)
 
 
+def check_mixable(target: nn.Module, source: nn.Module, what: str) -> None:
+    """ConfigError unless `target` and `source` have the same parameters (names and shapes), which
+    `mix_into` pairs; `what` names the setting that needs it."""
+    from posttrain.configs import ConfigError
+
+    def shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+    mine, theirs = shapes(target), shapes(source)
+    if mine != theirs:
+        differ = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
+        raise ConfigError(
+            f"{what} mixes the policy's weights into the reference model, but their parameters differ "
+            f"(e.g. {differ}); pass a reference model of the policy's architecture, or leave ref_model None "
+            "(a copy of the initial policy)."
+        )
+
+
+@torch.no_grad()
+def mix_into(target: nn.Module, source: nn.Module, alpha: float) -> None:
+    """θ_target ← α·θ_source + (1 − α)·θ_target for every parameter, paired by name (TR-DPO's soft
+    reference update, Gorbatovski et al. 2024, arXiv:2404.09656; TRL's SyncRefModelCallback pairs
+    them by order). In place; buffers are left as they are, as TRL's."""
+    sources = dict(source.named_parameters())
+    for name, param in target.named_parameters():
+        param.mul_(1.0 - alpha).add_(sources[name].detach().to(param.dtype), alpha=alpha)
+
+
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
     """`model.disable_adapter()` (a PEFT model runs as its frozen base) that leaves every parameter's

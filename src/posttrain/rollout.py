@@ -19,7 +19,11 @@ temperature-scaled distribution, before top-k / top-p filtering. That is the dis
 trainer recomputes (scoring.completion_logprobs applies only the temperature), so at the first PPO
 epoch ratio = 1 exactly up to float error. With top-k / top-p the recorded logprob therefore is not
 the probability of the filtered sampler; this is the same convention as TRL and the "N
-implementation details of RLHF with PPO" (temperature is applied, truncation is not).
+implementation details of RLHF with PPO" (temperature is applied, truncation is not). The same
+holds for min_p and repetition_penalty: they shape the distribution tokens are DRAWN from (HF's
+order: repetition penalty on the logits, then temperature, top-k, top-p, min-p), while the recorded
+log-probs stay log softmax(raw logits / temperature), what training recomputes (TRL's GRPO / RLOO
+also score the raw logits / temperature).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -42,9 +47,13 @@ from posttrain.ops import lengths_to_mask
 class SamplingConfig:
     """How completions are sampled.
 
-    temperature 0 or do_sample=False means greedy decoding. top_k = 0 and top_p = 1.0 disable those
-    filters. stop_token_ids: ids at which a row stops (usually the EOS id, plus e.g. an
-    end-of-turn id); empty means every row runs to max_new_tokens.
+    temperature 0 or do_sample=False means greedy decoding. top_k = 0, top_p = 1.0 and min_p = 0.0
+    disable those filters (min_p: keep tokens whose probability is at least min_p times the most
+    likely token's). repetition_penalty θ (1.0: off) divides the positive and multiplies the negative
+    logits of every token already in the row's prompt or completion (transformers'
+    RepetitionPenaltyLogitsProcessor; greedy decoding too, as there). stop_token_ids: ids at which a
+    row stops (usually the EOS id, plus e.g. an end-of-turn id); empty means every row runs to
+    max_new_tokens.
     """
 
     max_new_tokens: int
@@ -53,6 +62,8 @@ class SamplingConfig:
     top_p: float = 1.0
     do_sample: bool = True
     stop_token_ids: tuple[int, ...] = ()
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -63,6 +74,10 @@ class SamplingConfig:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
         ids = self.stop_token_ids
         if isinstance(ids, int):
             ids = (ids,)
@@ -131,6 +146,32 @@ class Rollout:
             value = getattr(self, f.name)
             kwargs[f.name] = fn(value) if isinstance(value, torch.Tensor) else value
         return Rollout(**kwargs)
+
+    def padded_to_multiple(self, multiple: int | None) -> Rollout:
+        """The same rows with the prompts left-padded and the completions right-padded (pad_token_id,
+        mask False, logprobs 0) to widths that are multiples of `multiple` (None: self unchanged);
+        lengths, `ended` and every real token stay as they are."""
+        if not multiple:
+            return self
+        P, T = self.prompt_ids.size(1), self.completion_ids.size(1)
+        left, right = -P % multiple, -T % multiple
+        if not (left or right):
+            return self
+
+        def pad(t: torch.Tensor | None, value: Any, before: int, after: int) -> torch.Tensor | None:
+            return None if t is None else F.pad(t, (before, after), value=value)
+
+        return Rollout(
+            prompt_ids=pad(self.prompt_ids, self.pad_token_id, left, 0),
+            prompt_mask=pad(self.prompt_mask, False, left, 0),
+            completion_ids=pad(self.completion_ids, self.pad_token_id, 0, right),
+            completion_mask=pad(self.completion_mask, False, 0, right),
+            completion_lengths=self.completion_lengths,
+            ended=self.ended,
+            logprobs=pad(self.logprobs, 0.0, 0, right),
+            entropy=pad(self.entropy, 0.0, 0, right),
+            pad_token_id=self.pad_token_id,
+        )
 
     @staticmethod
     def cat(rollouts: Sequence[Rollout]) -> Rollout:
@@ -237,25 +278,51 @@ def sample_from_probs(
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.size(-1) - 1)
 
 
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' RepetitionPenaltyLogitsProcessor: the logit x of every token with `seen` True
+    (already in the row's prompt or completion) becomes x / penalty if x > 0 else x · penalty; the
+    others are unchanged. logits (L, V), seen (L, V) bool; a new float32 tensor."""
+    x = logits.float()
+    return torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x)
+
+
+def seen_tokens(ids: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(N, vocab_size) bool: True at each token id present among the real (`mask` True) ids of a row
+    (the repetition penalty's history; padding never counts). Rows are left-padded, so the last id of
+    each row is real and stands in for its masked slots."""
+    ids = ids.masked_fill(~mask, 0) + (~mask).long() * ids[:, -1:]
+    seen = torch.zeros(ids.size(0), vocab_size, dtype=torch.bool, device=ids.device)
+    return seen.scatter_(1, ids.clamp(0, vocab_size - 1), True)
+
+
 def make_sampler(
     sampling: SamplingConfig, generator: torch.Generator | None, return_logprobs: bool, return_entropy: bool
 ):
-    """Returns fn(logits (L, V), num_rows, rows) -> (tokens (L,), logprobs (L,) | None, entropy (L,) | None).
+    """Returns fn(logits (L, V), num_rows, rows, seen=None) -> (tokens (L,), logprobs (L,) | None,
+    entropy (L,) | None).
 
     `rows` (L,) are the batch's row indices among `num_rows` (None: all of them, L = num_rows). Each
     sampling step draws `num_rows` uniforms from `generator` whatever L is, so dropping stopped rows
     out of the batch leaves every live row's draws unchanged. Chosen once so the decode loop does no
     per-step branching. One float32 (L, V) log-softmax per step is the only full-vocab copy on the
     plain sampling path; probabilities for the sampler are its exp(), shared with the entropy.
+    `seen` (L, V) bool, given when sampling.repetition_penalty != 1: the tokens each row already
+    holds (`seen_tokens`). Logprobs and entropy are always those of the raw logits / temperature.
     """
     temp = sampling.logprob_temperature
-    top_k, top_p = sampling.top_k, sampling.top_p
+    top_k, top_p, min_p = sampling.top_k, sampling.top_p, sampling.min_p
+    penalty = sampling.repetition_penalty
+    log_min_p = math.log(min_p) if min_p > 0 else None
 
     def scaled_logp(logits: torch.Tensor) -> torch.Tensor:
         x = logits.float()
         if temp != 1.0:
             x = x / temp
         return torch.log_softmax(x, dim=-1)
+
+    def drawn_from(logits: torch.Tensor, logp: torch.Tensor, seen: torch.Tensor | None) -> torch.Tensor:
+        """The scaled log-probs tokens are drawn from: logp itself, or with the penalty applied first."""
+        return logp if seen is None else scaled_logp(apply_repetition_penalty(logits, seen, penalty))
 
     def stats(logp: torch.Tensor, tok: torch.Tensor, probs: torch.Tensor | None = None):
         lp = logp.gather(-1, tok[:, None]).squeeze(-1) if return_logprobs else None
@@ -271,8 +338,8 @@ def make_sampler(
 
     if sampling.greedy:
 
-        def greedy(logits: torch.Tensor, num_rows: int, rows: torch.Tensor | None):
-            tok = logits.argmax(-1)
+        def greedy(logits: torch.Tensor, num_rows: int, rows: torch.Tensor | None, seen: torch.Tensor | None = None):
+            tok = (logits if seen is None else apply_repetition_penalty(logits, seen, penalty)).argmax(-1)
             if not (return_logprobs or return_entropy):
                 return tok, None, None
             logp = scaled_logp(logits)
@@ -280,31 +347,51 @@ def make_sampler(
 
         return greedy
 
-    if top_k == 0 and top_p >= 1.0:
+    if top_k == 0 and top_p >= 1.0 and log_min_p is None:
 
-        def plain(logits: torch.Tensor, num_rows: int, rows: torch.Tensor | None):
+        def plain(logits: torch.Tensor, num_rows: int, rows: torch.Tensor | None, seen: torch.Tensor | None = None):
             logp = scaled_logp(logits)
             probs = logp.exp()
-            tok = sample_from_probs(probs, uniform=uniforms(num_rows, rows, logits.device))
+            draw = probs if seen is None else drawn_from(logits, logp, seen).exp()
+            tok = sample_from_probs(draw, uniform=uniforms(num_rows, rows, logits.device))
             return (tok, *stats(logp, tok, probs))
 
         return plain
 
-    def filtered(logits: torch.Tensor, num_rows: int, rows: torch.Tensor | None):
+    if top_k == 0 and top_p >= 1.0:
+
+        def min_p_only(
+            logits: torch.Tensor, num_rows: int, rows: torch.Tensor | None, seen: torch.Tensor | None = None
+        ):
+            logp = scaled_logp(logits)
+            draw = drawn_from(logits, logp, seen)
+            # p_i ≥ min_p · p_max  ⇔  log p_i ≥ log p_max + log min_p (no sort: the most likely token is kept)
+            keep = draw >= draw.max(-1, keepdim=True).values + log_min_p
+            tok = sample_from_probs(draw.exp() * keep, uniform=uniforms(num_rows, rows, logits.device))
+            return (tok, *stats(logp, tok))
+
+        return min_p_only
+
+    def filtered(logits: torch.Tensor, num_rows: int, rows: torch.Tensor | None, seen: torch.Tensor | None = None):
         logp = scaled_logp(logits)
+        draw = drawn_from(logits, logp, seen)
         # Filtering works on log-probs: they order the vocabulary like the scaled logits and the
         # softmax over any subset of them is the renormalized filtered distribution (HF applies
-        # temperature, then top-k, then top-p — same order here).
+        # temperature, then top-k, then top-p, then min-p — same order here).
         if top_k > 0:
-            cand, cand_idx = torch.topk(logp, min(top_k, logp.size(-1)), dim=-1)  # sorted, descending
+            cand, cand_idx = torch.topk(draw, min(top_k, draw.size(-1)), dim=-1)  # sorted, descending
         else:
-            cand, cand_idx = torch.sort(logp, dim=-1, descending=True)
+            cand, cand_idx = torch.sort(draw, dim=-1, descending=True)
         if top_p < 1.0:
             p = torch.softmax(cand, dim=-1)
             # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before
             # it already does (the most likely token is always kept).
             drop = (p.cumsum(-1) - p) >= top_p
             cand = cand.masked_fill(drop, float("-inf"))
+        if log_min_p is not None:
+            # min-p compares each survivor with the most likely one (cand[:, 0]); renormalizing after
+            # top-k / top-p leaves that ratio unchanged.
+            cand = cand.masked_fill(cand < cand[:, :1] + log_min_p, float("-inf"))
         pick = sample_from_probs(torch.softmax(cand, dim=-1), uniform=uniforms(num_rows, rows, logits.device))
         tok = cand_idx.gather(-1, pick[:, None]).squeeze(-1)
         return (tok, *stats(logp, tok))
@@ -451,6 +538,10 @@ def _generate_chunk(
                 past, logits = compat.output_cache(out), out.logits[:, -1, :]
             else:
                 past, logits = expanded, logits[row_prompt]
+    # The repetition penalty's history (None when it is off: the loop then does no extra work).
+    seen = None
+    if max_new > 0 and sampling.repetition_penalty != 1.0:
+        seen = seen_tokens(prompt_ids, prompt_mask, logits.size(-1))
 
     # The loop writes into per-batch views of the results. Once rows are compacted out of the
     # batch, `live` holds the batch's row indices and the buffers are copies, scattered back into
@@ -472,8 +563,10 @@ def _generate_chunk(
         if rng is not None:
             rng_states.append(rng.get_state())
         # Every step draws N uniforms whatever the batch holds now (see make_sampler).
-        tok, lp, ent = sampler(logits, N, live)
+        tok, lp, ent = sampler(logits, N, live) if seen is None else sampler(logits, N, live, seen)
         steps = t + 1
+        if seen is not None:
+            seen.scatter_(1, tok[:, None], True)
         comp_b[:, t] = tok.masked_fill(done, pad_token_id)
         if lp_b is not None:
             lp_b[:, t] = lp.masked_fill(done, 0.0)
@@ -504,6 +597,7 @@ def _generate_chunk(
                             buffers = [b[keep] if b is not None else None for b in buffers]
                             live = keep if live is None else live[keep]
                             past, tok = selected, tok[keep]
+                            seen = seen[keep] if seen is not None else None
                             attention, positions = attention[keep], positions[keep]
                 # A row is still live, so every step so far counts: no rewind before this point.
                 rng_states, rng_base = [], steps

@@ -134,6 +134,7 @@ def prepare_prompt_dataset(
     overflow: str = "truncate_left",
     prompt_column: str | None = None,
     source: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> Dataset:
     """Tokenize prompts for generation: adds `input_ids` and sets `prompt` to the text after the
     chat template; other columns are kept (reward functions receive them). A conversational
@@ -143,7 +144,8 @@ def prepare_prompt_dataset(
     The prompts are read from `prompt_column`; None reads `prompt`, or `query` (the name of
     DeepSpeed-Chat-style and older TRL data) when the dataset has neither `prompt` nor `input_ids`.
 
-    Conversational prompts get the chat template with the generation prompt. A dataset with only
+    Conversational prompts get the chat template with the generation prompt (and the keyword
+    arguments `chat_template_kwargs`, e.g. {"enable_thinking": False}). A dataset with only
     `input_ids` (pre-tokenized, as TRL's PPO takes) is validated and decoded into `prompt`.
     Prompts longer than `max_prompt_length` are cut from the left ("truncate_left", keeping the end
     of the prompt, which the completion continues) or removed ("drop"); the count is logged.
@@ -178,7 +180,7 @@ def prepare_prompt_dataset(
             ]
             conversational = [isinstance(v, list) for v in values]
             texts = [
-                render_chat(v, tokenizer, add_generation_prompt=True) if c else v
+                render_chat(v, tokenizer, add_generation_prompt=True, **(chat_template_kwargs or {})) if c else v
                 for v, c in zip(values, conversational)
             ]
             ids = _encode(tokenizer, texts, conversational)

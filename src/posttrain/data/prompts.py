@@ -27,7 +27,12 @@ def prompt_dataset(config: Any, tokenizer: Any, dataset: Any, source: str, limit
 
     def prepare(max_prompt_length: int | None) -> Any:
         return prepare_prompt_dataset(
-            dataset, tokenizer, max_prompt_length=max_prompt_length, overflow=config.prompt_overflow, source=source
+            dataset,
+            tokenizer,
+            max_prompt_length=max_prompt_length,
+            overflow=config.prompt_overflow,
+            source=source,
+            chat_template_kwargs=getattr(config, "chat_template_kwargs", None),  # GRPO / RLOO
         )
 
     response_length = config.response_length

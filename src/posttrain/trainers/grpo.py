@@ -144,6 +144,7 @@ class GRPOTrainer(OnlineTrainer):
         if isinstance(reward_processing_classes, (list, tuple)):
             # One reward tokenizer is supported: the first one given for a reward model.
             reward_processing_classes = next((t for t in reward_processing_classes if t is not None), None)
+        online.check_reference_sync(args, peft_config)
         self.use_reference = args.beta > 0
         parts = load_parts(
             args,
@@ -173,6 +174,7 @@ class GRPOTrainer(OnlineTrainer):
             accelerator=accelerator,
         )
         self.ref_model = dist.prepare_frozen(self.ref_model, self.accelerator)
+        online.sync_reference(self)
         self.reward = RewardSource(
             [dist.prepare_frozen(r, self.accelerator) for r in parts.rewards],
             policy_tokenizer=self.processing_class,
@@ -205,6 +207,7 @@ class GRPOTrainer(OnlineTrainer):
                 rollout, rewards = self.sample_and_score(run.next_batch())
                 # 3. group-relative advantages on the global (P, G, F) grid
                 advantages = self.advantages(rewards)
+                online.log_completions_table(self, update, rollout, rewards, advantages)
                 loss_mask = rollout.completion_mask
                 if config.mask_truncated_completions:
                     loss_mask = truncation_loss_mask(loss_mask, rollout.ended)
@@ -349,6 +352,12 @@ class GRPOTrainer(OnlineTrainer):
                 online.minibatch_step(
                     run, policy, self.optimizer, micros, lambda r, n=normalizer, a=len(micros): micro_loss(r, n, a)
                 )
+
+    def checkpoint_models(self) -> dict[str, nn.Module]:
+        """The policy, and with sync_ref_model the reference it moves (a resume must restore both)."""
+        if self.args.sync_ref_model:
+            return {"policy": self.model, "ref_model": self.ref_model}
+        return {"policy": self.model}
 
     def table_scores(self, rollout: Rollout, batch: dict) -> torch.Tensor:
         return score(self.run, self.reward, rollout, batch, 1)

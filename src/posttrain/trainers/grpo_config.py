@@ -2,9 +2,12 @@
 
 Field names and defaults follow TRL 1.16's `GRPOConfig` (num_generations, beta, epsilon,
 epsilon_high, delta, num_iterations, loss_type, importance_sampling_level, scale_rewards,
-multi_objective_aggregation, reward_weights, mask_truncated_completions, top_entropy_quantile,
-use_bias_correction_kl, sapo_temperature_pos / sapo_temperature_neg, max_completion_length) on top
-of `OnPolicyConfig`, which sizes the rollout batch like RLOO / PPO (per_device_train_batch_size ×
+multi_objective_aggregation, reward_weights, top_entropy_quantile, use_bias_correction_kl,
+sapo_temperature_pos / sapo_temperature_neg, max_completion_length), with the TRL 1.x rollout
+settings GRPO shares with RLOO (`configs.GroupRolloutOptions`: steps_per_generation /
+generation_batch_size, sync_ref_model, min_p, repetition_penalty, generation_kwargs,
+log_completions, chat_template_kwargs, pad_to_multiple_of, mask_truncated_completions), on top of
+`OnPolicyConfig`, which sizes the rollout batch like RLOO / PPO (per_device_train_batch_size ×
 gradient_accumulation_steps × num_mini_batches completions per device, num_mini_batches optimizer
 steps per pass). docs/internals.md ("GRPO loss family") gives the equation of every variant.
 
@@ -24,7 +27,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.configs import ConfigError, OnPolicyConfig, check_reward_weights, flag
+from posttrain.configs import (
+    ConfigError,
+    GroupRolloutOptions,
+    OnPolicyConfig,
+    check_group_rollout_options,
+    check_reward_weights,
+    flag,
+)
 
 _DEFAULT_RESPONSE_LENGTH = 53  # OnPolicyConfig.response_length's default
 
@@ -41,7 +51,7 @@ def _one_of(name: str, value: object, accepted: tuple[str, ...], extra: str = ""
 
 
 @dataclass
-class GRPOConfig(OnPolicyConfig):
+class GRPOConfig(GroupRolloutOptions, OnPolicyConfig):
     """Group relative policy optimisation: num_generations completions per prompt, group-relative
     advantages, and the loss selected by loss_type (TRL 1.16's GRPO family)."""
 
@@ -95,9 +105,6 @@ class GRPOConfig(OnPolicyConfig):
         "One weight per reward: the reward model first (when reward_model_path is set), then reward_funcs in order.",
         default=None,
     )
-    mask_truncated_completions: bool = flag(
-        "Leave completions that hit max_completion_length without a stop token out of the loss.", default=False
-    )
     top_entropy_quantile: float = flag(
         "Keep in the policy loss only the tokens whose entropy is in this top quantile (Beyond the 80/20 Rule "
         "recommends 0.2); 1.0 keeps every token.",
@@ -117,6 +124,7 @@ class GRPOConfig(OnPolicyConfig):
                     "disagree; they are the same setting, give one of them."
                 )
             self.response_length = self.max_completion_length
+        check_group_rollout_options(self, kl_field="beta", kl_coef=self.beta)
         super().__post_init__()
         self.max_completion_length = self.response_length
         if self.num_generations < 2:

@@ -49,7 +49,15 @@ from posttrain.data.prompts import PromptStream, prompt_dataset
 from posttrain.health import HealthMonitor, oom_advice
 from posttrain.models import compile_for_training, model_init_kwargs, uncompiled
 from posttrain.optim import build_optimizer, build_scheduler, clip_and_step
-from posttrain.rollout import Rollout, SamplingConfig, decode_completions, decode_engine, generate, generation_mode
+from posttrain.rollout import (
+    Rollout,
+    SamplingConfig,
+    decode_completions,
+    decode_engine,
+    decode_prompts,
+    generate,
+    generation_mode,
+)
 from posttrain.scoring import (
     RewardSource,
     batched_completion_logprobs,
@@ -116,6 +124,9 @@ def sampling_config(config: OnPolicyConfig, tokenizer: Any, max_new_tokens: int 
         top_p=config.top_p,
         do_sample=config.temperature > 0,
         stop_token_ids=stop_token_ids(config, tokenizer),
+        # GRPO / RLOO (configs.GroupRolloutOptions); the other online configs have neither field
+        min_p=getattr(config, "min_p", None) or 0.0,
+        repetition_penalty=getattr(config, "repetition_penalty", 1.0),
     )
 
 
@@ -361,6 +372,8 @@ class OnlineRun:
     # This train() call's loss tally and the stop request (set in __init__ and by updates(); class
     # defaults for runs built without __init__, e.g. the classic PPO step() run).
     loss_total, loss_steps, stop_requested = 0.0, 0, False
+    # Called with progress.optimizer_steps after each optimizer step taken (e.g. `sync_reference`).
+    step_hooks: Sequence[Callable[[int], None]] = ()
 
     def __init__(
         self,
@@ -443,6 +456,7 @@ class OnlineRun:
         # summary's train_loss), and whether a callback asked to stop after the current rollout batch.
         self.loss_total, self.loss_steps = 0.0, 0
         self.stop_requested = False
+        self.step_hooks = []
 
     def batch_sizes(self) -> dict[str, int]:
         """The global sizes a checkpoint records and a resume must keep (checkpoint.check_resume_batch)."""
@@ -632,6 +646,7 @@ def sample(
     """Completions of left-padded prompts from `model` (the policy, possibly DDP-wrapped, or a
     reference), in generation mode, with the run's sampling settings and sampling stream."""
     config = run.config
+    multiple = getattr(config, "pad_to_multiple_of", None)  # GRPO / RLOO (configs.GroupRolloutOptions)
     with (
         dist.unwrap_for_generation(model, run.accelerator, config.ds3_gather_for_generation) as wrapped,
         uncompiled(wrapped) as m,  # torch_compile compiles training forwards only
@@ -649,7 +664,7 @@ def sample(
             generator=run.generator if generator is None else generator,
             return_logprobs=return_logprobs,
             **decode_engine(config.cache_implementation, m),
-        )
+        ).padded_to_multiple(multiple)
 
 
 def row_texts(
@@ -831,6 +846,32 @@ def log_reward_metrics(run: OnlineRun, reward: RewardSource, rewards: torch.Tens
         add("reward", "reward_std", summed)
 
 
+def log_completions_table(
+    trainer: OnlineTrainer, update: int, rollout: Rollout, rewards: torch.Tensor, advantages: torch.Tensor
+) -> None:
+    """log_completions (TRL 1.x GRPO / RLOO): at a logging step, the rollout batch of every process as a
+    table of prompt, completion, each reward (its own, unweighted; None where it does not apply) and
+    advantage, the first num_completions_to_print rows (None: all), printed with rich on the main
+    process and written to samples.jsonl (table "rollout_completions"; also a wandb table).
+    `rewards` (B, F) as `score_rewards` (extra columns past the rewards' are left out), `advantages` (B,)."""
+    config, run = trainer.args, trainer.run
+    if not config.log_completions or not run.should_log(update):
+        return
+    acc = run.accelerator
+    prompts = dist.gather_object(decode_prompts(run.tokenizer, rollout), acc)
+    completions = dist.gather_object(decode_completions(run.tokenizer, rollout), acc)
+    names = trainer.reward.names
+    scores = dist.gather(rewards[:, : len(names)].float().contiguous(), acc).tolist()
+    advantage = dist.gather(advantages.float().reshape(-1), acc).tolist()
+    shown = len(prompts) if config.num_completions_to_print is None else config.num_completions_to_print
+    rows = []
+    for prompt, completion, row_scores, a in list(zip(prompts, completions, scores, advantage))[:shown]:
+        row = {"prompt": prompt, "completion": completion}
+        row.update({name: None if value != value else value for name, value in zip(names, row_scores)})
+        rows.append({**row, "advantage": a})
+    run.tracker.log_table("rollout_completions", rows, step=update + 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # the update: micro-batches, the global normalizer, the one non-finite policy
 # ---------------------------------------------------------------------------------------------
@@ -906,7 +947,54 @@ def minibatch_step(
         return False
     run.progress.optimizer_steps += 1
     run.loss_total, run.loss_steps = run.loss_total + loss, run.loss_steps + 1
+    for hook in run.step_hooks:
+        hook(run.progress.optimizer_steps)
     return True
+
+
+def check_reference_sync(config: Any, peft_config: Any) -> None:
+    """sync_ref_model with a PEFT policy (a peft_config, or --use_peft, already refused by the config):
+    the reference is the policy with its adapter off, so there is no reference model to update. TRL
+    refuses it too. Called before any model loads."""
+    if getattr(config, "sync_ref_model", False) and peft_config is not None:
+        raise ConfigError(
+            "sync_ref_model=True with a peft_config: with PEFT the reference is the policy with its adapter "
+            "disabled, so there is no separate reference model to mix the policy into (TRL refuses this too). "
+            "Drop sync_ref_model, or train the full model."
+        )
+
+
+def sync_reference(trainer: OnlineTrainer) -> None:
+    """sync_ref_model (TR-DPO, arXiv:2404.09656; TRL's SyncRefModelCallback): after every
+    ref_model_sync_steps-th optimizer step, ref ← α·policy + (1 − α)·ref with α = ref_model_mixup_alpha
+    (`models.mix_into`). Every process updates its own copy of the reference from its copy of the
+    policy, which DDP keeps identical, so the references stay identical too. Sharded references
+    (DeepSpeed ZeRO-3, FSDP) are refused: each process holds only part of them."""
+    from posttrain.models import check_mixable, mix_into
+
+    config, run = trainer.args, trainer.run
+    if not getattr(config, "sync_ref_model", False):
+        return
+    ref = trainer.ref_model
+    if ref is None:  # the policy arrived as a PEFT model: its reference is the adapter off
+        raise ConfigError(
+            "sync_ref_model=True with a PEFT policy: its reference is the policy with its adapter disabled, so "
+            "there is no separate reference model to mix the policy into (TRL refuses this too). Drop "
+            "sync_ref_model, or train the full model."
+        )
+    if hasattr(ref, "zero_optimization_stage") or dist.sharding_plan(run.accelerator) is not None:
+        raise ConfigError(
+            "sync_ref_model=True is not supported with DeepSpeed ZeRO-3 or FSDP (the reference model is sharded "
+            "across processes); use DDP or ZeRO-1/2, or drop sync_ref_model."
+        )
+    check_mixable(ref, trainer.model, "sync_ref_model")
+    alpha, every = config.ref_model_mixup_alpha, config.ref_model_sync_steps
+
+    def after_step(optimizer_steps: int) -> None:
+        if optimizer_steps % every == 0:
+            mix_into(ref, trainer.model, alpha)
+
+    run.step_hooks.append(after_step)
 
 
 def shuffled_orders(run: OnlineRun, n: int, num_epochs: int) -> list[torch.Tensor]:

@@ -32,6 +32,8 @@ One rollout batch (`update`), per rank, with P = prompts_per_rollout prompts and
    same mode and micro-batches as the first minibatch of the first epoch, so ρ = 1 exactly there;
    with one epoch and one minibatch it is the update forward's own detached value (no extra pass),
    and ∇L = −Σ A·∇log π_θ / N: REINFORCE with the leave-one-out baseline.
+   mask_truncated_completions (TRL 1.x): completions without a stop token get no gradient (their
+   tokens are off the mask of ρ, grpo_losses.truncation_loss_mask) but still count in N_seq.
    The learning-rate schedule steps once per rollout batch over num_total_batches (as TRL).
 
 Metrics (masked, count-weighted across micro-batches and ranks; names as TRL's):
@@ -75,6 +77,7 @@ from torch import nn
 from posttrain import advantages as adv
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError
+from posttrain.grpo_losses import truncation_loss_mask
 from posttrain.losses import ppo_policy_loss
 from posttrain.rollout import Rollout
 from posttrain.scoring import RewardSource
@@ -211,6 +214,7 @@ class RLOOTrainer(OnlineTrainer):
             config = default_config(RLOOConfig, policy, "RLOO")
         if not isinstance(config, RLOOConfig):
             raise ConfigError(f"{a['config_name']} must be an RLOOConfig, got {type(config).__name__}.")
+        online.check_reference_sync(config, a["peft_config"])
         self.use_reference = config.kl_coef > 0
         parts = load_parts(
             config,
@@ -240,6 +244,7 @@ class RLOOTrainer(OnlineTrainer):
             accelerator=a["accelerator"],
         )
         self.ref_model = dist.prepare_frozen(self.ref_model, self.accelerator)
+        online.sync_reference(self)
         self.reward = self.reward_source(parts.rewards, parts.reward_tokenizer)
         # TRL >= 0.21 passes reward functions a conversational prompt's messages and the completion as
         # [{"role": "assistant", "content": text}]; TRL 0.19's reward callables got texts.
@@ -286,6 +291,7 @@ class RLOOTrainer(OnlineTrainer):
                 advantages = adv.rloo_advantages(rlhf_reward.view(k, exp.num_prompts)).flatten()  # (B,)
                 if config.normalize_advantage:
                     advantages = adv.normalize_advantages(advantages, moments=run.batch_moments(advantages))
+                online.log_completions_table(self, update, exp.rollout, exp.rewards, advantages)
 
                 # 5. sequence-level PPO-clip updates
                 def loss_fn(
@@ -295,11 +301,16 @@ class RLOOTrainer(OnlineTrainer):
                     old_logprobs: torch.Tensor,
                     normalizer: float,
                 ) -> torch.Tensor:
+                    mask = mb.completion_mask
+                    if config.mask_truncated_completions:
+                        # TRL 1.x: a truncated completion's ratio is exp(0) = 1, so its term carries no
+                        # gradient; it still counts in the sequence normalizer, as TRL's mean does.
+                        mask = truncation_loss_mask(mask, mb.ended)
                     loss, stats = ppo_policy_loss(
                         logprobs,
                         old_logprobs,
                         advantages[rows],
-                        mb.completion_mask,
+                        mask,
                         config.cliprange,
                         level="sequence",
                         normalizer=normalizer,
@@ -309,7 +320,7 @@ class RLOOTrainer(OnlineTrainer):
                     metrics.add("policy/approxkl_avg", stats["approxkl"] * n, n)
                     metrics.add("policy/clipfrac_avg", stats["clipfrac"] * n, n)
                     with torch.no_grad():
-                        log_ratio = ((logprobs - old_logprobs) * mb.completion_mask).sum(-1)
+                        log_ratio = ((logprobs - old_logprobs) * mask).sum(-1)
                         metrics.add_mean("val/ratio", log_ratio.exp())
                         metrics.add_var("val/ratio_var", log_ratio.exp())
                     return loss
@@ -337,6 +348,12 @@ class RLOOTrainer(OnlineTrainer):
             batch_size=self.args.local_rollout_forward_batch_size,
             missing_eos_penalty=self.args.missing_eos_penalty,
         )
+
+    def checkpoint_models(self) -> dict[str, nn.Module]:
+        """The policy, and with sync_ref_model the reference it moves (a resume must restore both)."""
+        if self.args.sync_ref_model:
+            return {"policy": self.model, "ref_model": self.ref_model}
+        return {"policy": self.model}
 
     def table_scores(self, rollout: Rollout, batch: dict) -> torch.Tensor:
         return score(self.run, self.reward, rollout, batch, 1)

@@ -37,7 +37,10 @@ learning_rate 5e-05 (1e-06), temperature 0.7 (1.0); README.md, "RLOO", lists the
 `reward_clip_range` is a (min, max) pair clipping raw rewards; here it is 0.19's float (with
 normalize_reward), so a pair is refused. TRL 1.x's `reward_weights` (one weight per reward) is a field
 with TRL's meaning; its `num_generations_eval` accepts only 1, the one greedy completion per eval
-prompt that evaluation draws.
+prompt that evaluation draws. TRL 1.x's rollout settings shared with GRPO (steps_per_generation /
+generation_batch_size, mask_truncated_completions, sync_ref_model, min_p, repetition_penalty,
+generation_kwargs, log_completions, chat_template_kwargs, pad_to_multiple_of) come from
+`configs.GroupRolloutOptions`; docs/internals.md ("TRL 1.x rollout options of GRPO and RLOO").
 
 Standard library only: `posttrain rloo --help` and validation run before torch loads.
 """
@@ -46,7 +49,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.configs import ConfigError, OnPolicyConfig, _field_default, check_reward_weights, flag
+from posttrain.configs import (
+    ConfigError,
+    GroupRolloutOptions,
+    OnPolicyConfig,
+    _field_default,
+    check_group_rollout_options,
+    check_reward_weights,
+    flag,
+)
 
 # TRL >= 0.21's RLOOConfig name -> the TRL 0.19 field it sets (same meaning and units).
 TRL_1X_NAMES = {
@@ -60,7 +71,7 @@ TRL_1X_NAMES = {
 
 
 @dataclass
-class RLOOConfig(OnPolicyConfig):
+class RLOOConfig(GroupRolloutOptions, OnPolicyConfig):
     """REINFORCE leave-one-out: rloo_k completions per prompt, each baselined by the mean reward of
     the other k − 1; sequence-level PPO-clip updates (REINFORCE/A2C when num_ppo_epochs = 1 and
     num_mini_batches = 1)."""
@@ -137,6 +148,7 @@ class RLOOConfig(OnPolicyConfig):
             )
         if self.max_completion_length is not None and self.max_completion_length < 1:
             raise ConfigError(f"max_completion_length={self.max_completion_length} must be >= 1.")
+        check_group_rollout_options(self, kl_field=self._named("kl_coef"), kl_coef=self.kl_coef)
         super().__post_init__()
         if self.rloo_k < 2:
             raise ConfigError(
