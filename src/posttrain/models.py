@@ -531,15 +531,14 @@ def apply_peft(model: nn.Module, peft_config: Any) -> nn.Module:
     """`peft.get_peft_model(model, peft_config)`: only the adapter (and modules_to_save) train.
 
     With a PEFT model the reference policy needs no copy: it is the same model with the adapter
-    disabled (`trainers.online.reference_policy`). A model that already carries an adapter is
-    refused, since a second one would silently stack on the first.
+    disabled (`trainers.online.reference_policy`). A model that already carries an adapter has it
+    merged into its weights first (`merge_and_unload`, as TRL's trainers do), so only the new
+    adapter trains and "the base" the reference runs as includes the old adapter.
     """
     if peft_config is None:
         return model
     if is_peft_model(model):
-        from posttrain.configs import ConfigError
-
-        raise ConfigError("model is already a PEFT model and peft_config is also given; pass one of them.")
+        model = model.merge_and_unload()
     return _import_peft().get_peft_model(model, peft_config)
 
 

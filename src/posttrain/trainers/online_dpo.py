@@ -56,6 +56,7 @@ from posttrain.trainers.online_dpo_config import OnlineDPOConfig
 from posttrain.trainers.pairs import (
     PairTrainer,
     choose,
+    one_reward_tokenizer,
     record_sequence_metrics,
     reference_logps,
     schedule_value,
@@ -81,7 +82,9 @@ class OnlineDPOTrainer(PairTrainer):
     `model` / `ref_model` may be modules, hub ids or folders (model None: args.model_name_or_path);
     `reward_model` a sequence-classification model (its own tokenizer via
     `reward_processing_class`), a callable `f(prompts, completions, **cols)`, or a list of them;
-    `reward_funcs` adds callables; `judge` a pairwise judge (not with rewards). callbacks:
+    `reward_funcs` adds callables or reward models (TRL 1.x: `reward_funcs=` and
+    `reward_processing_classes=`; `trainer.reward_funcs` / `trainer.reward_weights` list them);
+    `judge` a pairwise judge (not with rewards). callbacks:
     `transformers.TrainerCallback` objects (see trainers/online.py, `OnlineTrainer`).
     """
 
@@ -101,6 +104,7 @@ class OnlineDPOTrainer(PairTrainer):
         callbacks: list | None = None,
         optimizers: tuple = (None, None),
         reward_funcs: Any = None,
+        reward_processing_classes: Any = None,
     ) -> None:
         args = args if args is not None else default_config(OnlineDPOConfig, model, "OnlineDPO")
         setup_pair_trainer(
@@ -111,7 +115,7 @@ class OnlineDPOTrainer(PairTrainer):
             model=model,
             ref_model=ref_model,
             processing_class=processing_class,
-            reward_processing_class=reward_processing_class,
+            reward_processing_class=one_reward_tokenizer(reward_processing_class, reward_processing_classes),
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             peft_config=peft_config,

@@ -174,6 +174,21 @@ def setup_pair_trainer(
     )
     for r in trainer.feedback.reward.models if trainer.feedback.reward is not None else ():
         dist.prepare_frozen(r, trainer.accelerator)  # under --fsdp sharded like the policy
+    # TRL 1.x attributes: the reward models / functions in order, and their weights as a tensor.
+    reward = trainer.feedback.reward
+    trainer.reward_funcs = list(reward.items) if reward is not None else []
+    trainer.reward_weights = torch.tensor(reward.weights) if reward is not None else None
+
+
+def one_reward_tokenizer(reward_processing_class: Any, reward_processing_classes: Any) -> Any:
+    """TRL's older `reward_processing_class` or 1.x `reward_processing_classes` (one tokenizer or a list,
+    one per reward); one tokenizer is supported for the reward models, so a list keeps its first entry
+    that is not None. Both names at once is a TypeError, as a doubled keyword would be."""
+    if reward_processing_class is not None and reward_processing_classes is not None:
+        raise TypeError("pass reward_processing_class or reward_processing_classes, not both.")
+    if isinstance(reward_processing_classes, (list, tuple)):
+        return next((t for t in reward_processing_classes if t is not None), None)
+    return reward_processing_class if reward_processing_class is not None else reward_processing_classes
 
 
 class PairTrainer(OnlineTrainer):

@@ -51,6 +51,7 @@ from posttrain.trainers.pairs import (
     PairTrainer,
     choose,
     interleave_pairs,
+    one_reward_tokenizer,
     record_sequence_metrics,
     reference_logps,
     schedule_value,
@@ -64,6 +65,9 @@ from posttrain.trainers.xpo_config import XPOConfig
 
 class XPOTrainer(PairTrainer):
     """XPO with a reward model (or reward callables) or a pairwise judge; TRL's signature.
+
+    TRL 1.x's `reward_funcs=` (reward models and/or callables) and `reward_processing_classes=` are
+    accepted too; `trainer.reward_funcs` / `trainer.reward_weights` list the rewards and their weights.
 
     `model` / `ref_model` may be modules, hub ids or folders (model None: args.model_name_or_path).
     With `peft_config` and no `ref_model` the reference is the base model (adapter disabled).
@@ -84,16 +88,20 @@ class XPOTrainer(PairTrainer):
         peft_config: Any = None,
         callbacks: list | None = None,
         optimizers: tuple = (None, None),
+        reward_funcs: Any = None,
+        reward_processing_class: Any = None,
+        reward_processing_classes: Any = None,
     ) -> None:
         args = args if args is not None else default_config(XPOConfig, model, "XPO")
         setup_pair_trainer(
             self,
             args,
             judge=judge,
-            rewards=as_list(reward_model),
+            rewards=as_list(reward_model) + as_list(reward_funcs),
             model=model,
             ref_model=ref_model,
             processing_class=processing_class,
+            reward_processing_class=one_reward_tokenizer(reward_processing_class, reward_processing_classes),
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             peft_config=peft_config,

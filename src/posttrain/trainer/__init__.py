@@ -1,0 +1,1 @@
+"""TRL's `trl.trainer` module path, for the names example scripts import from it."""
