@@ -18,10 +18,11 @@ Every FLOP lands in one phase:
 Each phase is also split by the class of the outermost module running (policy, reward model, critic).
 
 The same settings as the timed runs apply (environment knobs of BENCH_DIR/common.py: SIZE, EPISODES,
-BATCH, K, RESP_LEN, PPO_EPOCHS, ART; and GRADIENT_CHECKPOINTING=1 enables non-reentrant gradient
-checkpointing on every policy the script loads, as benchmarks/scale.py does); a smaller EPISODES gives the same FLOPs per episode (random-weight
-policies almost never stop early, so every completion has RESP_LEN tokens). Prints one RESULT line
-(JSON: GFLOPs per episode in total and by phase, and the count of matmul calls per episode).
+BATCH, K, RESP_LEN, PPO_EPOCHS, ART); GRADIENT_CHECKPOINTING=1 also enables non-reentrant gradient
+checkpointing on every policy the script loads, as benchmarks/scale.py does. A smaller EPISODES gives
+the same FLOPs per episode (random-weight policies almost never stop early, so every completion has
+RESP_LEN tokens). Prints one RESULT line (JSON: GFLOPs per episode in total and by phase, and the
+count of matmul calls per episode).
 """
 
 import json
