@@ -615,6 +615,15 @@ def gather_values(values: torch.Tensor, accelerator: Accelerator | None) -> torc
     return gathered[~torch.isnan(gathered)].to(values.dtype)
 
 
+def gather_objects(obj: Any, accelerator: Accelerator | None) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order, on every rank."""
+    if world_size(accelerator) == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size(accelerator)
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
 def broadcast_object(obj: Any, accelerator: Accelerator | None, from_process: int = 0) -> Any:
     """Send a picklable object from `from_process` to every rank; returns the received copy."""
     if world_size(accelerator) == 1:
