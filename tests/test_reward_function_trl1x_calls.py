@@ -158,6 +158,10 @@ def test_each_reward_model_scores_with_its_own_tokenizer(tmp_path, tiny_tokenize
         reward_processing_classes=[None, None, other, None],
     )
     source = trainer.reward
+    # TRL's trainer.reward_processing_classes: each reward model's tokenizer, None for a function
+    classes = trainer.reward_processing_classes
+    assert classes[2] is other and classes[3] is None
+    assert [t.get_vocab() for t in classes[:2]] == [other.get_vocab(), tiny_tokenizer.get_vocab()]
     vocabularies = [t.get_vocab() if t is not None else None for t in source.reward_tokenizers]
     assert vocabularies == [other.get_vocab(), None, other.get_vocab()]
     batch = tiny_tokenizer(["Hello world", "Good morning"], return_tensors="pt", padding=True, padding_side="left")
@@ -185,15 +189,17 @@ def test_each_reward_model_scores_with_its_own_tokenizer(tmp_path, tiny_tokenize
         assert scores[i, 0] == pytest.approx(float(expected), abs=1e-5)
     assert scores[:, 3].tolist() == [1.0, 1.0]  # length_of got the messages: one assistant message each
 
-    with pytest.raises(ConfigError, match="reward_processing_classes has 1 entries for 2 rewards"):
-        GRPOTrainer(
-            build_tiny_causal_lm(tiny_tokenizer),
-            [given, length_of],
-            grpo_config(tmp_path, "bad"),
-            word_prompts(2),
-            processing_class=tiny_tokenizer,
-            reward_processing_classes=[other],
-        )
+    # as in TRL, a single tokenizer is a list of one, whose length must match the rewards'
+    for classes in ([other], other):
+        with pytest.raises(ConfigError, match="reward_processing_classes has 1 entries for 2 rewards.*must match"):
+            GRPOTrainer(
+                build_tiny_causal_lm(tiny_tokenizer),
+                [given, length_of],
+                grpo_config(tmp_path, "bad"),
+                word_prompts(2),
+                processing_class=tiny_tokenizer,
+                reward_processing_classes=classes,
+            )
 
 
 def length_of(completions, **kwargs):

@@ -141,6 +141,8 @@ class GRPOTrainer(OnlineTrainer):
             args = default_config(GRPOConfig, model, "GRPO")
         if not isinstance(args, GRPOConfig):
             raise ConfigError(f"args must be a GRPOConfig, got {type(args).__name__}.")
+        if reward_processing_classes is not None and not isinstance(reward_processing_classes, (list, tuple)):
+            reward_processing_classes = [reward_processing_classes]  # TRL: one tokenizer is a list of one
         self.use_reference = args.beta > 0
         parts = load_parts(
             args,
@@ -170,6 +172,7 @@ class GRPOTrainer(OnlineTrainer):
             accelerator=accelerator,
         )
         self.ref_model = dist.prepare_frozen(self.ref_model, self.accelerator)
+        self.reward_processing_classes = parts.reward_processing_classes
         self.reward = RewardSource(
             [dist.prepare_frozen(r, self.accelerator) for r in parts.rewards],
             policy_tokenizer=self.processing_class,

@@ -139,6 +139,9 @@ class Parts:
     # each reward's own tokenizer, aligned with `rewards`: None for a reward function or a reward model
     # that reads the policy's token ids (`reward_tokenizer`: the first reward model's, as PPO's critic wants)
     reward_tokenizers: list[Any] = dataclasses.field(default_factory=list)
+    # TRL's `trainer.reward_processing_classes`: each reward model's tokenizer (its own, or the policy's
+    # when it has none), None for a reward function; aligned with `rewards`
+    reward_processing_classes: list[Any] = dataclasses.field(default_factory=list)
 
 
 def as_list(x: Any) -> list[Any]:
@@ -247,7 +250,7 @@ def load_parts(
     if ref_model is None and needs_reference and from_config and peft_config is None:
         ref_model = model  # the CLI loads the reference from the same path
     reference = policy_from(ref_model) if ref_model is not None else None
-    loaded, reward_tokenizers = [], []
+    loaded, reward_tokenizers, resolved = [], [], []
     for r, given in zip(rewards, reward_tokenizers_given(reward_processing_class, rewards)):
         own = given
         if own is None and (isinstance(r, (str, os.PathLike)) or isinstance(r, nn.Module)):
@@ -264,6 +267,7 @@ def load_parts(
         # None: the reward model reads the policy's token ids as they are
         same = own is None or not isinstance(r, nn.Module) or same_tokenizer(tokenizer, own)
         reward_tokenizers.append(None if same else own)
+        resolved.append((own or tokenizer) if isinstance(r, nn.Module) else None)
     limits = positions.limits_of(
         [("policy", policy, None), ("reference model", reference, None)]
         + [("reward model", r, t) for r, t in zip(loaded, reward_tokenizers) if isinstance(r, nn.Module)]
@@ -280,6 +284,7 @@ def load_parts(
         peft_config,
         limits,
         reward_tokenizers,
+        resolved,
     )
 
 
@@ -292,8 +297,8 @@ def reward_tokenizers_given(reward_processing_class: Any, rewards: list[Any]) ->
     if len(reward_processing_class) != len(rewards):
         raise ConfigError(
             f"reward_processing_classes has {len(reward_processing_class)} entries for {len(rewards)} rewards "
-            "(reward_funcs); give one per reward, in the same order: a reward model's tokenizer, or None (a reward "
-            "function, or a reward model that uses the tokenizer saved with it)."
+            "(reward_funcs); the lengths must match: give one per reward, in the same order, a reward model's "
+            "tokenizer or None (a reward function, or a reward model that uses the tokenizer saved with it)."
         )
     return list(reward_processing_class)
 

@@ -167,7 +167,9 @@ def trainer_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str
                 f"RLOOTrainer got both {old}= (TRL 0.19's name) and {new}= (TRL >= 0.21's name) for the same "
                 "argument; give only one."
             )
-    classes = values.pop("reward_processing_classes")  # a list: one per reward (online.load_parts)
+    classes = values.pop("reward_processing_classes")  # one per reward (online.load_parts)
+    if classes is not None and not isinstance(classes, (list, tuple)):
+        classes = [classes]  # TRL >= 0.21: one tokenizer is a list of one
     if classes is not None:
         values["reward_processing_class"] = classes
     values["config_name"] = "args" if values["args"] is not None else "config"
@@ -238,6 +240,7 @@ class RLOOTrainer(OnlineTrainer):
             accelerator=a["accelerator"],
         )
         self.ref_model = dist.prepare_frozen(self.ref_model, self.accelerator)
+        self.reward_processing_classes = parts.reward_processing_classes
         self.reward = self.reward_source(parts.rewards, parts.reward_tokenizers)
         # TRL >= 0.21 passes reward functions a conversational prompt's messages and the completion as
         # [{"role": "assistant", "content": text}]; TRL 0.19's reward callables got texts.
