@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from helpers import flat, grpo_config, word_prompts
+from helpers import flat, grpo_config, read_metrics, word_prompts
 from posttrain.configs import ConfigError
 from posttrain.scoring import RewardFunctionRaised
 from posttrain.testing import build_tiny_causal_lm
@@ -204,3 +204,24 @@ def test_each_reward_model_scores_with_its_own_tokenizer(tmp_path, tiny_tokenize
 
 def length_of(completions, **kwargs):
     return [float(len(c)) for c in completions]
+
+
+def test_log_history_shape_trl_tests_rely_on(tmp_path, tiny_tokenizer):
+    """As transformers.Trainer (and so TRL): when the last rollout batch is not a logging step, its
+    metrics join the end-of-training summary, so log_history[-1] holds train_loss and the reward metrics;
+    metrics.jsonl still has a line for that step."""
+    trainer = GRPOTrainer(
+        build_tiny_causal_lm(tiny_tokenizer),
+        length_of,
+        grpo_config(tmp_path, num_generations=2, total_episodes=12, logging_steps=2),
+        word_prompts(2),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    history = trainer.state.log_history
+    assert [e["step"] for e in history] == [2, 3]
+    assert history[-1]["train_loss"] is not None and "train_runtime" in history[-1]
+    assert "rewards/length_of/mean" in history[-1] and "reward" in history[-1]
+    assert "train_loss" not in history[-2] and "rewards/length_of/mean" in history[-2]
+    steps = [line["step"] for line in read_metrics(tmp_path / "out") if "rewards/length_of/mean" in line]
+    assert steps == [2, 3]

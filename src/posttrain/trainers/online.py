@@ -1101,6 +1101,8 @@ class OnlineTrainer(hub.PushToHub):
     # Learning-rate schedule stepped once per rollout batch (TRL's on-policy trainers) or, when
     # False, by the update loop once per optimizer step (TRL's Online DPO / XPO).
     schedule_per_update = True
+    # metrics of the last rollout batch when it was not a logging step: they join the summary entry
+    unlogged: dict[str, float] | None = None
 
     def setup(
         self,
@@ -1376,7 +1378,8 @@ class OnlineTrainer(hub.PushToHub):
             training_loss = run.loss_total / max(run.loss_steps, 1)
             episodes = run.progress.episode - run.episodes_at_start
             # total_flos is not estimated for online training (generation and scoring dominate): 0.
-            self.train_output = events.train_end(training_loss, episodes, total_flos=0.0)
+            self.train_output = events.train_end(training_loss, episodes, total_flos=0.0, logs=self.unlogged)
+            self.unlogged = None
             if self.args.push_to_hub:
                 hub.push(self.args, is_main=run.is_main, write_card=self.create_model_card)
 
@@ -1398,7 +1401,13 @@ class OnlineTrainer(hub.PushToHub):
         log_now, eval_now, save_now = control.should_log, control.should_evaluate, control.should_save
         if run.should_log(update) or log_now or control.should_training_stop:
             logs = run.log(update, {"lr": lr, **(extra or {})})
-            events.log(logs)
+            if control.should_training_stop and not (run.cadence.log_due(step) or log_now):
+                # The last rollout batch, not a logging step: as transformers.Trainer (and so TRL), the
+                # metrics since the last logging step join the end-of-training summary entry of
+                # state.log_history (metrics.jsonl still gets them at this step).
+                self.unlogged = logs
+            else:
+                events.log(logs)
         if run.should_sample(update):
             self.sample_table(update)
         improved = False
