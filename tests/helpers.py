@@ -252,11 +252,19 @@ def per_row_generate(
 
 
 def train_and_last_log(trainer) -> dict:
-    """Train an online trainer; the entry of its last logging step in trainer.state.log_history (the
-    entry before the end-of-training summary)."""
+    """Train an online trainer; the entry of its last logging step in trainer.state.log_history: the
+    entry before the end-of-training summary, or the summary itself when the last rollout batch was
+    not a logging step (its metrics then join the summary, as in transformers.Trainer and TRL)."""
     trainer.train()
-    history = trainer.state.log_history
-    assert "train_runtime" in history[-1] and "train_runtime" not in history[-2]
+    return last_metrics(trainer.state.log_history)
+
+
+def last_metrics(history: list[dict]) -> dict:
+    """The entry of log_history holding the metrics of the last rollout batch (see train_and_last_log)."""
+    assert "train_runtime" in history[-1]
+    if "lr" in history[-1]:  # the last rollout batch was not a logging step: the summary's own keys dropped
+        return {k: v for k, v in history[-1].items() if not k.startswith("train_") and k != "total_flos"}
+    assert "train_runtime" not in history[-2] and "lr" in history[-2]
     return history[-2]
 
 
@@ -312,7 +320,7 @@ def assert_resumed_as_uninterrupted(full, resumed, restored: int = 2) -> None:
     assert resumed.state.log_history[:restored] == full.state.log_history[:restored]  # restored from the checkpoint
     for (k, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), k
-    last, full_last = resumed.state.log_history[-2], full.state.log_history[-2]
+    last, full_last = last_metrics(resumed.state.log_history), last_metrics(full.state.log_history)
     assert last == {**full_last, "eps": last["eps"]}
 
 

@@ -309,12 +309,15 @@ class TrainerEvents:
                 index = self.handler.callbacks.index(callback)
                 self.handler.callbacks[index] = restored
 
-    def train_end(self, training_loss: float, num_samples: int, total_flos: float = 0.0) -> TrainOutput:
+    def train_end(
+        self, training_loss: float, num_samples: int, total_flos: float = 0.0, logs: dict[str, float] | None = None
+    ) -> TrainOutput:
         """Log the end-of-training summary, call on_train_end and return the TrainOutput.
 
         training_loss: the mean loss over this call's optimizer steps; num_samples: the examples
         (or episodes) trained on in this call, all ranks; total_flos: the floating-point operations
-        of training (transformers' estimate, 6 · tokens · parameters).
+        of training (transformers' estimate, 6 · tokens · parameters); logs: metrics not yet logged
+        (since the last logging step), which join the summary entry as in transformers.Trainer.
         """
         start = self._start_time if self._start_time is not None else time.time()
         tokens = None
@@ -331,7 +334,7 @@ class TrainerEvents:
         metrics["total_flos"] = self.state.total_flos
         metrics["train_loss"] = float(training_loss)
         metrics["epoch"] = self.state.epoch
-        self.log(metrics)
+        self.log({**(logs or {}), **metrics})
         self.control = self.handler.on_train_end(self.args, self.state, self.control)
         return TrainOutput(self.state.global_step, float(training_loss), metrics)
 

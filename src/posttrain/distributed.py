@@ -615,13 +615,18 @@ def gather_values(values: torch.Tensor, accelerator: Accelerator | None) -> torc
     return gathered[~torch.isnan(gathered)].to(values.dtype)
 
 
+def gather_objects(obj: Any, accelerator: Accelerator | None) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order, on every rank."""
+    if world_size(accelerator) == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size(accelerator)
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
 def gather_object(items: list[Any], accelerator: Accelerator | None) -> list[Any]:
     """Concatenate each rank's list of picklable objects (e.g. texts), in rank order."""
-    if world_size(accelerator) == 1:
-        return list(items)
-    from accelerate.utils import gather_object as gather_lists
-
-    return list(gather_lists(list(items)))
+    return [item for part in gather_objects(list(items), accelerator) for item in part]
 
 
 def broadcast_object(obj: Any, accelerator: Accelerator | None, from_process: int = 0) -> Any:

@@ -512,6 +512,7 @@ def reward_model_scores(
     batch_size: int,
     policy_tokenizer: Any = None,
     reward_tokenizer: Any = None,
+    conversations: Sequence[list[dict[str, Any]] | None] | None = None,
 ) -> torch.Tensor:
     """One score per sequence, (B,) float32, read at the last real token (the stop token when present).
 
@@ -520,7 +521,11 @@ def reward_model_scores(
     `reward_tokenizer`: prompt and completion are decoded with `policy_tokenizer`
     (skip_special_tokens=True, so the policy's EOS / pads do not leak into the text), concatenated,
     re-tokenized with the reward model's tokenizer (its own special tokens added), right-padded with 0
-    and scored at the last real token of each row by length (TRL#1979 / #3595 wanted this).
+    and scored at the last real token of each row by length (TRL#1979 / #3595 wanted this). A row of
+    `conversations` (the prompt's messages plus the assistant's completion) is rendered with the reward
+    tokenizer's own chat template instead and tokenized without adding special tokens, as TRL 1.x's
+    GRPO and RLOO score conversational rows (a reward tokenizer without a chat template reads the
+    decoded text).
     """
     device = _device(reward_model)
     if reward_tokenizer is not None and (
@@ -535,6 +540,11 @@ def reward_model_scores(
             for p, c in zip(decode_prompts(policy_tokenizer, rollout), decode_completions(policy_tokenizer, rollout))
         ]
         encoded = reward_tokenizer(texts, add_special_tokens=True)["input_ids"]
+        if conversations is not None and getattr(reward_tokenizer, "chat_template", None):
+            for i, chat in enumerate(conversations):
+                if chat is not None:
+                    text = reward_tokenizer.apply_chat_template(chat, tokenize=False)
+                    encoded[i] = reward_tokenizer(text, add_special_tokens=False)["input_ids"]
         scores = []
         for s in range(0, len(texts), batch_size):
             rows = [torch.tensor(r, dtype=torch.long) for r in encoded[s : s + batch_size]]
@@ -842,20 +852,83 @@ class RewardSource:
         self.items, self.weights = items, [float(w) for w in weights]
         self.model_weights = [w for r, w in zip(items, weights) if isinstance(r, nn.Module)]
         self.func_weights = [w for r, w in zip(items, weights) if not isinstance(r, nn.Module)]
-        self.policy_tokenizer, self.reward_tokenizer = policy_tokenizer, reward_tokenizer
+        self.policy_tokenizer = policy_tokenizer
+        if isinstance(reward_tokenizer, (list, tuple)):  # one per reward, aligned with `reward`
+            if len(reward_tokenizer) != len(items):
+                raise ConfigError(
+                    f"got {len(reward_tokenizer)} reward tokenizers for {len(items)} rewards; give one per reward "
+                    "(None for a reward function or a reward model that reads the policy's tokens)."
+                )
+            self.reward_tokenizers = [t for r, t in zip(items, reward_tokenizer) if isinstance(r, nn.Module)]
+        else:
+            self.reward_tokenizers = [reward_tokenizer] * len(self.models)
         self.batch_size, self.missing_eos_penalty = batch_size, missing_eos_penalty
         self.trainer_state: Any = None
+        # What reward functions logged through their log_metric / log_extra keywords (TRL 1.x) since
+        # the trainer last took them (`take_logs`); `_rows`: the rows of the scoring call in progress.
+        self.logged_metrics: dict[str, list[float]] = {}
+        self.logged_columns: dict[str, list[Any]] = {}
+        self._rows = 0
         # TRL 1.x's form: reward functions get a conversational row's prompt as its messages and its
         # completion as [{"role": "assistant", "content": text}] (trainers/online.py, row_texts).
         self.messages = False
 
     def function_extras(self, rollout: Rollout) -> dict[str, Any]:
         """The keywords every reward function gets besides prompts, completions and the dataset
-        columns: each row's completion token ids (up to and including its stop token) and the
-        trainer's state."""
+        columns (TRL 1.x GRPO's and RLOO's): each row's completion token ids (up to and including its
+        stop token), the trainer's state, and the `log_metric` / `log_extra` callables."""
         ids = rollout.completion_ids.cpu().tolist()
         lengths = rollout.completion_lengths.cpu().tolist()
-        return {"completion_ids": [row[:n] for row, n in zip(ids, lengths)], "trainer_state": self.trainer_state}
+        return {
+            "completion_ids": [row[:n] for row, n in zip(ids, lengths)],
+            "trainer_state": self.trainer_state,
+            "log_extra": self.log_extra,
+            "log_metric": self.log_metric,
+        }
+
+    def log_metric(self, name: str, value: Any) -> None:
+        """`log_metric(name, value)`, a reward function's keyword: one scalar for this rollout batch. The
+        trainer logs metric `name` as the mean of the values of a rollout batch over all processes,
+        averaged over the rollout batches of the logging step (TRL 1.x's `_log_metric`)."""
+        if not isinstance(name, str) or not name:
+            raise RewardFunctionError(f"log_metric got the name {name!r}; name the metric with a non-empty string.")
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            raise RewardFunctionError(f"log_metric({name!r}, {value!r}): the value must be one finite number.")
+        self.logged_metrics.setdefault(name, []).append(float(value))
+
+    def log_extra(self, column: str, values: Sequence[Any]) -> None:
+        """`log_extra(column, values)`, a reward function's keyword: one value per completion scored in
+        this call, shown as column `column` of the sample table next to each completion (TRL 1.x's
+        `_log_completion_extra`, which fills its completions table). A column logged twice in one
+        call keeps the last values."""
+        if not isinstance(column, str) or not column:
+            raise RewardFunctionError(f"log_extra got the column {column!r}; name the column with a non-empty string.")
+        values = values.detach().cpu().tolist() if isinstance(values, torch.Tensor) else list(values)
+        if len(values) != self._rows:
+            raise RewardFunctionError(
+                f"log_extra({column!r}, ...) got {len(values)} values for {self._rows} completions; "
+                "give one value per completion."
+            )
+        self.logged_columns[column] = values
+
+    def take_logs(self) -> tuple[dict[str, list[float]], dict[str, list[Any]]]:
+        """(metrics, columns) logged by reward functions since the last call, and forget them."""
+        logs = self.logged_metrics, self.logged_columns
+        self.logged_metrics, self.logged_columns = {}, {}
+        return logs
+
+    @property
+    def needs_texts(self) -> bool:
+        """Whether scoring needs each row's prompt and completion: reward functions read them, and a
+        reward model with its own tokenizer renders conversational rows with its chat template."""
+        return bool(self.funcs) or (self.messages and any(t is not None for t in self.reward_tokenizers))
+
+    @property
+    def reward_tokenizer(self) -> Any:
+        """The first reward model's own tokenizer (None: it reads the policy's token ids)."""
+        return next((t for t in self.reward_tokenizers if t is not None), None)
 
     @property
     def names(self) -> list[str]:
@@ -903,15 +976,22 @@ class RewardSource:
         out = torch.zeros(len(rollout), len(self.items), dtype=torch.float32, device=device)
         model_columns = [j for j, r in enumerate(self.items) if isinstance(r, nn.Module)]
         func_columns = [j for j, r in enumerate(self.items) if not isinstance(r, nn.Module)]
-        for j, model in zip(model_columns, self.models):
+        # conversational rows (messages, `self.messages`): the conversation a reward model with its own
+        # tokenizer renders with its own chat template
+        conversations = [
+            p + c if isinstance(p, list) and isinstance(c, list) else None for p, c in zip(prompts, completions)
+        ]
+        for j, model, reward_tokenizer in zip(model_columns, self.models, self.reward_tokenizers):
             out[:, j] = reward_model_scores(
                 model,
                 rollout,
                 batch_size=self.batch_size,
                 policy_tokenizer=self.policy_tokenizer,
-                reward_tokenizer=self.reward_tokenizer,
+                reward_tokenizer=reward_tokenizer,
+                conversations=conversations if any(c is not None for c in conversations) else None,
             ).to(device=device, dtype=torch.float32)
         if self.funcs:
+            self._rows = len(rollout)
             matrix = reward_function_matrix(
                 self.funcs,
                 prompts,

@@ -68,10 +68,9 @@ from posttrain import distributed as dist
 from posttrain import runtime
 from posttrain.advantages import kl_penalty
 from posttrain.configs import ConfigError
-from posttrain.data.prepare import PROMPT_MESSAGES
 from posttrain.data.prompts import PromptStream
 from posttrain.grpo_losses import grpo_advantages, grpo_policy_loss, high_entropy_mask, truncation_loss_mask
-from posttrain.rollout import Rollout, decode_completions
+from posttrain.rollout import Rollout
 from posttrain.scoring import RewardSource, completion_logprobs
 from posttrain.trainers import online
 from posttrain.trainers.grpo_config import GRPOConfig
@@ -113,8 +112,9 @@ class GRPOTrainer(OnlineTrainer):
     model: a causal LM, a hub id or a folder (None: args.sft_model_path). reward_funcs: a reward
     model (nn.Module or path), a text reward function `f(prompts, completions, **columns) -> list[float]`,
     or a list of them, weighted by args.reward_weights (None: args.reward_model_path /
-    reward_funcs). A reward model path brings the tokenizer saved with it (completions are
-    re-tokenized when it differs) unless reward_processing_classes is given. ref_model: the frozen
+    reward_funcs). reward_processing_classes: each reward model's tokenizer, a list aligned with
+    reward_funcs (TRL's); a None entry, or no list, means the tokenizer saved with that reward model
+    (completions are re-tokenized when it differs from the policy's). ref_model: the frozen
     reference (beta > 0); None copies the initial policy, or with `peft_config` (a peft.LoraConfig:
     only the adapter trains) uses the policy with its adapter disabled. `accelerator=` shares an
     existing Accelerator.
@@ -141,9 +141,8 @@ class GRPOTrainer(OnlineTrainer):
             args = default_config(GRPOConfig, model, "GRPO")
         if not isinstance(args, GRPOConfig):
             raise ConfigError(f"args must be a GRPOConfig, got {type(args).__name__}.")
-        if isinstance(reward_processing_classes, (list, tuple)):
-            # One reward tokenizer is supported: the first one given for a reward model.
-            reward_processing_classes = next((t for t in reward_processing_classes if t is not None), None)
+        if reward_processing_classes is not None and not isinstance(reward_processing_classes, (list, tuple)):
+            reward_processing_classes = [reward_processing_classes]  # TRL: one tokenizer is a list of one
         online.check_reference_sync(args, peft_config)
         self.use_reference = args.beta > 0
         parts = load_parts(
@@ -175,14 +174,18 @@ class GRPOTrainer(OnlineTrainer):
         )
         self.ref_model = dist.prepare_frozen(self.ref_model, self.accelerator)
         online.sync_reference(self)
+        self.reward_processing_classes = parts.reward_processing_classes
         self.reward = RewardSource(
             [dist.prepare_frozen(r, self.accelerator) for r in parts.rewards],
             policy_tokenizer=self.processing_class,
-            reward_tokenizer=parts.reward_tokenizer,
+            reward_tokenizer=parts.reward_tokenizers,
             weights=args.reward_weights,
             batch_size=args.local_rollout_forward_batch_size,
             missing_eos_penalty=args.missing_eos_penalty,
         )
+        # TRL's GRPO passes reward functions a conversational prompt's messages and each completion as
+        # [{"role": "assistant", "content": text}] (plain-text prompts: texts).
+        self.reward.messages = True
         # Every rank draws the same global prompt batch and keeps its rows of the (prompt, sample)
         # pairs (`rank_rows`), so a group may span ranks. Same permutation and checkpoint state as
         # the per-rank stream it replaces.
@@ -229,13 +232,10 @@ class GRPOTrainer(OnlineTrainer):
         ids, mask = batch["input_ids"][rows], batch["attention_mask"][rows]
         first = int(mask.any(0).nonzero()[0])  # drop the left padding no row of this rank needs
         rollout = sample(run, self.wrapped, ids[:, first:], mask[:, first:], return_logprobs=True)
-        n, picked = len(rollout), rows.tolist()
+        n = len(rollout)
         prompts, completions, columns = [""] * n, [""] * n, {}
-        if self.reward.funcs:
-            prompts = [batch["prompt"][p] for p in picked]
-            completions = decode_completions(run.tokenizer, rollout)
-            skip = ("input_ids", "attention_mask", "prompt", PROMPT_MESSAGES)
-            columns = {k: [v[p] for p in picked] for k, v in batch.items() if k not in skip}
+        if self.reward.needs_texts:
+            prompts, completions, columns = online.rows_texts(run, batch, rollout, rows.tolist(), messages=True)
         with run.autocast():
             rewards = self.reward.per_reward(rollout, prompts, completions, columns)
         self.reward.check_finite(rewards)  # NaN only where a reward function returned None

@@ -147,6 +147,12 @@ class Parts:
     peft_config: Any = None  # a peft.LoraConfig: only the adapter trains; the reference is the adapter off
     # positions.PositionLimit of the policy, reference and reward models: prompt + completion must fit each
     position_limits: list[Any] = dataclasses.field(default_factory=list)
+    # each reward's own tokenizer, aligned with `rewards`: None for a reward function or a reward model
+    # that reads the policy's token ids (`reward_tokenizer`: the first reward model's, as PPO's critic wants)
+    reward_tokenizers: list[Any] = dataclasses.field(default_factory=list)
+    # TRL's `trainer.reward_processing_classes`: each reward model's tokenizer (its own, or the policy's
+    # when it has none), None for a reward function; aligned with `rewards`
+    reward_processing_classes: list[Any] = dataclasses.field(default_factory=list)
 
 
 def as_list(x: Any) -> list[Any]:
@@ -255,28 +261,57 @@ def load_parts(
     if ref_model is None and needs_reference and from_config and peft_config is None:
         ref_model = model  # the CLI loads the reference from the same path
     reference = policy_from(ref_model) if ref_model is not None else None
-    loaded = []
-    for r in rewards:
-        if isinstance(r, (str, os.PathLike)):
-            if reward_processing_class is None:
+    loaded, reward_tokenizers, resolved = [], [], []
+    for r, given in zip(rewards, reward_tokenizers_given(reward_processing_class, rewards)):
+        own = given
+        if own is None and (isinstance(r, (str, os.PathLike)) or isinstance(r, nn.Module)):
+            # TRL: a reward model without a given tokenizer uses the one saved with it
+            path = r if isinstance(r, (str, os.PathLike)) else _model_path(r)
+            if path:
                 try:
-                    reward_processing_class = load_tokenizer(r, trust_remote_code=config.trust_remote_code)
+                    own = load_tokenizer(path, trust_remote_code=config.trust_remote_code)
                 except (OSError, ValueError):
                     pass  # no tokenizer saved with the reward model: it shares the policy's
-            r = load_reward_model(
-                r, tokenizer=reward_processing_class or tokenizer, disable_dropout=config.disable_dropout, **common
-            )
+        if isinstance(r, (str, os.PathLike)):
+            r = load_reward_model(r, tokenizer=own or tokenizer, disable_dropout=config.disable_dropout, **common)
         loaded.append(r)
-    reward_tokenizer = reward_processing_class
-    if reward_tokenizer is not None and same_tokenizer(tokenizer, reward_tokenizer):
-        reward_tokenizer = None  # reads the policy's token ids as they are
+        # None: the reward model reads the policy's token ids as they are
+        same = own is None or not isinstance(r, nn.Module) or same_tokenizer(tokenizer, own)
+        reward_tokenizers.append(None if same else own)
+        resolved.append((own or tokenizer) if isinstance(r, nn.Module) else None)
     limits = positions.limits_of(
         [("policy", policy, None), ("reference model", reference, None)]
-        + [("reward model", r, reward_tokenizer) for r in loaded if isinstance(r, nn.Module)]
+        + [("reward model", r, t) for r, t in zip(loaded, reward_tokenizers) if isinstance(r, nn.Module)]
     )
+    first = next((t for r, t in zip(loaded, reward_tokenizers) if isinstance(r, nn.Module) and t is not None), None)
     return Parts(
-        tokenizer, policy, reference, loaded, reward_processing_class, train_dataset, eval_dataset, peft_config, limits
+        tokenizer,
+        policy,
+        reference,
+        loaded,
+        first,
+        train_dataset,
+        eval_dataset,
+        peft_config,
+        limits,
+        reward_tokenizers,
+        resolved,
     )
+
+
+def reward_tokenizers_given(reward_processing_class: Any, rewards: list[Any]) -> list[Any]:
+    """The tokenizer given for each reward: a list (TRL's reward_processing_classes, aligned with the
+    rewards; None: the reward model's own, an entry for a reward function is not used), or one
+    tokenizer for every reward model, or None."""
+    if not isinstance(reward_processing_class, (list, tuple)):
+        return [reward_processing_class] * len(rewards)
+    if len(reward_processing_class) != len(rewards):
+        raise ConfigError(
+            f"reward_processing_classes has {len(reward_processing_class)} entries for {len(rewards)} rewards "
+            "(reward_funcs); the lengths must match: give one per reward, in the same order, a reward model's "
+            "tokenizer or None (a reward function, or a reward model that uses the tokenizer saved with it)."
+        )
+    return list(reward_processing_class)
 
 
 def prepare_policy(
@@ -672,18 +707,27 @@ def row_texts(
 ) -> tuple[list, list, dict]:
     """Per-row prompt texts, completion texts and extra dataset columns (for reward functions and
     judges) of a rollout whose rows are the batch's prompts repeated `repeat` times, as blocks
-    (row = sample·P + prompt) or prompt-major (row = prompt·repeat + sample). With `messages`
-    (TRL 1.x's form), a conversational row's prompt is its list of messages as the dataset gave it
-    and its completion [{"role": "assistant", "content": text}]."""
+    (row = sample·P + prompt) or prompt-major (row = prompt·repeat + sample); `rows_texts` with
+    those rows' prompt indices."""
+    P = len(batch["prompt"])
+    prompts = list(range(P)) * repeat if blocks else [p for p in range(P) for _ in range(repeat)]
+    return rows_texts(run, batch, rollout, prompts, messages=messages)
 
-    def per_row(values: Sequence) -> list:
-        return list(values) * repeat if blocks else [v for v in values for _ in range(repeat)]
 
+def rows_texts(
+    run: OnlineRun, batch: dict, rollout: Rollout, prompt_index: Sequence[int], *, messages: bool = False
+) -> tuple[list, list, dict]:
+    """Per-row prompts, completions and extra dataset columns of a rollout whose row i completes the
+    batch's prompt prompt_index[i]. With `messages` (TRL GRPO's form, and RLOO's from TRL 0.21), a
+    conversational row's prompt is its list of messages as the dataset gave it and its completion
+    [{"role": "assistant", "content": text}] (text decoded without special tokens; TRL 1.x adds no
+    prefilled assistant content to it); a plain-text row keeps its texts."""
     skip = ("input_ids", "attention_mask", "prompt", PROMPT_MESSAGES)
-    columns = {k: per_row(v) for k, v in batch.items() if k not in skip}
-    prompts, completions = per_row(batch["prompt"]), decode_completions(run.tokenizer, rollout)
+    columns = {k: [v[p] for p in prompt_index] for k, v in batch.items() if k not in skip}
+    prompts, completions = [batch["prompt"][p] for p in prompt_index], decode_completions(run.tokenizer, rollout)
     if messages and PROMPT_MESSAGES in batch:
-        for i, chat in enumerate(per_row(batch[PROMPT_MESSAGES])):
+        for i, p in enumerate(prompt_index):
+            chat = batch[PROMPT_MESSAGES][p]
             if chat is not None:
                 prompts[i], completions[i] = chat, [{"role": "assistant", "content": completions[i]}]
     return prompts, completions, columns
@@ -695,7 +739,7 @@ def score_rewards(run: OnlineRun, reward: RewardSource, rollout: Rollout, batch:
     for reward functions. Non-finite scores stop the run with a message."""
     n = len(rollout)
     prompts, completions, columns = [""] * n, [""] * n, {}
-    if reward.funcs:
+    if reward.needs_texts:
         prompts, completions, columns = row_texts(run, batch, rollout, k, blocks=True, messages=reward.messages)
     with run.autocast():
         rewards = reward.per_reward(rollout, prompts, completions, columns)
@@ -852,7 +896,8 @@ def log_completions_table(
     """log_completions (TRL 1.x GRPO / RLOO): at a logging step, the rollout batch of every process as a
     table of prompt, completion, each reward (its own, unweighted; None where it does not apply) and
     advantage, the first num_completions_to_print rows (None: all), printed with rich on the main
-    process and written to samples.jsonl (table "rollout_completions"; also a wandb table).
+    process and written to samples.jsonl (table "rollout_completions"; also a wandb table), with the
+    columns reward functions passed to `log_extra` for these rows.
     `rewards` (B, F) as `score_rewards` (extra columns past the rewards' are left out), `advantages` (B,)."""
     config, run = trainer.args, trainer.run
     if not config.log_completions or not run.should_log(update):
@@ -863,13 +908,40 @@ def log_completions_table(
     names = trainer.reward.names
     scores = dist.gather(rewards[:, : len(names)].float().contiguous(), acc).tolist()
     advantage = dist.gather(advantages.float().reshape(-1), acc).tolist()
+    # Columns reward functions passed to `log_extra` while scoring this batch (one collective call).
+    extra: dict[str, list[Any]] = {}
+    for part in dist.gather_objects(dict(trainer.reward.logged_columns), acc):
+        for column, values in part.items():
+            extra.setdefault(column, []).extend(values)
+    extra = {column: values for column, values in extra.items() if len(values) == len(prompts)}
     shown = len(prompts) if config.num_completions_to_print is None else config.num_completions_to_print
     rows = []
-    for prompt, completion, row_scores, a in list(zip(prompts, completions, scores, advantage))[:shown]:
+    for i, (prompt, completion, row_scores, a) in enumerate(list(zip(prompts, completions, scores, advantage))[:shown]):
         row = {"prompt": prompt, "completion": completion}
         row.update({name: None if value != value else value for name, value in zip(names, row_scores)})
+        row.update({column: values[i] for column, values in extra.items()})
         rows.append({**row, "advantage": a})
     run.tracker.log_table("rollout_completions", rows, step=update + 1)
+
+
+def log_function_metrics(run: OnlineRun, sources: Sequence[RewardSource]) -> None:
+    """What reward functions passed to `log_metric` while scoring this rollout batch, into the run's
+    metrics: each name's mean over the batch's values on all processes, added once per rollout batch,
+    so a logging step reports the mean of its rollout batches' means (TRL 1.x). Called on every rank
+    (the names are gathered so that every rank adds the same metrics). Columns passed to `log_extra`
+    for training rollouts are forgotten here: `log_completions_table` has shown them (log_completions)."""
+    local: dict[str, list[float]] = {}
+    for source in sources:
+        metrics, _ = source.take_logs()
+        for name, values in metrics.items():
+            local.setdefault(name, []).extend(values)
+    names = sorted(set(local).union(*dist.gather_objects(sorted(local), run.accelerator)))
+    if not names:
+        return
+    stats = [[sum(local.get(name, [])), float(len(local.get(name, [])))] for name in names]
+    totals = dist.reduce_sum(torch.tensor(stats, dtype=torch.float64, device=run.device), run.accelerator)
+    for name, (total, count) in zip(names, totals.tolist()):
+        run.metrics.add(name, total / count, 1)  # every rank adds the global mean: the reduction keeps it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1125,6 +1197,8 @@ class OnlineTrainer(hub.PushToHub):
     # Learning-rate schedule stepped once per rollout batch (TRL's on-policy trainers) or, when
     # False, by the update loop once per optimizer step (TRL's Online DPO / XPO).
     schedule_per_update = True
+    # metrics of the last rollout batch when it was not a logging step: they join the summary entry
+    unlogged: dict[str, float] | None = None
 
     def setup(
         self,
@@ -1334,6 +1408,7 @@ class OnlineTrainer(hub.PushToHub):
             raise ConfigError("evaluate() needs an eval_dataset (--dataset_test_split).")
         n, size = len(run.eval_dataset), self.args.per_device_eval_batch_size
         scores, lengths, ended = [], [], 0
+        logged: dict[str, list[float]] = {}  # reward functions' log_metric: each batch's mean
         for start in range(0, n, size):
             batch = run.to_device(run.collate([run.eval_dataset[i] for i in range(start, min(start + size, n))]))
             rollout, batch_scores = self.greedy_completions(batch)
@@ -1341,11 +1416,15 @@ class OnlineTrainer(hub.PushToHub):
             ended += int(rollout.ended.sum())
             if batch_scores is not None:
                 scores.extend(batch_scores.float().tolist())
+            for name, values in self.take_function_logs()[0].items():
+                logged.setdefault(name, []).append(sum(values) / len(values))
         metrics = {}
         if scores:
             metrics[f"{metric_key_prefix}_objective/scores"] = sum(scores) / len(scores)
         metrics[f"{metric_key_prefix}_completions/mean_length"] = sum(lengths) / len(lengths)
         metrics[f"{metric_key_prefix}_val/num_eos_tokens"] = float(ended)
+        for name, means in sorted(logged.items()):
+            metrics[f"{metric_key_prefix}_{name}"] = sum(means) / len(means)
         run.tracker.log(metrics, step=self.state.global_step)
         self.events.evaluate(metrics)
         return metrics
@@ -1356,6 +1435,17 @@ class OnlineTrainer(hub.PushToHub):
         DPO / XPO trainer's `self.feedback`."""
         found = [getattr(self, "reward", None), getattr(getattr(self, "feedback", None), "reward", None)]
         return [source for source in found if isinstance(source, RewardSource)]
+
+    def take_function_logs(self) -> tuple[dict[str, list[float]], dict[str, list]]:
+        """(metrics, columns) the reward functions logged (log_metric / log_extra) since last taken."""
+        metrics: dict[str, list[float]] = {}
+        columns: dict[str, list] = {}
+        for source in self.reward_sources():
+            m, c = source.take_logs()
+            for name, values in m.items():
+                metrics.setdefault(name, []).extend(values)
+            columns.update(c)
+        return metrics, columns
 
     @contextlib.contextmanager
     def training(self) -> Iterator[None]:
@@ -1384,7 +1474,8 @@ class OnlineTrainer(hub.PushToHub):
             training_loss = run.loss_total / max(run.loss_steps, 1)
             episodes = run.progress.episode - run.episodes_at_start
             # total_flos is not estimated for online training (generation and scoring dominate): 0.
-            self.train_output = events.train_end(training_loss, episodes, total_flos=0.0)
+            self.train_output = events.train_end(training_loss, episodes, total_flos=0.0, logs=self.unlogged)
+            self.unlogged = None
             if self.args.push_to_hub:
                 hub.push(self.args, is_main=run.is_main, write_card=self.create_model_card)
 
@@ -1395,6 +1486,7 @@ class OnlineTrainer(hub.PushToHub):
         table, evaluate, and a checkpoint (on_save; never after the last or a stopping rollout batch:
         the final save follows). Returns the logged metrics (None when this rollout batch logged nothing)."""
         run, events = self.run, self.events
+        log_function_metrics(run, self.reward_sources())  # reward functions' log_metric values
         lr = self.lr_scheduler.get_last_lr()[0]
         if self.schedule_per_update:
             self.lr_scheduler.step()
@@ -1405,7 +1497,13 @@ class OnlineTrainer(hub.PushToHub):
         log_now, eval_now, save_now = control.should_log, control.should_evaluate, control.should_save
         if run.should_log(update) or log_now or control.should_training_stop:
             logs = run.log(update, {"lr": lr, **(extra or {})})
-            events.log(logs)
+            if control.should_training_stop and not (run.cadence.log_due(step) or log_now):
+                # The last rollout batch, not a logging step: as transformers.Trainer (and so TRL), the
+                # metrics since the last logging step join the end-of-training summary entry of
+                # state.log_history (metrics.jsonl still gets them at this step).
+                self.unlogged = logs
+            else:
+                events.log(logs)
         if run.should_sample(update):
             self.sample_table(update)
         improved = False
@@ -1439,11 +1537,12 @@ class OnlineTrainer(hub.PushToHub):
 
     def sample_table(self, update: int) -> None:
         """THE sample table of every online trainer, every sample_generations_freq rollout batches:
-        columns query, model response, score (TRL's on-policy trainers' names), from the rows of
-        `sample_completions` for the first per_device_eval_batch_size eval prompts; printed and
-        written to samples.jsonl by the tracker."""
+        columns query, model response, score (TRL's on-policy trainers' names) and the columns reward
+        functions logged with `log_extra`, from the rows of `sample_completions` for the first
+        per_device_eval_batch_size eval prompts; printed and written to samples.jsonl by the tracker."""
         rows = self.sample_completions(self.args.per_device_eval_batch_size)
-        table = [{"query": r["prompt"], "model response": r["completion"], "score": r["score"]} for r in rows]
+        renamed = {"prompt": "query", "completion": "model response"}
+        table = [{renamed.get(k, k): v for k, v in r.items()} for r in rows]
         self.run.tracker.log_table("completions", table, step=update + 1)
 
     @torch.no_grad()
@@ -1460,16 +1559,22 @@ class OnlineTrainer(hub.PushToHub):
     def sample_completions(self, num_prompts: int) -> list[dict]:
         """Greedy completions of the first `num_prompts` eval prompts (see greedy_completions),
         decoded with special tokens (EOS shown, padding not), with their scores: rows {prompt,
-        completion, score}, TRL LogCompletionsCallback's names. The same rows make every trainer's
+        completion, score}, TRL LogCompletionsCallback's names, plus one key per column a reward
+        function logged for them with `log_extra`. The same rows make every trainer's
         sample table (see `end_of_update`)."""
         run = self.run
         if run.eval_dataset is None:
             raise ConfigError("sampling completions needs an eval_dataset (--dataset_test_split).")
         batch = run.eval_prompts(num_prompts)
+        self.take_function_logs()  # what was logged before belongs to other completions
         rollout, scores = self.greedy_completions(batch)
+        columns = self.take_function_logs()[1]  # log_extra columns of these completions
         scores = scores.tolist() if scores is not None else [None] * len(rollout)
         shown = decode_completions(run.tokenizer, rollout, skip_special_tokens=False)
-        return [{"prompt": p, "completion": c, "score": s} for p, c, s in zip(batch["prompt"], shown, scores)]
+        return [
+            {"prompt": p, "completion": c, "score": s, **{name: values[i] for name, values in columns.items()}}
+            for i, (p, c, s) in enumerate(zip(batch["prompt"], shown, scores))
+        ]
 
 
 # ---------------------------------------------------------------------------------------------

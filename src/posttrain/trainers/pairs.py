@@ -170,7 +170,7 @@ def setup_pair_trainer(
         trainer.accelerator,
         rewards=parts.rewards,
         judge=judge,
-        reward_tokenizer=parts.reward_tokenizer,
+        reward_tokenizer=parts.reward_tokenizers,
     )
     for r in trainer.feedback.reward.models if trainer.feedback.reward is not None else ():
         dist.prepare_frozen(r, trainer.accelerator)  # under --fsdp sharded like the policy

@@ -214,7 +214,7 @@ class PPOTrainer(OnlineTrainer):
         self.reward = given_source or RewardSource(
             parts.rewards,
             policy_tokenizer=self.processing_class,
-            reward_tokenizer=parts.reward_tokenizer,
+            reward_tokenizer=parts.reward_tokenizers,
             batch_size=args.local_rollout_forward_batch_size,
             missing_eos_penalty=args.missing_eos_penalty,
         )

@@ -158,7 +158,7 @@ def trainer_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str
     A first positional argument that is a model (nn.Module) or a model name / path selects TRL >= 0.21's
     positional order; anything else TRL 0.19's. TRL >= 0.21's keywords (model, reward_funcs, args,
     reward_processing_classes) are accepted in both; one argument under both names is a TypeError.
-    A list of reward_processing_classes gives its first tokenizer (one reward tokenizer, as GRPOTrainer).
+    reward_processing_classes may be a list aligned with reward_funcs (None: that reward model's own tokenizer).
     `trl_1x`: whether the call was TRL >= 0.21's (its positional order or any of its keywords)."""
     first = args[0] if args else None
     call = _trl_1x_call if isinstance(first, (str, os.PathLike, nn.Module)) else _trl_019_call
@@ -170,9 +170,9 @@ def trainer_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str
                 f"RLOOTrainer got both {old}= (TRL 0.19's name) and {new}= (TRL >= 0.21's name) for the same "
                 "argument; give only one."
             )
-    classes = values.pop("reward_processing_classes")
-    if isinstance(classes, (list, tuple)):
-        classes = next((t for t in classes if t is not None), None)
+    classes = values.pop("reward_processing_classes")  # one per reward (online.load_parts)
+    if classes is not None and not isinstance(classes, (list, tuple)):
+        classes = [classes]  # TRL >= 0.21: one tokenizer is a list of one
     if classes is not None:
         values["reward_processing_class"] = classes
     values["config_name"] = "args" if values["args"] is not None else "config"
@@ -201,7 +201,7 @@ class RLOOTrainer(OnlineTrainer):
     by reward_weights); None reads config.reward_model_path / reward_funcs. ref_policy None with
     kl_coef > 0: a frozen copy of the initial policy, or with `peft_config` (a peft.LoraConfig: only the
     adapter trains) the policy with its adapter disabled. `tokenizer=` is accepted for `processing_class` (TRL <= 0.11),
-    `reward_processing_class=` (TRL >= 0.21: `reward_processing_classes=`, a list: its first tokenizer)
+    `reward_processing_class=` (TRL >= 0.21: `reward_processing_classes=`, one per reward)
     when the reward model has its own tokenizer (texts are re-tokenized), `accelerator=` to share one.
     callbacks: `transformers.TrainerCallback` objects (trainers/online.py, `OnlineTrainer`: the events,
     `trainer.state`).
@@ -245,7 +245,8 @@ class RLOOTrainer(OnlineTrainer):
         )
         self.ref_model = dist.prepare_frozen(self.ref_model, self.accelerator)
         online.sync_reference(self)
-        self.reward = self.reward_source(parts.rewards, parts.reward_tokenizer)
+        self.reward_processing_classes = parts.reward_processing_classes
+        self.reward = self.reward_source(parts.rewards, parts.reward_tokenizers)
         # TRL >= 0.21 passes reward functions a conversational prompt's messages and the completion as
         # [{"role": "assistant", "content": text}]; TRL 0.19's reward callables got texts.
         self.reward.messages = a["trl_1x"]
@@ -337,13 +338,13 @@ class RLOOTrainer(OnlineTrainer):
                 self.end_of_update(update, {"val/clipfrac_avg": 0.0})
         return self.train_output
 
-    def reward_source(self, rewards: list[Any], reward_tokenizer: Any) -> RewardSource:
+    def reward_source(self, rewards: list[Any], reward_tokenizers: list[Any]) -> RewardSource:
         """The reward models (in eval mode on the run's device) and functions, TRL RLOO's one-argument
         callables adapted."""
         return RewardSource(
             [full_text_reward(dist.prepare_frozen(r, self.accelerator)) for r in rewards],
             policy_tokenizer=self.processing_class,
-            reward_tokenizer=reward_tokenizer,
+            reward_tokenizer=reward_tokenizers,
             weights=self.args.reward_weights,
             batch_size=self.args.local_rollout_forward_batch_size,
             missing_eos_penalty=self.args.missing_eos_penalty,
