@@ -435,11 +435,14 @@ def test_online_trainers_fire_every_event_with_the_transformers_state(tmp_path, 
     jsonl = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert history[:2] == jsonl
 
+    # The summary: transformers' keys, and the last rollout batch's metrics again (TRL 0.x's on-policy
+    # trainers end log_history with them).
     summary = history[-1]
-    assert set(summary) == SUMMARY_KEYS and summary["total_flos"] == 0.0
+    assert set(summary) == SUMMARY_KEYS | set(history[-2]) and summary["total_flos"] == 0.0
+    assert {k: summary[k] for k in history[-2]} == history[-2]
     assert isinstance(output, TrainOutput) and output.global_step == 2 == trainer.state.global_step
     assert output.training_loss == summary["train_loss"] and math.isfinite(output.training_loss)
-    assert output.metrics == {k: v for k, v in summary.items() if k != "step"}
+    assert output.metrics == {k: summary[k] for k in SUMMARY_KEYS if k != "step"}
     # 8 episodes in 2 rollout batches in train_runtime seconds.
     runtime = summary["train_runtime"]
     assert summary["train_samples_per_second"] == pytest.approx(8 / runtime, rel=2e-2)

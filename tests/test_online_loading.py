@@ -37,7 +37,7 @@ def test_no_config_and_no_tokenizer_give_trls_defaults(tmp_path, monkeypatch, ti
         trainer = build()
         assert trainer.args.output_dir == f"{tiny_policy_dir.name}-{algo}", algo
         assert trainer.processing_class.get_vocab() == tiny_tokenizer.get_vocab(), algo
-        assert trainer.model.config.vocab_size == len(tiny_tokenizer), algo
+        assert trainer.policy_model.config.vocab_size == len(tiny_tokenizer), algo
 
 
 def test_a_reward_model_saved_without_its_tokenizer_shares_the_policys(tmp_path, tiny_tokenizer):

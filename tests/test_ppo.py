@@ -106,12 +106,12 @@ def test_first_update_has_ratio_one_exactly(tiny_tokenizer):
         seed=3,
     )
     trainer = PPOTrainer(config=cfg, model=CausalLMWithValueHead(lm), tokenizer=tiny_tokenizer)
-    before = flat(trainer.model)
+    before = flat(trainer.policy_model)
     stats = trainer.step(*step_data(tiny_tokenizer, 4))
     assert stats["ppo/policy/ratio_mean"] == 1.0
     assert stats["ppo/policy/approxkl"] == 0.0
     assert stats["ppo/policy/clipfrac"] == 0.0
-    assert not torch.equal(before, flat(trainer.model))
+    assert not torch.equal(before, flat(trainer.policy_model))
 
 
 def test_train_changes_policy_and_critic_and_saves(tmp_path, tiny_tokenizer, tiny_reward_model):
@@ -141,13 +141,19 @@ def test_train_changes_policy_and_critic_and_saves(tmp_path, tiny_tokenizer, tin
     assert torch.equal(
         critic_before[-tiny_reward_model.score.weight.numel() :], tiny_reward_model.score.weight.reshape(-1)
     )
+    # TRL's PPOTrainer.model: policy and critic as one module, each trained in place.
+    assert trainer.model.policy is policy is trainer.policy_model
+    assert trainer.model.value_model is trainer.value_model
+    assert {n.split(".")[0] for n, _ in trainer.model.named_parameters()} == {"policy", "critic"}
     logs = train_and_last_log(trainer)
-    assert not torch.equal(before, flat(trainer.model)) and not torch.equal(critic_before, flat(trainer.value_model))
+    assert not torch.equal(before, flat(trainer.policy_model)) and not torch.equal(
+        critic_before, flat(trainer.value_model)
+    )
     for name in (*RL_METRICS, "loss/value_avg"):
         assert name in logs and logs[name] == logs[name], name
     assert logs["objective/entropy"] >= 0 and logs["policy/entropy_avg"] > 0 and logs["episode"] == 8
     out = Path(cfg.output_dir)
-    assert torch.equal(flat(AutoModelForCausalLM.from_pretrained(out)), flat(trainer.model))
+    assert torch.equal(flat(AutoModelForCausalLM.from_pretrained(out)), flat(trainer.policy_model))
     assert torch.equal(
         flat(AutoModelForSequenceClassification.from_pretrained(out / "value_model")), flat(trainer.value_model)
     )
@@ -172,7 +178,7 @@ def test_value_head_and_policy_critic(tmp_path, tiny_tokenizer):
         assert not torch.equal(before, flat(policy))
         if init == "head":
             loaded = CausalLMWithValueHead.from_pretrained(cfg.output_dir)
-            assert torch.equal(loaded.score.weight, trainer.model.score.weight)
+            assert torch.equal(loaded.score.weight, trainer.policy_model.score.weight)
         else:
             assert (Path(cfg.output_dir) / "value_model" / "config.json").is_file()
 
@@ -221,11 +227,11 @@ def test_generate_and_step_with_and_without_masks(tmp_path, tiny_tokenizer):
     assert len(responses) == 4 and all(1 <= len(r) <= 5 for r in responses)
     single = trainer.generate(queries[0], max_new_tokens=3)
     assert single.dim() == 2 and torch.equal(single[0, : len(queries[0])], queries[0])
-    before = flat(trainer.model)
+    before = flat(trainer.policy_model)
     stats = trainer.step(
         queries, responses, [torch.tensor(1.0), torch.tensor(0.0), torch.tensor(-1.0), torch.tensor(0.5)]
     )
-    assert not torch.equal(before, flat(trainer.model))
+    assert not torch.equal(before, flat(trainer.policy_model))
     for name in (
         "objective/kl",
         "objective/kl_coef",
@@ -345,11 +351,15 @@ def test_peft_policy_with_adapter_reference(tmp_path, tiny_tokenizer):
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
     )
     assert trainer.ref_model is None
-    lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+    lora = {n: p.detach().clone() for n, p in trainer.policy_model.named_parameters() if "lora_" in n}
     trainer.train()
-    assert lora and any(not torch.equal(p, dict(trainer.model.named_parameters())[n]) for n, p in lora.items())
+    assert lora and any(not torch.equal(p, dict(trainer.policy_model.named_parameters())[n]) for n, p in lora.items())
     base_after = torch.cat(
-        [p.detach().reshape(-1) for n, p in trainer.model.get_base_model().named_parameters() if "lora_" not in n]
+        [
+            p.detach().reshape(-1)
+            for n, p in trainer.policy_model.get_base_model().named_parameters()
+            if "lora_" not in n
+        ]
     )
     assert torch.equal(base_before, base_after)
 
@@ -376,7 +386,7 @@ MULTIPROC_SCRIPT = textwrap.dedent("""
     rows = slice(rank * n, (rank + 1) * n)
     stats = trainer.step(queries[rows], responses[rows], scores[rows])
     if rank == 0:
-        torch.save({"params": flat(trainer.model), "kl": stats["objective/kl"]}, sys.argv[1])
+        torch.save({"params": flat(trainer.policy_model), "kl": stats["objective/kl"]}, sys.argv[1])
     from posttrain.distributed import shutdown
     shutdown()
     # The results are saved and the process group is torn down. Skip the interpreter's teardown: in
@@ -532,7 +542,7 @@ def train_dp_run(out_path: str) -> None:
     if trainer.accelerator.is_main_process:
         torch.save(
             {
-                "policy": flat(trainer.model),
+                "policy": flat(trainer.policy_model),
                 "critic": flat(trainer.value_model),
                 "kl": last["objective/kl"],
                 "initial": flat(build_tiny_causal_lm(tok)),

@@ -80,7 +80,7 @@ def randomize_lora_b(model) -> None:
 
 def test_one_base_holds_policy_critic_and_reference(tmp_path, tiny_tokenizer):
     trainer = lora_trainer(tmp_path, tiny_tokenizer)
-    policy, critic = trainer.model, trainer.value_model
+    policy, critic = trainer.policy_model, trainer.value_model
     assert isinstance(critic, LoraCritic) and trainer.ref_model is None
     assert set(policy.peft_config) == {"default", CRITIC_ADAPTER}
     # The memory: one base + both adapters + the head + the reward model, every base weight held once.
@@ -111,7 +111,7 @@ def test_one_base_holds_policy_critic_and_reference(tmp_path, tiny_tokenizer):
 
 def test_each_loss_moves_only_its_own_adapter_and_checkpointing_recomputes_under_it(tmp_path, tiny_tokenizer):
     trainer = lora_trainer(tmp_path, tiny_tokenizer, gradient_checkpointing=True)
-    policy, critic, wrapper = trainer.model, trainer.value_model, trainer.wrapped
+    policy, critic, wrapper = trainer.policy_model, trainer.value_model, trainer.wrapped
     randomize_lora_b(policy)
     rollout = rollout_of(trainer)
     wrapper.train()  # checkpointing runs in training mode only
@@ -162,7 +162,7 @@ def test_each_loss_moves_only_its_own_adapter_and_checkpointing_recomputes_under
 
 def test_reference_is_the_base_with_adapters_off(tmp_path, tiny_tokenizer):
     trainer = lora_trainer(tmp_path, tiny_tokenizer)
-    policy = trainer.model
+    policy = trainer.policy_model
     randomize_lora_b(policy)
     rollout = rollout_of(trainer)
     ref = online.reference_logprobs(trainer.run, trainer.generation_model, trainer.ref_model, rollout, 1.0)
@@ -195,7 +195,7 @@ def test_the_other_online_trainers_hold_one_copy_with_lora(algo, tmp_path, tiny_
     base = build_tiny_causal_lm(tiny_tokenizer)
     adapted = [m for n, m in base.named_modules() if n.endswith(("q_proj", "v_proj"))]
     lora_bytes = sum(4 * (m.in_features + m.out_features) * 4 for m in adapted)
-    assert storage_bytes(trainer.model.parameters()) == storage_bytes(base.parameters()) + lora_bytes
+    assert storage_bytes(trainer.policy_model.parameters()) == storage_bytes(base.parameters()) + lora_bytes
 
 
 def test_use_reentrant_checkpointing_is_refused_before_loading(tmp_path, tiny_tokenizer):

@@ -330,6 +330,30 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_tokenizer):
         assert {k: v for k, v in a.items() if k != "eps"} == {k: v for k, v in b.items() if k != "eps"}
 
 
+def test_save_checkpoint_between_rollout_batches_resumes_from_there(tmp_path, tiny_tokenizer):
+    """transformers' `_save_checkpoint(model, trial)`, which TRL's RLOO test calls on a new trainer:
+    checkpoint-{global_step} of the state as it is; a run resumed from it equals one never stopped."""
+
+    def trainer_for(out: Path, **kw) -> RLOOTrainer:
+        cfg = config(tmp_path, output_dir=str(out), total_episodes=8, per_device_train_batch_size=2, **kw)
+        return RLOOTrainer(
+            cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, letter_fraction, prompt_dataset()
+        )
+
+    full = trainer_for(tmp_path / "full")
+    full._save_checkpoint(full.model, trial=None)
+    shutil.copytree(tmp_path / "full" / "checkpoint-0", tmp_path / "resumed" / "checkpoint-0")
+    shutil.rmtree(tmp_path / "full" / "checkpoint-0")
+    full.train()
+    resumed = trainer_for(tmp_path / "resumed", resume_from_checkpoint="latest")
+    resumed.train()
+    assert full.state.global_step == resumed.state.global_step == 4  # 8 episodes, 2 per rollout batch
+    assert torch.equal(flat(full.policy), flat(resumed.policy))
+    # TRL 0.x's RLOO ends log_history with the last step's metrics: the summary entry holds them too.
+    assert full.state.log_history[-1]["objective/rlhf_reward"] == full.state.log_history[-2]["objective/rlhf_reward"]
+    assert "train_loss" in full.state.log_history[-1]
+
+
 def test_config_checks():
     with pytest.raises(ValueError, match="rloo_k"):
         RLOOConfig(rloo_k=1)

@@ -300,3 +300,27 @@ def test_async_reward_function_errors_name_the_function():
     with pytest.raises(ValueError, match="broken_grader") as err:
         reward_function_matrix([broken_grader], ["p"], ["a"])
     assert "grader down" in str(err.value)
+
+
+def test_a_reward_model_with_several_labels_is_read_at_its_first_label(caplog):
+    """A two-label classifier as reward model (what TRL's RLOO tests pass: AutoModelForSequenceClassification
+    of a causal LM, num_labels=2 by default): the reward is its first logit, as TRL's GRPOTrainer reads
+    `logits[:, 0]`, with one warning; a critic must still have one label."""
+    from transformers import GPTNeoXForSequenceClassification
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=64,
+        num_labels=2, pad_token_id=63,
+    )  # fmt: skip
+    rm = GPTNeoXForSequenceClassification(config).eval()
+    r = make_rollout([[5, 6, 7], [9]], [[10, 11], [13, 14, 15, 16]], T=4, pad=63, ended=[True, False])
+    with caplog.at_level("WARNING", logger="posttrain.scoring"):
+        ours = reward_model_scores(rm, r, batch_size=2)
+        again = reward_model_scores(rm, r, batch_size=1)
+    with torch.no_grad():
+        hf = rm(input_ids=r.sequence_ids, attention_mask=r.sequence_mask.long(), position_ids=r.position_ids).logits
+    assert ours.shape == (2,) and torch.allclose(ours, hf[:, 0], atol=1e-5) and torch.allclose(again, ours)
+    assert sum("num_labels=2: its first logit is the reward" in m for m in caplog.messages) == 1
+    with pytest.raises(ValueError, match=r"must output one value per token \(num_labels=1\), got 2"):
+        completion_values(rm, r)

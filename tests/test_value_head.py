@@ -401,7 +401,7 @@ def test_posttrain_ppo_train_saves_the_trl_layout(tmp_path, tiny_tokenizer):
         reward_model=lambda prompts, completions: [float(len(c)) for c in completions],
         train_dataset=Dataset.from_dict({"prompt": ["hello there", "the quick brown", "what is", "tell me"]}),
     )
-    assert trainer.model is model and trainer.value_model is None
+    assert trainer.policy_model is model and trainer.value_model is None
     trainer.train()
     assert not torch.equal(head, model.v_head.summary.weight)
     assert {"v_head.summary.weight", "v_head.summary.bias"} <= set(safetensors_keys(tmp_path / "out"))

@@ -48,6 +48,11 @@ class PolicyAndValue(nn.Module):
         return self.critic is None
 
     @property
+    def value_model(self) -> nn.Module:
+        """The module whose output is V: the critic, or the policy with its value head."""
+        return self.policy if self.shared else self.critic
+
+    @property
     def lm(self) -> nn.Module:
         """The causal LM that generates."""
         return self.policy.pretrained_model if self.shared else self.policy

@@ -444,7 +444,14 @@ def load_scalar_model(
     if new_head:
         logger.info("%s %s: the score head (%s) is freshly initialised", what, path, ", ".join(new_head))
     if model.config.num_labels != 1:
-        raise ValueError(f"{what} {path} has num_labels={model.config.num_labels}; it must output one score")
+        if role != "reward":
+            raise ValueError(f"{what} {path} has num_labels={model.config.num_labels}; it must output one score")
+        logger.warning(
+            "%s %s has num_labels=%d: its first logit is the reward (as TRL's GRPOTrainer reads it)",
+            what,
+            path,
+            model.config.num_labels,
+        )
     if tokenizer is None and pad_token_id is None and model.config.pad_token_id is None:
         # The tokenizer saved next to the weights is the one the head was trained with.
         try:

@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import importlib
 import inspect
+import logging
 import math
 import numbers
 import os
@@ -53,6 +54,8 @@ from posttrain.rollout import (
     decode_prompts,
     position_ids_from_mask,
 )
+
+logger = logging.getLogger(__name__)
 
 RewardFunction = Callable[..., Sequence[float]]
 
@@ -440,12 +443,26 @@ def _backbone_hidden(
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
-def _score(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+_FIRST_LABEL_NOTED: set[int] = set()
+
+
+def _score(model: torch.nn.Module, hidden: torch.Tensor, first_label: bool = False) -> torch.Tensor:
+    """The score head's value per position. A head with several labels is refused, or with `first_label`
+    (a reward model) read at its first label, as TRL's GRPOTrainer reads `logits[:, 0]`."""
     out = model.score(hidden)
     if out.size(-1) != 1:
-        raise ValueError(
-            f"{type(model).__name__}.score must output one value per token (num_labels=1), got {out.size(-1)}"
-        )
+        if not first_label:
+            raise ValueError(
+                f"{type(model).__name__}.score must output one value per token (num_labels=1), got {out.size(-1)}"
+            )
+        if id(model) not in _FIRST_LABEL_NOTED:
+            _FIRST_LABEL_NOTED.add(id(model))
+            logger.warning(
+                "%s has num_labels=%d: its first logit is the reward (train it with num_labels=1 to avoid this)",
+                type(model).__name__,
+                out.size(-1),
+            )
+        out = out[..., :1]
     return out.squeeze(-1).float()
 
 
@@ -501,7 +518,7 @@ def last_token_scores(
     """Score head at index `last` of each row (B,), backbone over the whole padded row."""
     hidden = _backbone_hidden(model, ids.masked_fill(~mask, 0), mask, position_ids_from_mask(mask))
     picked = hidden[torch.arange(ids.size(0), device=ids.device), last]
-    return _score(model, picked[:, None]).squeeze(-1)
+    return _score(model, picked[:, None], first_label=True).squeeze(-1)
 
 
 @torch.no_grad()

@@ -44,6 +44,27 @@ PROMPT_MESSAGES = "prompt_messages"
 # --------------------------------------------------------------------------------------------
 
 
+def _as_prompt_ids(value: Any, tokenizer: PreTrainedTokenizerBase, source: str, row: int, noted: set[str]) -> Any:
+    """A pre-tokenized prompt row, read as TRL's on-policy trainers take it: a single token id (what
+    `Dataset.from_dict({"input_ids": ids})` makes of one tokenized prompt) is a one-token prompt; a
+    tokenizer's output (`{"input_ids": [...], "attention_mask": [...]}`, which `apply_chat_template`
+    returns in transformers 5) gives its input_ids; text is tokenized as a prompt. Each reading is
+    logged once per dataset; anything else is left to _check_token_ids to refuse."""
+    kind = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        kind, value = "a single token id, read as a one-token prompt", [value]
+    elif isinstance(value, dict) and "input_ids" in value:
+        kind, value = "a tokenizer output, whose input_ids are the prompt", value["input_ids"]
+    elif isinstance(value, str):
+        kind, value = "text, tokenized as the prompt", _encode(tokenizer, [value], [False])[0]
+    if kind is not None and kind not in noted:
+        noted.add(kind)
+        logger.warning(
+            "%s, row %d, field 'input_ids': holds %s (store lists of token ids to avoid this)", source, row + 1, kind
+        )
+    return value
+
+
 def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str], conversational: list[bool]) -> list[list[int]]:
     """Token ids per text. Templated text already holds its special tokens (BOS included), so only
     plain text gets the tokenizer's special tokens; a trailing EOS added by the tokenizer is
@@ -167,10 +188,14 @@ def prepare_prompt_dataset(
     vocab_size = len(tokenizer)
     keep_messages = not tokenized and len(dataset) > 0 and isinstance(dataset[0][prompt_column], list)
 
+    noted: set[str] = set()
+
     def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         if tokenized:
             ids = [
-                _check_token_ids(seq, source, row, "input_ids", vocab_size)
+                _check_token_ids(
+                    _as_prompt_ids(seq, tokenizer, source, row, noted), source, row, "input_ids", vocab_size
+                )
                 for seq, row in zip(batch["input_ids"], indices)
             ]
             texts = tokenizer.batch_decode(ids, skip_special_tokens=False)

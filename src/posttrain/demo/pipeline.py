@@ -504,7 +504,7 @@ def train_rl(
 
         trainer = XPOTrainer(policy, reward_model=rewards, args=rl_args, **common)
     trainer.train()
-    return trainer.policy if config.algo == "rloo" else trainer.model
+    return trainer.policy_model
 
 
 # ---------------------------------------------------------------------------------------------

@@ -356,8 +356,8 @@ class GRPOTrainer(OnlineTrainer):
     def checkpoint_models(self) -> dict[str, nn.Module]:
         """The policy, and with sync_ref_model the reference it moves (a resume must restore both)."""
         if self.args.sync_ref_model:
-            return {"policy": self.model, "ref_model": self.ref_model}
-        return {"policy": self.model}
+            return {"policy": self.policy_model, "ref_model": self.ref_model}
+        return {"policy": self.policy_model}
 
     def table_scores(self, rollout: Rollout, batch: dict) -> torch.Tensor:
         return score(self.run, self.reward, rollout, batch, 1)

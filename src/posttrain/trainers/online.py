@@ -590,12 +590,16 @@ class OnlineRun:
         scheduler: Any,
         extra: dict | None = None,
         best: str | None = None,
+        after_batch: bool = True,
     ) -> None:
-        """A resumable checkpoint after the current rollout batch (counters already advanced)."""
+        """A resumable checkpoint after the current rollout batch (whose update and episode counters
+        advance after this call), or with after_batch=False of the counters as they are."""
+        done = int(after_batch)
+        step = self.progress.update + done
         state = {
             "run": {
-                "update": self.progress.update + 1,
-                "episode": self.progress.episode + self.config.batch_size,
+                "update": step,
+                "episode": self.progress.episode + done * self.config.batch_size,
                 "optimizer_steps": self.progress.optimizer_steps,
             },
             "prompts": self.prompts.state_dict(),
@@ -605,7 +609,7 @@ class OnlineRun:
         unwrapped = {k: dist.unwrap(m, self.accelerator) for k, m in models.items()}
         ckpt.save_checkpoint(
             self.config.output_dir,
-            self.progress.update + 1,
+            step,
             models=unwrapped,
             tokenizer=self.tokenizer,
             config=self.config.to_dict(),
@@ -1059,12 +1063,12 @@ def sync_reference(trainer: OnlineTrainer) -> None:
             "sync_ref_model=True is not supported with DeepSpeed ZeRO-3 or FSDP (the reference model is sharded "
             "across processes); use DDP or ZeRO-1/2, or drop sync_ref_model."
         )
-    check_mixable(ref, trainer.model, "sync_ref_model")
+    check_mixable(ref, trainer.policy_model, "sync_ref_model")
     alpha, every = config.ref_model_mixup_alpha, config.ref_model_sync_steps
 
     def after_step(optimizer_steps: int) -> None:
         if optimizer_steps % every == 0:
-            mix_into(ref, trainer.model, alpha)
+            mix_into(ref, trainer.policy_model, alpha)
 
     run.step_hooks.append(after_step)
 
@@ -1197,8 +1201,8 @@ class OnlineTrainer(hub.PushToHub):
     # Learning-rate schedule stepped once per rollout batch (TRL's on-policy trainers) or, when
     # False, by the update loop once per optimizer step (TRL's Online DPO / XPO).
     schedule_per_update = True
-    # metrics of the last rollout batch when it was not a logging step: they join the summary entry
-    unlogged: dict[str, float] | None = None
+    # metrics of the last rollout batch: they join the summary entry
+    final_logs: dict[str, float] | None = None
 
     def setup(
         self,
@@ -1272,7 +1276,7 @@ class OnlineTrainer(hub.PushToHub):
     # -- hooks a trainer may override ---------------------------------------------------------------
     def checkpoint_models(self) -> dict[str, nn.Module]:
         """The modules a checkpoint saves and a resume restores."""
-        return {"policy": self.model}
+        return {"policy": self.policy_model}
 
     def extra_state(self) -> dict:
         """Algorithm state a checkpoint must restore (e.g. the KL controller)."""
@@ -1283,7 +1287,7 @@ class OnlineTrainer(hub.PushToHub):
 
     def final_models(self) -> tuple[nn.Module, dict[str, nn.Module] | None]:
         """(policy, extra models) saved at the end: the policy at the top of output_dir."""
-        return self.model, None
+        return self.policy_model, None
 
     def table_scores(self, rollout: Rollout, batch: dict) -> torch.Tensor | None:
         """Scores of the sample table's completions (None: the trainer has no scores, e.g. a judge)."""
@@ -1291,9 +1295,15 @@ class OnlineTrainer(hub.PushToHub):
 
     # -- public API ---------------------------------------------------------------------------------
     @property
-    def model(self) -> nn.Module:
+    def policy_model(self) -> nn.Module:
         """The trained policy, unwrapped (`self.wrapped` is the accelerator-prepared module)."""
         return dist.unwrap(self.wrapped, self.accelerator)
+
+    @property
+    def model(self) -> nn.Module:
+        """The module training updates, as transformers' `Trainer.model`: the policy (PPO: the policy
+        and its critic, as TRL's PPOTrainer)."""
+        return self.policy_model
 
     @property
     def generation_model(self) -> nn.Module:
@@ -1346,7 +1356,7 @@ class OnlineTrainer(hub.PushToHub):
         run = self.run
         ckpt.save_final(
             output_dir or run.config.output_dir,
-            dist.unwrap(self.model, run.accelerator),
+            dist.unwrap(self.policy_model, run.accelerator),
             tokenizer=run.tokenizer,
             config=run.config.to_dict(),
             accelerator=run.accelerator,
@@ -1367,7 +1377,7 @@ class OnlineTrainer(hub.PushToHub):
                 self.args,
                 method=hub.method_of(self, self.args),
                 log_history=self.state.log_history,
-                model=self.model,
+                model=self.policy_model,
                 model_name=model_name,
                 dataset_name=dataset_name,
                 tags=tags,
@@ -1474,8 +1484,8 @@ class OnlineTrainer(hub.PushToHub):
             training_loss = run.loss_total / max(run.loss_steps, 1)
             episodes = run.progress.episode - run.episodes_at_start
             # total_flos is not estimated for online training (generation and scoring dominate): 0.
-            self.train_output = events.train_end(training_loss, episodes, total_flos=0.0, logs=self.unlogged)
-            self.unlogged = None
+            self.train_output = events.train_end(training_loss, episodes, total_flos=0.0, logs=self.final_logs)
+            self.final_logs = None
             if self.args.push_to_hub:
                 hub.push(self.args, is_main=run.is_main, write_card=self.create_model_card)
 
@@ -1497,12 +1507,12 @@ class OnlineTrainer(hub.PushToHub):
         log_now, eval_now, save_now = control.should_log, control.should_evaluate, control.should_save
         if run.should_log(update) or log_now or control.should_training_stop:
             logs = run.log(update, {"lr": lr, **(extra or {})})
-            if control.should_training_stop and not (run.cadence.log_due(step) or log_now):
-                # The last rollout batch, not a logging step: as transformers.Trainer (and so TRL), the
-                # metrics since the last logging step join the end-of-training summary entry of
-                # state.log_history (metrics.jsonl still gets them at this step).
-                self.unlogged = logs
-            else:
+            if control.should_training_stop:
+                # The last rollout batch's metrics join the end-of-training summary entry, so that
+                # state.log_history[-1] holds them next to train_loss: TRL 0.x's on-policy trainers end
+                # log_history with them, transformers.Trainer (TRL 1.x) with the summary.
+                self.final_logs = logs
+            if not control.should_training_stop or run.cadence.log_due(step) or log_now:
                 events.log(logs)
         if run.should_sample(update):
             self.sample_table(update)
@@ -1516,24 +1526,37 @@ class OnlineTrainer(hub.PushToHub):
             best_step = events.state.best_global_step
             if best_step == step:
                 events.state.best_model_checkpoint = os.path.join(self.args.output_dir, f"checkpoint-{step}")
-            state = {
-                **self.extra_state(),
-                "log_history": events.state.log_history,
-                "callback_state": events.checkpoint_state(),
-            }
-            run.save(
-                self.checkpoint_models(),
-                self.optimizer,
-                self.lr_scheduler,
-                extra=state,
-                best=events.state.best_model_checkpoint,
-            )
-            events.note_checkpoint(self.args.output_dir)
-            events.save()
+            self.write_checkpoint()
             if hub.pushes_at_save(self.args):
                 self._push_from_checkpoint(step)
         run.stop_requested = events.control.should_training_stop
         return logs
+
+    def write_checkpoint(self, after_batch: bool = True) -> None:
+        """A resumable checkpoint, output_dir/checkpoint-N, then on_save: after the rollout batch that
+        end_of_update is finishing (N = that batch's step), or, with after_batch=False, of the state as
+        it is between rollout batches (N = state.global_step)."""
+        events = self.events
+        state = {
+            **self.extra_state(),
+            "log_history": events.state.log_history,
+            "callback_state": events.checkpoint_state(),
+        }
+        self.run.save(
+            self.checkpoint_models(),
+            self.optimizer,
+            self.lr_scheduler,
+            extra=state,
+            best=events.state.best_model_checkpoint,
+            after_batch=after_batch,
+        )
+        events.note_checkpoint(self.args.output_dir)
+        events.save()
+
+    def _save_checkpoint(self, model: Any = None, trial: Any = None) -> None:
+        """transformers.Trainer's name for `write_checkpoint(after_batch=False)` (TRL code calls it);
+        `model` and `trial` are accepted and unused: the checkpoint holds the trainer's own models."""
+        self.write_checkpoint(after_batch=False)
 
     def sample_table(self, update: int) -> None:
         """THE sample table of every online trainer, every sample_generations_freq rollout batches:

@@ -236,9 +236,14 @@ class PPOTrainer(OnlineTrainer):
         return dist.unwrap(self.wrapped, self.accelerator)
 
     @property
-    def model(self) -> nn.Module:
+    def policy_model(self) -> nn.Module:
         """The policy (a models.CausalLMWithValueHead when the critic is a value head)."""
         return self.unwrapped.policy
+
+    @property
+    def model(self) -> PolicyAndValue:
+        """Policy and critic as one module, as TRL's PPOTrainer.model: `.policy`, `.value_model`."""
+        return self.unwrapped
 
     @property
     def value_model(self) -> nn.Module | None:

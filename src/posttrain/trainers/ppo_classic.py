@@ -103,6 +103,11 @@ class ClassicPPOTrainer(ClassicBuildingBlocks, PPOTrainer):
     """`PPOTrainer(config, model, ref_model=None, tokenizer, dataset=None, optimizer=None,
     data_collator=None, num_shared_layers=None, lr_scheduler=None)`; see the module docstring."""
 
+    @property
+    def model(self) -> nn.Module:
+        """The policy with its value head, as TRL 0.11's PPOTrainer.model."""
+        return self.policy_model
+
     def __init__(
         self,
         config: PPOConfig | None = None,
