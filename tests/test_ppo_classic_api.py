@@ -672,3 +672,35 @@ def test_every_classic_field_parses_on_the_command_line(name, capsys):
         assert config.kl_estimator == "k1"  # "kl" is the classic spelling of the k1 estimator
     elif SEED_DEFAULTS[name] is not None and name != "exp_name":
         assert str(parsed).lower() == value.lower() or parsed == type(parsed)(value)
+
+
+def test_trl_core_respond_to_batch_and_set_seed(tiny_tokenizer):
+    """`from trl.core import respond_to_batch` / `from trl import set_seed`, renamed: exactly txt_len
+    sampled tokens per row (EOS included), reproducible under set_seed; top_k=1 is the greedy loop."""
+    from posttrain import AutoModelForCausalLMWithValueHead, set_seed
+    from posttrain.core import respond_to_batch
+
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(build_tiny_causal_lm(tiny_tokenizer)).eval()
+    queries = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    set_seed(3)
+    first = respond_to_batch(model, queries, txt_len=6)
+    set_seed(3)
+    assert torch.equal(first, respond_to_batch(model, queries, txt_len=6)) and first.shape == (2, 6)
+    ids = queries
+    with torch.no_grad():
+        for _ in range(4):
+            ids = torch.cat([ids, model(ids)[0][:, -1].argmax(-1, keepdim=True)], dim=-1)
+    assert torch.equal(respond_to_batch(model, queries, txt_len=4, top_k=1), ids[:, -4:])
+
+
+def test_the_default_collator_stacks_tuple_rows_as_a_dataloader_does():
+    """A torch Dataset of (query, response) tuples (TRL 0.11's tests) is collated by torch's
+    default_collate; dict rows keep ragged tensors as lists."""
+    from posttrain.trainers.classic_io import dict_collator
+
+    query, response = dict_collator(
+        [(torch.tensor([1, 2]), torch.tensor([3])), (torch.tensor([4, 5]), torch.tensor([6]))]
+    )
+    assert torch.equal(query, torch.tensor([[1, 2], [4, 5]])) and torch.equal(response, torch.tensor([[3], [6]]))
+    batch = dict_collator([{"q": torch.tensor([1])}, {"q": torch.tensor([2, 3])}])
+    assert [t.tolist() for t in batch["q"]] == [[1], [2, 3]]

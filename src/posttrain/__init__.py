@@ -56,6 +56,7 @@ _EXPORTS = {
     "PreTrainedModelWrapper": "posttrain.value_head",
     "create_reference_model": "posttrain.value_head",
     "LengthSampler": "posttrain.length_sampler",
+    "set_seed": "posttrain.core",
     # TRL's public data helpers
     "apply_chat_template": "posttrain.data.helpers",
     "maybe_apply_chat_template": "posttrain.data.helpers",

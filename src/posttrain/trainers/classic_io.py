@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -138,8 +138,12 @@ def build_tracker(config: PPOConfig, accelerator: Any) -> Tracker:
     )
 
 
-def dict_collator(rows: list[dict]) -> dict[str, list]:
-    """The classic example's collator: a dict of lists (ragged tensors stay a list)."""
+def dict_collator(rows: list[Any]) -> Any:
+    """The classic example's collator: a dict of lists (ragged tensors stay a list). Rows that are not
+    dicts (a torch Dataset of (query, response) tuples) go through torch's default_collate, what a
+    DataLoader without a collator does."""
+    if not isinstance(rows[0], Mapping):
+        return torch.utils.data.default_collate(rows)
     return {key: [row[key] for row in rows] for key in rows[0]}
 
 
