@@ -300,12 +300,6 @@ CASES: list[tuple[str, list[str], int, str]] = [
         "model.safetensors is truncated or corrupt (",
     ),
     (
-        "reward-model-no-head",
-        [*RLOO, "--dataset_name", "{prompts.jsonl}", "--reward_model_path", "{policy}"],
-        2,
-        "has no trained score head: score.weight is not in its checkpoint (saved as LlamaForCausalLM)",
-    ),
-    (
         "response-fills-positions",
         [*RLOO, "--dataset_name", "{prompts.jsonl}", "--response_length", "1024"],
         2,

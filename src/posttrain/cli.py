@@ -218,6 +218,12 @@ def parse_config(name: str, argv: list[str]) -> Any:
         _refuse(f"posttrain {name}: {err}")
 
 
+def run_as(command: str) -> None:
+    """`posttrain <command> <this process's arguments>`, then exit: the body of the scripts under
+    examples/scripts, which run TRL's documented commands (`python examples/scripts/rloo/rloo.py ...`)."""
+    sys.exit(main([command, *sys.argv[1:]]))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     top = _top_parser()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -382,12 +383,13 @@ def _no_head_message(what: str, path: str | os.PathLike, model: PreTrainedModel,
         )
     else:
         fix = (
-            "It is a causal LM / base model, not a reward model: train a reward model first with "
+            "That checks that training runs (TRL's getting-started commands use a causal LM so), but nothing "
+            "learned from it means anything: train a reward model first with "
             "`posttrain reward --model_name_or_path <this model> ...` and pass its output_dir"
         )
     return (
         f"{what} {os.fspath(path)!r} has no trained score head: {', '.join(new_head)} is not in its checkpoint "
-        f"(saved as {saved_as}), so its scores would come from randomly initialised weights. {fix}."
+        f"(saved as {saved_as}), so its scores come from randomly initialised weights. {fix}."
     )
 
 
@@ -415,10 +417,12 @@ def load_scalar_model(
     else the config, else the tokenizer saved in `path` (TRL #937: an unset pad id makes the head
     score the wrong token).
 
-    A `path` whose checkpoint holds no score head (a causal LM or base model) raises
-    `ModelLoadError`: its head would be randomly initialised, and RL against such a reward model
-    optimises noise. `allow_new_head=True` accepts the fresh head, for a model that is about to be
-    trained: a reward model before reward training, a critic initialised from a policy.
+    A `path` whose checkpoint holds no score head (a causal LM or base model) gets a randomly
+    initialised head: for a value model that raises `ModelLoadError` unless `allow_new_head=True` (a
+    critic initialised from a policy); for a reward model it is a UserWarning saying that RL against
+    it optimises noise (TRL's getting-started commands use a causal LM as a dummy reward model to check
+    that training runs). `allow_new_head=True` also silences that warning, for a model about to be
+    trained (a reward model before reward training).
     """
     from transformers import AutoModelForSequenceClassification
 
@@ -440,8 +444,12 @@ def load_scalar_model(
     )
     new_head = _new_head_keys(model, loading_info)
     if new_head and not allow_new_head:
-        raise ModelLoadError(_no_head_message(what, path, model, new_head))
-    if new_head:
+        if role != "reward":
+            raise ModelLoadError(_no_head_message(what, path, model, new_head))
+        # A causal LM as a dummy reward model is how TRL's getting-started commands check that training
+        # runs (`--reward_model_path EleutherAI/pythia-14m`): said loudly, not refused.
+        warnings.warn(_no_head_message(what, path, model, new_head), stacklevel=2)
+    elif new_head:
         logger.info("%s %s: the score head (%s) is freshly initialised", what, path, ", ".join(new_head))
     if model.config.num_labels != 1:
         if role != "reward":

@@ -1,0 +1,7 @@
+"""PPO on TL;DR summaries: `posttrain ppo` at the path TRL's docs use
+(README: "Coming from TRL")."""
+
+if __name__ == "__main__":
+    from posttrain.cli import run_as
+
+    run_as("ppo")

@@ -1,0 +1,7 @@
+"""RLOO against a reward model: `posttrain rloo` at the path TRL's docs use
+(README: "Coming from TRL")."""
+
+if __name__ == "__main__":
+    from posttrain.cli import run_as
+
+    run_as("rloo")
