@@ -105,3 +105,34 @@ def test_peft_model_with_peft_config_merges_the_old_adapter(tmp_path, tiny_token
     }
     with torch.no_grad(), model.disable_adapter():
         assert torch.allclose(model(ids).logits, expected, atol=1e-5)  # the reference = base + old adapter
+
+
+def test_trl011_tokenizer_keyword_and_availability_checks(tmp_path, tiny_tokenizer):
+    """TRL 0.11's Online DPO / XPO took the tokenizer as `tokenizer=`; its tests import
+    `is_llm_blender_available` from the package and the others from `trl.import_utils`."""
+    import importlib.util
+
+    from posttrain import OnlineDPOTrainer, XPOConfig, XPOTrainer, is_llm_blender_available
+    from posttrain.configs import ConfigError
+    from posttrain.import_utils import is_rich_available, is_vllm_available
+
+    assert is_rich_available() is True  # a dependency
+    assert is_vllm_available() is (importlib.util.find_spec("vllm") is not None)
+    assert is_llm_blender_available() is (importlib.util.find_spec("llm_blender") is not None)
+    cfg = pair_config(XPOConfig, tmp_path, total_episodes=4, gradient_accumulation_steps=1)
+    model = build_tiny_causal_lm(tiny_tokenizer)
+    trainer = XPOTrainer(
+        model=model, reward_model=half, args=cfg, tokenizer=tiny_tokenizer, train_dataset=word_prompts(4)
+    )
+    assert trainer.processing_class.get_vocab() == tiny_tokenizer.get_vocab()
+    with pytest.raises(
+        ConfigError, match=r"pass the tokenizer once: processing_class= \(tokenizer= is its older name\)"
+    ):
+        OnlineDPOTrainer(
+            model=model,
+            reward_model=half,
+            args=cfg,
+            processing_class=tiny_tokenizer,
+            tokenizer=build_tiny_tokenizer(vocab_size=300),
+            train_dataset=word_prompts(4),
+        )

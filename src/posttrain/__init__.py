@@ -57,6 +57,12 @@ _EXPORTS = {
     "create_reference_model": "posttrain.value_head",
     "LengthSampler": "posttrain.length_sampler",
     "set_seed": "posttrain.core",
+    # TRL's availability checks (the others are in posttrain.import_utils)
+    "is_deepspeed_available": "posttrain.import_utils",
+    "is_diffusers_available": "posttrain.import_utils",
+    "is_liger_kernel_available": "posttrain.import_utils",
+    "is_llm_blender_available": "posttrain.import_utils",
+    "is_llmblender_available": "posttrain.import_utils",
     # TRL's public data helpers
     "apply_chat_template": "posttrain.data.helpers",
     "maybe_apply_chat_template": "posttrain.data.helpers",

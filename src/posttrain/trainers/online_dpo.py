@@ -61,6 +61,7 @@ from posttrain.trainers.pairs import (
     reference_logps,
     schedule_value,
     setup_pair_trainer,
+    tokenizer_argument,
     train_on_pairs,
     truncate_prompts,
     valid_pair_loss,
@@ -105,6 +106,8 @@ class OnlineDPOTrainer(PairTrainer):
         optimizers: tuple = (None, None),
         reward_funcs: Any = None,
         reward_processing_classes: Any = None,
+        *,
+        tokenizer: Any = None,
     ) -> None:
         args = args if args is not None else default_config(OnlineDPOConfig, model, "OnlineDPO")
         setup_pair_trainer(
@@ -114,7 +117,7 @@ class OnlineDPOTrainer(PairTrainer):
             rewards=as_list(reward_model) + as_list(reward_funcs),
             model=model,
             ref_model=ref_model,
-            processing_class=processing_class,
+            processing_class=tokenizer_argument(processing_class, tokenizer),
             reward_processing_class=one_reward_tokenizer(reward_processing_class, reward_processing_classes),
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,

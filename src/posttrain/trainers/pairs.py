@@ -135,6 +135,13 @@ def load_pair_parts(
     return parts, judge
 
 
+def tokenizer_argument(processing_class: Any, tokenizer: Any) -> Any:
+    """`processing_class=`, or `tokenizer=`: the name TRL's Online DPO / XPO trainers took until 0.11."""
+    if processing_class is not None and tokenizer is not None and processing_class is not tokenizer:
+        raise ConfigError("pass the tokenizer once: processing_class= (tokenizer= is its older name), not both.")
+    return processing_class if processing_class is not None else tokenizer
+
+
 def setup_pair_trainer(
     trainer: Any,
     args: Any,

@@ -56,6 +56,7 @@ from posttrain.trainers.pairs import (
     reference_logps,
     schedule_value,
     setup_pair_trainer,
+    tokenizer_argument,
     train_on_pairs,
     truncate_prompts,
     valid_pair_loss,
@@ -91,6 +92,8 @@ class XPOTrainer(PairTrainer):
         reward_funcs: Any = None,
         reward_processing_class: Any = None,
         reward_processing_classes: Any = None,
+        *,
+        tokenizer: Any = None,
     ) -> None:
         args = args if args is not None else default_config(XPOConfig, model, "XPO")
         setup_pair_trainer(
@@ -100,7 +103,7 @@ class XPOTrainer(PairTrainer):
             rewards=as_list(reward_model) + as_list(reward_funcs),
             model=model,
             ref_model=ref_model,
-            processing_class=processing_class,
+            processing_class=tokenizer_argument(processing_class, tokenizer),
             reward_processing_class=one_reward_tokenizer(reward_processing_class, reward_processing_classes),
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
