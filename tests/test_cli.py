@@ -295,3 +295,23 @@ def test_a_reward_function_returning_nan_is_one_line_naming_it(tmp_path, tiny_po
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert "reward function 'nan_reward' returned nan at row 1 of 4" in err
+
+
+def test_trl_example_scripts_add_their_dataset_unless_given(monkeypatch):
+    """examples/scripts/rloo/rloo.py is `posttrain rloo` with TRL's script's dataset when the command line
+    names none (the docs' getting-started command gives no --dataset_name); a given flag or a --config wins."""
+    import runpy
+    from pathlib import Path
+
+    calls = []
+    monkeypatch.setattr(cli, "main", lambda argv: calls.append(argv) or 0)
+    script = str(Path(__file__).resolve().parents[1] / "examples" / "scripts" / "rloo" / "rloo.py")
+    for argv in (["--learning_rate", "3e-6"], ["--dataset_name=prompts.jsonl"], ["--config", "run.yaml"]):
+        monkeypatch.setattr(sys, "argv", [script, *argv])
+        with pytest.raises(SystemExit) as stop:
+            runpy.run_path(script, run_name="__main__")
+        assert stop.value.code == 0
+    dataset = ["--dataset_name", "trl-internal-testing/descriptiveness-sentiment-trl-style"]
+    assert calls[0] == ["rloo", *dataset, "--dataset_train_split", "descriptiveness", "--learning_rate", "3e-6"]
+    assert calls[1] == ["rloo", "--dataset_train_split", "descriptiveness", "--dataset_name=prompts.jsonl"]
+    assert calls[2] == ["rloo", "--config", "run.yaml"]

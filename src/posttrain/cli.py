@@ -218,10 +218,17 @@ def parse_config(name: str, argv: list[str]) -> Any:
         _refuse(f"posttrain {name}: {err}")
 
 
-def run_as(command: str) -> None:
+def run_as(command: str, **defaults: str) -> None:
     """`posttrain <command> <this process's arguments>`, then exit: the body of the scripts under
-    examples/scripts, which run TRL's documented commands (`python examples/scripts/rloo/rloo.py ...`)."""
-    sys.exit(main([command, *sys.argv[1:]]))
+    examples/scripts, which run TRL's documented commands (`python examples/scripts/rloo/rloo.py ...`).
+    `defaults` are flags the script's TRL version fixed (e.g. its dataset), added when the command line
+    gives neither that flag nor a --config file."""
+    argv = sys.argv[1:]
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    extra = (
+        [] if "--config" in given else [x for k, v in defaults.items() if f"--{k}" not in given for x in (f"--{k}", v)]
+    )
+    sys.exit(main([command, *extra, *argv]))
 
 
 def main(argv: list[str] | None = None) -> int:
