@@ -117,6 +117,7 @@ def test_trl011_tokenizer_keyword_and_availability_checks(tmp_path, tiny_tokeniz
     from posttrain.import_utils import is_rich_available, is_vllm_available
 
     assert is_rich_available() is True  # a dependency
+    assert is_rich_available(min_version="1.0") is True and is_rich_available(min_version="9999") is False
     assert is_vllm_available() is (importlib.util.find_spec("vllm") is not None)
     assert is_llm_blender_available() is (importlib.util.find_spec("llm_blender") is not None)
     cfg = pair_config(XPOConfig, tmp_path, total_episodes=4, gradient_accumulation_steps=1)

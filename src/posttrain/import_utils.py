@@ -5,15 +5,25 @@ unchanged. Each check asks `importlib` for the package's spec: nothing is import
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 from collections.abc import Callable
 
 
-def _checker(package: str) -> Callable[[], bool]:
-    def is_available() -> bool:
-        return importlib.util.find_spec(package) is not None
+def _checker(package: str) -> Callable[..., bool]:
+    def is_available(min_version: str | None = None) -> bool:
+        if importlib.util.find_spec(package) is None:
+            return False
+        if min_version is None:
+            return True
+        from packaging.version import Version
 
-    is_available.__doc__ = f"Whether `{package}` is installed (it is not imported)."
+        try:
+            return Version(importlib.metadata.version(package)) >= Version(min_version)
+        except importlib.metadata.PackageNotFoundError:  # importable, but not an installed distribution
+            return False
+
+    is_available.__doc__ = f"Whether `{package}` is installed (at least `min_version` when given); it is not imported."
     return is_available
 
 
