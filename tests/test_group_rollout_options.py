@@ -245,3 +245,19 @@ def test_rloo_mask_truncated_completions_and_steps_per_generation(tmp_path, tiny
     # truncated completions carry no gradient: AdamW leaves the policy exactly as it was
     assert torch.equal(*weights[True])
     assert not torch.equal(*weights[False])
+
+
+@pytest.mark.parametrize("trainer_cls", [GRPOTrainer, RLOOTrainer])
+def test_shuffle_dataset_false_draws_prompts_in_dataset_order(trainer_cls, tmp_path, tiny_tokenizer):
+    """TRL 1.x's shuffle_dataset=False: each pass takes the prompts in dataset order (the default
+    draws a seeded permutation per pass)."""
+    make = grpo_config if trainer_cls is GRPOTrainer else rloo_config
+    prompts = prompt_dataset(8, numbered=True)
+    for shuffle in (False, True):
+        config = make(tmp_path, name=f"out-{shuffle}", per_device_train_batch_size=4, total_episodes=4)
+        config.shuffle_dataset = shuffle
+        trainer = trainer_cls(
+            build_tiny_causal_lm(tiny_tokenizer), length_reward, config, prompts, processing_class=tiny_tokenizer
+        )
+        order = trainer.run.prompts._order
+        assert (order == list(range(8))) is not shuffle and sorted(order) == list(range(8))

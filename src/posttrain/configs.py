@@ -946,6 +946,10 @@ class GroupRolloutOptions:
         "Leave completions that hit max_completion_length without a stop token out of the loss (DAPO).",
         default=False,
     )
+    shuffle_dataset: bool = flag(
+        "Draw the prompts in a new seeded random order on each pass over the dataset; False: in dataset order.",
+        default=True,
+    )
     sync_ref_model: bool = flag(
         "TR-DPO: every ref_model_sync_steps optimizer steps, ref ← ref_model_mixup_alpha · policy + "
         "(1 − ref_model_mixup_alpha) · ref. Needs a reference model (a KL coefficient > 0); not with PEFT.",

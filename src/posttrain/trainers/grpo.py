@@ -191,7 +191,11 @@ class GRPOTrainer(OnlineTrainer):
         # the per-rank stream it replaces.
         run = self.run
         run.prompts = PromptStream(
-            run.train_dataset, args.global_prompts_per_rollout, run.collate, runtime.data_seed(args)
+            run.train_dataset,
+            args.global_prompts_per_rollout,
+            run.collate,
+            runtime.data_seed(args),
+            shuffle=args.shuffle_dataset,
         )
         world, rank = run.world_size, dist.process_index(run.accelerator)
         self.layout = [rank_rows(args.global_prompts_per_rollout, args.num_generations, world, r) for r in range(world)]

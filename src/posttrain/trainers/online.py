@@ -463,6 +463,8 @@ class OnlineRun:
             runtime.data_seed(config),
             rank=dist.process_index(self.accelerator),
             world_size=self.world_size,
+            # GRPO / RLOO (configs.GroupRolloutOptions); the other online trainers always shuffle
+            shuffle=getattr(config, "shuffle_dataset", True),
         )
         self.sampling = sampling_config(config, tokenizer)
         # Sampling stream: one per rank, seeded so runs are reproducible and ranks differ.
