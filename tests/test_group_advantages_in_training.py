@@ -230,6 +230,9 @@ def test_grpo_advantage_is_normalized_within_each_prompt(tmp_path, tiny_tokenize
         # s = [−0.5, −0.5, −0.5, 1.5], clipped to ±1 → [−0.5, −0.5, −0.5, 1.0];
         # prompt 1: −0.5 − 1.0 = −1.5, 1.0 − (−0.5) = 1.5.
         ({"normalize_reward": True, "reward_clip_range": 1.0}, [0.0, -1.5, 0.0, 1.5]),
+        # reward_clip_range as TRL >= 0.21's (min, max) clip of the raw rewards: R → [[0, 0], [0, 1]];
+        # prompt 1: 0 − 1 = −1, 1 − 0 = 1.
+        ({"reward_clip_range": (0.0, 1.0)}, [0.0, -1.0, 0.0, 1.0]),
         # normalize_advantage on [0, −4, 0, 4]: mean 0, unbiased std sqrt(32/3) = 3.26599 →
         # ±4 / 3.26599 = ±1.22474.
         ({"normalize_advantage": True}, [0.0, -1.2247449, 0.0, 1.2247449]),
@@ -249,8 +252,10 @@ def test_rloo_hand_computed_advantages(tmp_path, tiny_tokenizer, monkeypatch, op
     covered = check_micro_batches(records[0], torch.tensor(expected, dtype=torch.float64))
     assert torch.equal(covered, torch.ones(4, dtype=torch.long))
     assert last["objective/scores"] == pytest.approx(1.0)  # before normalize_reward: mean(0, 0, 0, 4)
-    # kl_coef = 0: rlhf_reward = (normalized) score; mean(−0.5, −0.5, −0.5, 1.0) = −0.125
-    assert last["objective/rlhf_reward"] == pytest.approx(-0.125 if options.get("normalize_reward") else 1.0)
+    # kl_coef = 0: rlhf_reward = (normalized or clipped) score; mean(−0.5, −0.5, −0.5, 1.0) = −0.125,
+    # clipped to [0, 1]: mean(0, 0, 0, 1) = 0.25
+    rlhf = -0.125 if options.get("normalize_reward") else 0.25 if "reward_clip_range" in options else 1.0
+    assert last["objective/rlhf_reward"] == pytest.approx(rlhf)
 
 
 @pytest.mark.parametrize(

@@ -65,12 +65,21 @@ def test_both_names_with_different_values_is_an_error(new, old):
         (dict(max_completion_length=0), "max_completion_length=0"),
         (dict(epsilon=0.0), "epsilon=0.0"),
         (dict(num_iterations=0), "num_iterations=0"),
-        (dict(reward_clip_range=(-1.0, 1.0)), r"reward_clip_range=\(-1.0, 1.0\)"),
+        (dict(reward_clip_range=(1.0, -1.0)), r"reward_clip_range=\(1.0, -1.0\): a clip of the raw rewards"),
+        (dict(reward_clip_range=(-1.0, 1.0), normalize_reward=True), r"reward_clip_range=\(-1.0, 1.0\) with norm"),
     ],
 )
 def test_bad_values_are_refused_under_the_name_given(values, name):
     with pytest.raises(ConfigError, match=name):
         RLOOConfig(**values)
+
+
+def test_reward_clip_range_pair_on_the_command_line():
+    assert cli.parse_config("rloo", ["--reward_clip_range=-1,1"]).reward_clip_range == (-1.0, 1.0)
+    assert cli.parse_config("rloo", ["--reward_clip_range", "[0, 2.5]"]).reward_clip_range == (0.0, 2.5)
+    assert cli.parse_config("rloo", ["--reward_clip_range", "3", "--normalize_reward"]).reward_clip_range == 3.0
+    with pytest.raises(ConfigError, match=r"reward_clip_range='a,b': give a float c"):
+        RLOOConfig(reward_clip_range="a,b")
 
 
 def test_trl_1x_names_on_the_command_line(capsys):

@@ -277,7 +277,9 @@ class RLOOTrainer(OnlineTrainer):
                 online.log_reward_metrics(run, self.reward, exp.rewards, total=True)
                 mask = exp.rollout.completion_mask
                 scores = exp.scores
-                if config.normalize_reward:
+                if isinstance(config.reward_clip_range, tuple):  # TRL >= 0.21: clip the raw rewards
+                    scores = scores.clamp(*config.reward_clip_range)
+                elif config.normalize_reward:
                     scores = adv.normalize_rewards(scores, config.reward_clip_range, moments=run.batch_moments(scores))
                 # 3. KL-shaped reward, one number per sequence
                 kl = exp.kl if exp.kl is not None else torch.zeros_like(exp.rollout.logprobs)

@@ -34,9 +34,10 @@ Both names given with different values is a ConfigError naming both (a 0.19 fiel
 default yields to the new name). A field neither name sets keeps its 0.19 default, which may differ
 from TRL 1.x's: num_ppo_epochs 4 (num_iterations 1), response_length 53 (max_completion_length 512),
 learning_rate 5e-05 (1e-06), temperature 0.7 (1.0); README.md, "RLOO", lists them. TRL 1.x's
-`reward_clip_range` is a (min, max) pair clipping raw rewards; here it is 0.19's float (with
-normalize_reward), so a pair is refused. TRL 1.x's `reward_weights` (one weight per reward) is a field
-with TRL's meaning; its `num_generations_eval` accepts only 1, the one greedy completion per eval
+`reward_clip_range` is a (min, max) pair clipping the raw rewards (before the KL penalty); a float is
+0.19's clip to ±c of the scores normalised by normalize_reward. Both meanings work, told apart by
+type. TRL 1.x's `reward_weights` (one weight per reward) is a field with TRL's meaning; its
+`num_generations_eval` accepts only 1, the one greedy completion per eval
 prompt that evaluation draws. TRL 1.x's rollout settings shared with GRPO (steps_per_generation /
 generation_batch_size, mask_truncated_completions, sync_ref_model, min_p, repetition_penalty,
 generation_kwargs, log_completions, chat_template_kwargs, pad_to_multiple_of) come from
@@ -94,7 +95,11 @@ class RLOOConfig(GroupRolloutOptions, OnPolicyConfig):
     normalize_reward: bool = flag(
         "Normalise scores to mean 0 / std 1 over the rollout batch, then clip to ±reward_clip_range.", default=False
     )
-    reward_clip_range: float = flag("Clip range of the normalized scores (with normalize_reward).", default=10.0)
+    reward_clip_range: float | str | tuple[float, float] | None = flag(
+        "A float c: clip to ±c the scores normalised by normalize_reward (TRL 0.19). A (min, max) pair (on "
+        "the command line: --reward_clip_range=-1,1): clip the raw rewards to it before the KL penalty (TRL >= 0.21).",
+        default=10.0,
+    )
     normalize_advantage: bool = flag(
         "Normalise advantages to mean 0 / std 1 over the rollout batch (TRL >= 0.21: normalize_advantages).",
         default=False,
@@ -139,13 +144,31 @@ class RLOOConfig(GroupRolloutOptions, OnPolicyConfig):
 
     def __post_init__(self) -> None:
         self._resolve_trl_1x_names()
+        if isinstance(self.reward_clip_range, str):  # the command line: "10" or "-1,1" / "(-1, 1)" / "[-1, 1]"
+            parts = self.reward_clip_range.strip().strip("()[]").split(",")
+            try:
+                values = [float(p) for p in parts]
+            except ValueError:
+                values = []
+            if len(values) not in (1, 2):
+                raise ConfigError(
+                    f"reward_clip_range={self.reward_clip_range!r}: give a float c (with normalize_reward) or a "
+                    "'min,max' pair clipping the raw rewards."
+                )
+            self.reward_clip_range = values[0] if len(values) == 1 else tuple(values)
         if isinstance(self.reward_clip_range, (tuple, list)):
-            raise ConfigError(
-                f"reward_clip_range={self.reward_clip_range!r}: a (min, max) pair is TRL >= 0.21's clip of the raw "
-                "rewards, which posttrain's RLOO does not have; here reward_clip_range is TRL 0.19's float c, the "
-                "clip to ±c of the scores normalised by normalize_reward. Drop it, or set normalize_reward=True "
-                "with a float."
-            )
+            low, high = (float(v) for v in self.reward_clip_range) if len(self.reward_clip_range) == 2 else (1, 0)
+            if not low < high:
+                raise ConfigError(
+                    f"reward_clip_range={self.reward_clip_range!r}: a clip of the raw rewards is a (min, max) pair "
+                    "with min < max (a float c is TRL 0.19's clip to ±c of the scores normalised by normalize_reward)."
+                )
+            if self.normalize_reward:
+                raise ConfigError(
+                    f"reward_clip_range={self.reward_clip_range!r} with normalize_reward=True: a (min, max) pair clips "
+                    "the raw rewards (TRL >= 0.21), a float c the normalised ones (TRL 0.19); give a float."
+                )
+            self.reward_clip_range = (low, high)
         if self.max_completion_length is not None and self.max_completion_length < 1:
             raise ConfigError(f"max_completion_length={self.max_completion_length} must be >= 1.")
         check_group_rollout_options(self, kl_field=self._named("kl_coef"), kl_coef=self.kl_coef)
