@@ -19,9 +19,9 @@ log-probs are taken at temperature 1. It returns TRL's statistics (STEP_STATS an
 reduced over all processes and token-weighted (TRL averages per-minibatch means).
 
 TRL's building blocks are public with TRL's signatures, on the shared math (posttrain.advantages,
-posttrain.losses, posttrain.scoring): `batched_forward_pass`, `compute_rewards`,
-`compute_advantages`, `loss`, `train_minibatch`, `record_step_stats`, `gather_stats`,
-`prepare_dataloader`, `prepare_model_inputs`, `create_model_card`, `save_pretrained`. Their tensors
+posttrain.losses, posttrain.scoring): `batched_forward_pass`, `compute_rewards`, `_kl_penalty`,
+`compute_advantages`, `loss`, `train_minibatch`, `_step_safety_checker`, `record_step_stats`,
+`gather_stats`, `prepare_dataloader`, `prepare_model_inputs`, `create_model_card`, `save_pretrained`. Their tensors
 are completion-aligned, (batch, response_length), as TRL's documentation describes them.
 
 Encoder–decoder policies (T5, BART: value_head.AutoModelForSeq2SeqLMWithValueHead, detected from the
