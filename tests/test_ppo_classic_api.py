@@ -838,3 +838,44 @@ def test_batch_sizes_neither_api_accepts_are_refused_at_construction():
     # train()'s derived sizes (per_device 8 × accumulation 2 = 16 per optimizer step) stay accepted
     assert PPOConfig(batch_size=16, mini_batch_size=16, gradient_accumulation_steps=2).batch_size == 16
     assert PPOConfig(batch_size=4, gradient_accumulation_steps=2).batch_size == 4  # mini_batch_size: default 1
+
+
+def test_reward_adapter_scores_with_the_reward_lora_and_trains_only_the_policy(tmp_path, tiny_tokenizer):
+    """TRL's reward_adapter: a reward model's LoRA adapter (saved with its score head) rides in the
+    PEFT policy, frozen; compute_reward_score equals the reward model's own score."""
+    peft = pytest.importorskip("peft")
+    from functools import partial
+
+    from posttrain import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+    from posttrain.testing import build_tiny_reward_model
+
+    rm = build_tiny_reward_model(tiny_tokenizer)
+    lm = build_tiny_causal_lm(tiny_tokenizer)
+    lm.model.load_state_dict(rm.model.state_dict())  # the policy and the reward model share their base
+    rm = peft.get_peft_model(rm, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="SEQ_CLS"))
+    with torch.no_grad():  # a trained adapter and head: not the identity
+        for name, p in rm.named_parameters():
+            if "lora_B" in name or "score" in name:
+                p.normal_(std=0.5)
+    rm.save_pretrained(tmp_path / "rm")
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    with torch.no_grad():
+        want = rm.eval()(ids).logits
+    policy = peft.get_peft_model(
+        lm, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj"], task_type="CAUSAL_LM")
+    )
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(policy, reward_adapter=str(tmp_path / "rm"))
+    got = model.compute_reward_score(ids)
+    assert got.shape == (2, 4, 1)
+    torch.testing.assert_close(got[:, -1, :], want, atol=1e-5, rtol=0)
+    assert model.pretrained_model.active_adapter == "default"
+
+    trainer = PPOTrainer(PPOConfig(batch_size=2, report_to="none"), model, None, tiny_tokenizer)
+    trainer.optimizer.zero_grad = partial(trainer.optimizer.zero_grad, set_to_none=False)
+    trainer.step(*STEP_ROWS, [1.0, 0.0])
+    for name, p in model.named_parameters():
+        trained = ("lora" in name or "v_head" in name) and "reward" not in name
+        assert (p.grad is not None) == trained, name
+    torch.testing.assert_close(model.compute_reward_score(ids)[:, -1, :], want, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="needs a PEFT policy"):
+        AutoModelForCausalLMWithValueHead.from_pretrained(build_tiny_causal_lm(tiny_tokenizer), reward_adapter="x")
