@@ -231,7 +231,8 @@ def test_positional_and_keyword_arguments_in_the_documented_order(tiny_tokenizer
     assert set(batch) == {"input_ids", "query"}  # "extra" is not a forward argument: removed
     assert trainer.accelerator.device == trainer.current_device
     if form == "everything":
-        assert trainer.optimizer.optimizer is opt and trainer.lr_scheduler is sched
+        # TRL hands both to accelerate: its wrappers hold the user's objects
+        assert trainer.optimizer.optimizer is opt and trainer.lr_scheduler.scheduler is sched
         # num_shared_layers=1: the reference holds the policy's very first block
         layer = trainer.model.pretrained_model.model.layers[0]
         assert trainer.ref_model.model.layers[0] is layer and trainer.ref_model.model.layers[1] is not layer
@@ -384,10 +385,10 @@ def test_accelerator_project_and_tracker_settings_are_honoured(tmp_path, tiny_to
 
 
 # -- the building blocks, by hand ------------------------------------------------------------------
-def classic_trainer(tiny_tokenizer, **kw):
+def classic_trainer(tiny_tokenizer, config=None, **kw):
     from posttrain import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 
-    cfg = PPOConfig(report_to="none", batch_size=2, **kw)
+    cfg = config or PPOConfig(report_to="none", batch_size=2, **kw)
     torch.manual_seed(0)
     model = AutoModelForCausalLMWithValueHead(build_tiny_causal_lm(tiny_tokenizer))
     return PPOTrainer(cfg, model, build_tiny_causal_lm(tiny_tokenizer, seed=4), tiny_tokenizer)
@@ -398,10 +399,13 @@ def test_compute_rewards_and_advantages_by_hand(tiny_tokenizer):
     logprobs = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.5, -0.5]])
     ref_logprobs = torch.tensor([[-1.5, -1.0, 0.0], [-0.5, -1.5, -1.0]])
     masks = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    rewards, non_score = trainer.compute_rewards([torch.tensor(1.0), torch.tensor(-2.0)], logprobs, ref_logprobs, masks)
+    rewards, non_score, kl = trainer.compute_rewards(
+        [torch.tensor(1.0), torch.tensor(-2.0)], logprobs, ref_logprobs, masks
+    )
     # kl = lp − ref = [[0.5, −1, ·], [0, 1, 0.5]]; β = 0.2 (the classic init_kl_coef); the score on the last real token
     torch.testing.assert_close(non_score, torch.tensor([[-0.1, 0.2, 0.0], [0.0, -0.2, -0.1]]))
     torch.testing.assert_close(rewards, torch.tensor([[-0.1, 1.2, 0.0], [0.0, -0.2, -2.1]]))
+    torch.testing.assert_close(kl, torch.tensor([[0.5, -1.0, 0.0], [0.0, 1.0, 0.5]]))  # 0 off the mask
 
     trainer.config.whiten_advantages = False
     values, advantages, returns = trainer.compute_advantages(
@@ -453,7 +457,7 @@ def test_batched_forward_pass_matches_unpadded_forwards(tiny_tokenizer):
     # train_minibatch: one optimizer step on those tensors
     before = [p.detach().clone() for p in trainer.model.parameters()]
     lp2, logits2, vpreds, _ = trainer.batched_forward_pass(trainer.model, queries, responses, None, return_logits=True)
-    rewards, _ = trainer.compute_rewards([torch.tensor(1.0), torch.tensor(-1.0)], lp, ref_lp, masks)
+    rewards, _, _ = trainer.compute_rewards([torch.tensor(1.0), torch.tensor(-1.0)], lp, ref_lp, masks)
     old_values, advantages, returns = trainer.compute_advantages(values, rewards, masks)
     stats = trainer.train_minibatch(lp, old_values, lp2, logits2, vpreds, masks, advantages, returns)
     assert stats["policy/approxkl"] == 0.0 and "val/var" in stats
@@ -704,3 +708,174 @@ def test_the_default_collator_stacks_tuple_rows_as_a_dataloader_does():
     assert torch.equal(query, torch.tensor([[1, 2], [4, 5]])) and torch.equal(response, torch.tensor([[3], [6]]))
     batch = dict_collator([{"q": torch.tensor([1])}, {"q": torch.tensor([2, 3])}])
     assert [t.tolist() for t in batch["q"]] == [[1], [2, 3]]
+
+
+# -- TRL 0.11's observable behaviour (its tests/test_ppo_trainer.py) --------------------------------------
+STEP_ROWS = ([torch.tensor([5, 6, 7]), torch.tensor([8, 9])], [torch.tensor([10, 11]), torch.tensor([12, 13, 14])])
+
+
+def test_a_patched_zero_grad_is_the_one_step_uses(tiny_tokenizer):
+    """TRL's tests read every gradient after step() by making zero_grad keep zero tensors; the
+    default (set_to_none) still frees them."""
+    from functools import partial
+
+    trainer = classic_trainer(tiny_tokenizer)
+    trainer.step(*STEP_ROWS, [1.0, 0.0])
+    assert all(p.grad is None for p in trainer.model.parameters())
+    trainer.optimizer.zero_grad = partial(trainer.optimizer.zero_grad, set_to_none=False)
+    trainer.step(*STEP_ROWS, [1.0, 0.0])
+    grads = [p.grad for p in trainer.model.parameters()]
+    assert all(g is not None and not g.any() for g in grads)  # kept, zeroed after the optimizer step
+    assert all(p.grad is None for p in trainer.ref_model.parameters())
+
+
+def test_lr_scheduler_is_wrapped_and_steps_once_per_step(tiny_tokenizer):
+    from posttrain import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+
+    model = AutoModelForCausalLMWithValueHead(build_tiny_causal_lm(tiny_tokenizer))
+    opt = torch.optim.SGD(model.parameters(), lr=0.4)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    cfg = PPOConfig(batch_size=2, report_to="none")
+    trainer = PPOTrainer(cfg, model, None, tiny_tokenizer, optimizer=opt, lr_scheduler=sched)
+    assert trainer.lr_scheduler.scheduler is sched
+    # ppo/learning_rate is the rate the step trained with; the scheduler steps after it: 0.4, 0.2, then 0.1
+    rates = [trainer.step(*STEP_ROWS, [1.0, 0.0])["ppo/learning_rate"] for _ in range(2)]
+    assert rates == pytest.approx([0.4, 0.2]) and opt.param_groups[0]["lr"] == pytest.approx(0.1)
+    with pytest.raises(ConfigError, match="lr_scheduler must be a torch.optim.lr_scheduler.LRScheduler"):
+        PPOTrainer(PPOConfig(batch_size=2, report_to="none"), model, None, tiny_tokenizer, lr_scheduler=lambda: 1.0)
+
+
+def test_num_shared_layers_with_a_given_ref_model_warns_and_shares_nothing(tiny_tokenizer):
+    from posttrain import PPOConfig, PPOTrainer
+
+    model, ref = build_tiny_causal_lm(tiny_tokenizer), build_tiny_causal_lm(tiny_tokenizer, seed=4)
+    with pytest.warns(UserWarning, match="num_shared_layers=1 is ignored"):
+        trainer = PPOTrainer(PPOConfig(batch_size=2, report_to="none"), model, ref, tiny_tokenizer, num_shared_layers=1)
+    assert trainer.ref_model is ref
+    shared = {id(p) for p in trainer.model.parameters()} & {id(p) for p in ref.parameters()}
+    assert not shared
+
+
+def test_no_dataset_warns_about_batch_size(tiny_tokenizer):
+    from posttrain import PPOConfig, PPOTrainer
+
+    with pytest.warns(UserWarning, match="config.batch_size = 3"):
+        trainer = PPOTrainer(
+            PPOConfig(batch_size=3, report_to="none"), build_tiny_causal_lm(tiny_tokenizer), None, tiny_tokenizer
+        )
+    assert trainer.dataloader is None
+
+
+def test_step_safety_checker(tiny_tokenizer):
+    trainer = classic_trainer(tiny_tokenizer)
+    q, r = STEP_ROWS
+    queries, responses, scores, masks = trainer._step_safety_checker(2, q, r, [torch.tensor([1.5]), torch.tensor(-1.0)])
+    assert [t.tolist() for t in queries] == [[5, 6, 7], [8, 9]] and [t.tolist() for t in responses] == [
+        [10, 11],
+        [12, 13, 14],
+    ]
+    assert [s.shape for s in scores] == [(), ()] and [float(s) for s in scores] == [1.5, -1.0] and masks is None
+    _, _, _, masks = trainer._step_safety_checker(2, q, r, [1.0, 2.0], [torch.tensor([1, 0]), torch.tensor([0, 1, 1])])
+    assert [m.tolist() for m in masks] == [[1, 0], [0, 1, 1]]
+    with pytest.raises(ValueError, match=r"scores\[0\] must be a 0-d or 1-element tensor"):
+        trainer._step_safety_checker(2, q, r, [torch.tensor([[1.0]]), torch.tensor([[0.0]])])
+    with pytest.raises(ValueError, match="config.batch_size = 3"):
+        trainer._step_safety_checker(3, q, r, [1.0, 2.0])
+
+
+def test_kl_penalty_by_hand_and_assigned_after_the_config_is_built(tiny_tokenizer):
+    from posttrain import PPOConfig
+
+    lp = torch.tensor([[0.5, 0.2, 0.1], [0.6, 0.2, 0.1]])
+    ref = torch.tensor([[0.4, 0.3, 0.0], [0.7, 0.1, 0.3]])
+    diff = torch.tensor([[0.1, -0.1, 0.1], [-0.1, 0.1, -0.2]])
+    cfg = PPOConfig(report_to="none", batch_size=2)
+    expected = {"kl": diff, "abs": diff.abs(), "mse": 0.5 * diff**2}
+    for name, want in expected.items():
+        cfg.kl_penalty = name  # assigned on the built config, as TRL's scripts do
+        trainer = classic_trainer(tiny_tokenizer, config=cfg)
+        assert cfg.kl_penalty == name and cfg.kl_estimator == {"kl": "k1", "mse": "k2"}.get(name, name)
+        torch.testing.assert_close(trainer._kl_penalty(lp, ref), want)
+    # full: Σ_v p_v (log p_v − log q_v); p = (0.5, 0.5), q = (0.25, 0.75): 0.5·ln 2 + 0.5·ln(2/3)
+    cfg.kl_penalty = "full"
+    trainer = classic_trainer(tiny_tokenizer, config=cfg)
+    p, q = torch.tensor([[[0.5, 0.5]]]).log(), torch.tensor([[[0.25, 0.75]]]).log()
+    kl = trainer._kl_penalty(p, q)
+    assert kl.shape == (1, 1) and float(kl) == pytest.approx(0.5 * math.log(2) + 0.5 * math.log(2 / 3), abs=1e-6)
+    cfg.kl_penalty, cfg.kl_estimator = "abs", "k3"
+    with pytest.raises(ConfigError, match="kl_estimator='k3' and kl_penalty='abs' were both changed"):
+        classic_trainer(tiny_tokenizer, config=cfg)
+
+
+def test_fields_assigned_on_a_built_config_survive_the_classic_defaults(tiny_tokenizer):
+    from posttrain import PPOConfig
+
+    cfg = PPOConfig(report_to="none", batch_size=2)
+    cfg.max_grad_norm, cfg.ppo_epochs, cfg.init_kl_coef = 1e-5, 1, 0.3  # classic defaults: None, 4, 0.2
+    trainer = classic_trainer(tiny_tokenizer, config=cfg)
+    assert (cfg.max_grad_norm, cfg.num_ppo_epochs, cfg.ppo_epochs, cfg.kl_coef, trainer.kl_ctl.value) == (
+        1e-5,
+        1,
+        1,
+        0.3,
+        0.3,
+    )
+    assert cfg.learning_rate == 1e-5  # not assigned: the classic default
+    cfg.mini_batch_size, cfg.gradient_accumulation_steps = 1, 2  # between trainers, as TRL's tests do
+    trainer = classic_trainer(tiny_tokenizer, config=cfg)
+    assert (cfg.mini_batch_size, cfg.backward_batch_size) == (1, 2)
+    # ppo_epochs assigned after the trainer was built: the next step() runs 2 epochs of 1 optimizer step
+    cfg.ppo_epochs = 2
+    stats = trainer.step(*STEP_ROWS, [1.0, 0.0])
+    assert cfg.num_ppo_epochs == 2 and len(stats["ppo/policy/ratio"]) == 5 * 2
+
+
+def test_batch_sizes_neither_api_accepts_are_refused_at_construction():
+    from posttrain import PPOConfig
+
+    with pytest.raises(ConfigError, match=r"batch_size=2 must be a multiple of .* = 2 × 2"):
+        PPOConfig(batch_size=2, mini_batch_size=2, gradient_accumulation_steps=2)
+    # train()'s derived sizes (per_device 8 × accumulation 2 = 16 per optimizer step) stay accepted
+    assert PPOConfig(batch_size=16, mini_batch_size=16, gradient_accumulation_steps=2).batch_size == 16
+    assert PPOConfig(batch_size=4, gradient_accumulation_steps=2).batch_size == 4  # mini_batch_size: default 1
+
+
+def test_reward_adapter_scores_with_the_reward_lora_and_trains_only_the_policy(tmp_path, tiny_tokenizer):
+    """TRL's reward_adapter: a reward model's LoRA adapter (saved with its score head) rides in the
+    PEFT policy, frozen; compute_reward_score equals the reward model's own score."""
+    peft = pytest.importorskip("peft")
+    from functools import partial
+
+    from posttrain import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+    from posttrain.testing import build_tiny_reward_model
+
+    rm = build_tiny_reward_model(tiny_tokenizer)
+    lm = build_tiny_causal_lm(tiny_tokenizer)
+    lm.model.load_state_dict(rm.model.state_dict())  # the policy and the reward model share their base
+    rm = peft.get_peft_model(rm, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="SEQ_CLS"))
+    with torch.no_grad():  # a trained adapter and head: not the identity
+        for name, p in rm.named_parameters():
+            if "lora_B" in name or "score" in name:
+                p.normal_(std=0.5)
+    rm.save_pretrained(tmp_path / "rm")
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    with torch.no_grad():
+        want = rm.eval()(ids).logits
+    policy = peft.get_peft_model(
+        lm, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj"], task_type="CAUSAL_LM")
+    )
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(policy, reward_adapter=str(tmp_path / "rm"))
+    got = model.compute_reward_score(ids)
+    assert got.shape == (2, 4, 1)
+    torch.testing.assert_close(got[:, -1, :], want, atol=1e-5, rtol=0)
+    assert model.pretrained_model.active_adapter == "default"
+
+    trainer = PPOTrainer(PPOConfig(batch_size=2, report_to="none"), model, None, tiny_tokenizer)
+    trainer.optimizer.zero_grad = partial(trainer.optimizer.zero_grad, set_to_none=False)
+    trainer.step(*STEP_ROWS, [1.0, 0.0])
+    for name, p in model.named_parameters():
+        trained = ("lora" in name or "v_head" in name) and "reward" not in name
+        assert (p.grad is not None) == trained, name
+    torch.testing.assert_close(model.compute_reward_score(ids)[:, -1, :], want, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="needs a PEFT policy"):
+        AutoModelForCausalLMWithValueHead.from_pretrained(build_tiny_causal_lm(tiny_tokenizer), reward_adapter="x")

@@ -30,8 +30,11 @@ STAT_NAMES = set(STEP_STATS) | {
     "objective/kl_coef",
     "ppo/learning_rate",
     "time/ppo/total",
+    "time/ppo/forward_pass",
+    "time/ppo/compute_rewards",
     "time/ppo/compute_advantages",
     "time/ppo/optimize_step",
+    "time/ppo/calc_stats",
     "tokens/queries_len_std",
     "tokens/responses_len_std",
     # TRL's distributions (arrays)

@@ -137,5 +137,7 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, config: An
     if config.max_grad_norm:
         norm = distributed.clip_grad_norm(accelerator, model.parameters(), config.max_grad_norm)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    # The optimizer's own default (torch, accelerate: set_to_none=True), as TRL's trainers call it, so a
+    # script that patches `trainer.optimizer.zero_grad` (e.g. set_to_none=False, to read grads) sees it used.
+    optimizer.zero_grad()
     return norm

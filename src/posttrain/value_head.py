@@ -124,6 +124,15 @@ def _read_head(path: str, wanted: set[str], only: set[str] | None = None) -> dic
     return {local: state[key] for key, local in _head_keys(state if only is None else only, wanted).items()}
 
 
+def _load_state_file(path: str, safe: bool) -> dict[str, torch.Tensor]:
+    """Every tensor of one weights file (safetensors or a torch pickle, tensors only), on the CPU."""
+    if safe:
+        from safetensors.torch import load_file
+
+        return load_file(path, device="cpu")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def load_v_head_state(
     name_or_path: str | os.PathLike, wanted: set[str] | None = None, **hub_kwargs: Any
 ) -> dict[str, torch.Tensor] | None:
@@ -253,12 +262,8 @@ class PreTrainedModelWrapper(WrapsPretrainedModel):
         """
         peft_config = kwargs.pop("peft_config", None)
         is_trainable = kwargs.pop("is_trainable", False)
-        if kwargs.pop("reward_adapter", None) is not None:
-            raise NotImplementedError(
-                "reward_adapter (a reward-model LoRA adapter inside the policy) is not supported; "
-                "pass the reward model to the trainer instead."
-            )
-        kwargs.pop("reward_adapter_name", None)
+        reward_adapter = kwargs.pop("reward_adapter", None)
+        reward_adapter_name = kwargs.pop("reward_adapter_name", "reward_model_adapter")
         head_kwargs, load_kwargs = cls._split_kwargs(kwargs)
         if "torch_dtype" in load_kwargs or "dtype" in load_kwargs:
             dtype = load_kwargs.pop("dtype", None)
@@ -288,6 +293,8 @@ class PreTrainedModelWrapper(WrapsPretrainedModel):
                 f"but is {type(pretrained_model_name_or_path)}"
             )
         model = cls(pretrained_model, **head_kwargs)
+        if reward_adapter is not None:
+            model.add_reward_adapter(reward_adapter, reward_adapter_name)
         if head_state is not None:
             model.v_head.load_state_dict(head_state)
         elif isinstance(pretrained_model_name_or_path, (str, os.PathLike)):
@@ -297,6 +304,63 @@ class PreTrainedModelWrapper(WrapsPretrainedModel):
                 pretrained_model_name_or_path,
             )
         return model
+
+    # -- a reward model inside the policy (TRL's reward_adapter) ---------------------------------------
+    def add_reward_adapter(self, adapter_path: str | os.PathLike, adapter_name: str = "reward_model_adapter") -> None:
+        """Load a reward model's LoRA adapter (a saved `peft` SEQ_CLS adapter with its `score` head)
+        into this PEFT policy, frozen, beside the policy's adapter; `compute_reward_score` runs it.
+        The head becomes `reward_score` (`score` is the value head here)."""
+        if not self.is_peft_model or not hasattr(self.pretrained_model, "load_adapter"):
+            raise ValueError(
+                "reward_adapter needs a PEFT policy (a peft model, or from_pretrained(..., peft_config=...)) "
+                "to hold the reward adapter beside the policy's."
+            )
+        location = os.fspath(adapter_path)
+        state = None
+        for name, safe in (("adapter_model.safetensors", True), ("adapter_model.bin", False)):
+            path = os.path.join(location, name)
+            if os.path.isfile(path):
+                state = _load_state_file(path, safe)
+                break
+        if state is None:
+            raise ValueError(f"reward_adapter={location!r} holds no adapter_model.safetensors / adapter_model.bin.")
+        head = {k.rsplit(".", 1)[-1]: v for k, v in state.items() if ".score." in f".{k}"}
+        if "weight" not in head:
+            raise ValueError(
+                f"reward_adapter={location!r} has no `score` head: save the reward model's adapter with its "
+                'classification head (peft task_type="SEQ_CLS" keeps it).'
+            )
+        policy_adapter = self.pretrained_model.active_adapter
+        self.pretrained_model.load_adapter(location, adapter_name, is_trainable=False)
+        self.pretrained_model.set_adapter(policy_adapter)
+        num_labels, hidden = head["weight"].shape
+        score = nn.Linear(hidden, num_labels, bias="bias" in head)
+        score.load_state_dict(head)
+        self.reward_score = score.to(self._lm_head_device()).requires_grad_(False)
+        self.supports_rm_adapter = True
+        self.rm_adapter_name, self.policy_adapter_name = adapter_name, policy_adapter
+
+    def compute_reward_score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+        """The reward adapter's scores at every position, (batch, length, num_labels), without
+        gradients; a sequence's score is at its last real token. The policy adapter is active again
+        afterwards and the model is left in eval mode (as TRL)."""
+        if not self.supports_rm_adapter:
+            raise ValueError("compute_reward_score needs a reward adapter: from_pretrained(..., reward_adapter=path).")
+        self.pretrained_model.set_adapter(self.rm_adapter_name)
+        self.pretrained_model.eval()
+        try:
+            with torch.no_grad():
+                out = self.pretrained_model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    output_hidden_states=True,
+                    return_dict=True,
+                    **kwargs,
+                )
+                scores = self.reward_score(out.hidden_states[-1])
+        finally:
+            self.pretrained_model.set_adapter(self.policy_adapter_name)
+        return scores
 
     @staticmethod
     def _maybe_apply_peft(model: nn.Module, peft_config: Any) -> nn.Module:

@@ -1,7 +1,8 @@
-"""TRL's building blocks of the classic `PPOTrainer`, public with TRL 0.7's signatures, on the shared
+"""TRL's building blocks of the classic `PPOTrainer`, public with the signatures of its last release
+(TRL 0.11; `compute_rewards` returns (rewards, non_score_reward, kl) as since TRL 0.7.9), on the shared
 math (posttrain.advantages, posttrain.losses, posttrain.scoring, posttrain.ops): `batched_forward_pass`,
-`compute_rewards`, `compute_advantages`, `loss`, `train_minibatch`, `record_step_stats`,
-`gather_stats`. Scripts that assemble their own step from them (or test them one by one) port
+`compute_rewards`, `_kl_penalty`, `compute_advantages`, `loss`, `train_minibatch`,
+`record_step_stats`, `gather_stats`. Scripts that assemble their own step from them (or test them one by one) port
 unchanged; `step()` itself (trainers/ppo_classic.py) runs ppo.py's steps 3–5, which compute the same
 quantities distributed-exactly.
 
@@ -75,19 +76,27 @@ class ClassicBuildingBlocks:
 
     def compute_rewards(
         self, scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, masks: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rewards, non_score_reward), both (B, T): −kl_coef·kl_t on response tokens (config.kl_penalty;
-        "full" takes (B, T, V) log-probabilities) plus the score on the last one
-        (advantages.kl_shaped_rewards)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rewards, non_score_reward, kl), all (B, T) as TRL 0.11 returns them: kl_t the per-token
+        penalty of `_kl_penalty` (0 off the mask), non_score_reward = −kl_coef·kl_t, rewards = that plus
+        the score on the last response token (advantages.kl_shaped_rewards)."""
         mask = masks.bool()
-        if self.config.kl_estimator == "full" or logprobs.dim() == 3:
-            if logprobs.dim() != 3:
-                raise ValueError('kl_penalty="full" needs (batch, length, vocab) log-probabilities.')
-            kl = adv.full_kl(logprobs, ref_logprobs, mask)
-        else:
-            kl = adv.kl_penalty(logprobs, ref_logprobs, self.config.kl_estimator, mask)
+        kl = self._kl_penalty(logprobs, ref_logprobs).float()
+        kl = kl.masked_fill(~mask, 0.0)
         scores = torch.stack([torch.as_tensor(s, dtype=torch.float32).reshape(()) for s in scores])
-        return adv.kl_shaped_rewards(scores.to(kl.device), kl, mask, self.kl_ctl.value)
+        rewards, non_score = adv.kl_shaped_rewards(scores.to(kl.device), kl, mask, self.kl_ctl.value)
+        return rewards, non_score, kl
+
+    def _kl_penalty(self, logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+        """The per-token KL penalty of config.kl_penalty on log-probabilities: "kl" lp − ref, "abs"
+        |lp − ref|, "mse" ½(lp − ref)², "k3"; "full" takes (..., V) log-probabilities and returns
+        Σ_v p_v (log p_v − log p_ref,v) of shape (...) (advantages.kl_penalty / full_kl)."""
+        estimator = self.config.resolved_kl_estimator()
+        if estimator == "full" or logprob.dim() == 3:
+            if logprob.dim() != 3:
+                raise ValueError('kl_penalty="full" needs (batch, length, vocab) log-probabilities.')
+            return adv.full_kl(logprob, ref_logprob)
+        return adv.kl_penalty(logprob, ref_logprob, estimator)
 
     def compute_advantages(
         self, values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor

@@ -51,6 +51,7 @@ Metrics (train(), one line per logging step; sums and counts reduced over ranks,
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -290,6 +291,7 @@ class PPOTrainer(OnlineTrainer):
         of rollout.completion_mask (step()'s response_masks); default the completion mask. The score
         sits on its last True position."""
         cfg, run, M = self.args, self.run, self.run.metrics
+        started = time.time()
         B = len(rollout)
         mask = rollout.completion_mask if loss_mask is None else loss_mask & rollout.completion_mask
         self.wrapped.train()
@@ -310,6 +312,7 @@ class PPOTrainer(OnlineTrainer):
                     lp, _, v = self.wrapped(rollout.select(rows), self.temperature, with_entropy=True)
                     old_logprobs[rows], old_values[rows] = lp.float(), v.float()
 
+        forwarded = time.time()
         raw_scores = scores
         if cfg.use_score_scaling or cfg.score_clip is not None:
             gathered = dist.gather(scores, run.accelerator) if cfg.use_score_scaling else None
@@ -325,9 +328,16 @@ class PPOTrainer(OnlineTrainer):
         rewards, non_score = adv.kl_shaped_rewards(scores, kl, mask, self.kl_ctl.value)
         if cfg.whiten_rewards:
             rewards = adv.whiten_rewards(rewards, mask, moments=run.batch_moments(rewards, mask))
+        rewarded = time.time()
         advantages, returns = adv.gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:
             advantages = adv.whiten_advantages(advantages, mask, moments=run.batch_moments(advantages, mask))
+        # Host wall-clock seconds of step 3's phases (the classic step() reports them as time/ppo/*).
+        self.phase_seconds = {
+            "forward_pass": forwarded - started,
+            "compute_rewards": rewarded - forwarded,
+            "compute_advantages": time.time() - rewarded,
+        }
 
         # Sequence-level objective metrics: means over completions of per-completion sums.
         M.add("objective/kl", kl.sum(), B)

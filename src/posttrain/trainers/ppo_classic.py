@@ -19,9 +19,9 @@ log-probs are taken at temperature 1. It returns TRL's statistics (STEP_STATS an
 reduced over all processes and token-weighted (TRL averages per-minibatch means).
 
 TRL's building blocks are public with TRL's signatures, on the shared math (posttrain.advantages,
-posttrain.losses, posttrain.scoring): `batched_forward_pass`, `compute_rewards`,
-`compute_advantages`, `loss`, `train_minibatch`, `record_step_stats`, `gather_stats`,
-`prepare_dataloader`, `prepare_model_inputs`, `create_model_card`, `save_pretrained`. Their tensors
+posttrain.losses, posttrain.scoring): `batched_forward_pass`, `compute_rewards`, `_kl_penalty`,
+`compute_advantages`, `loss`, `train_minibatch`, `_step_safety_checker`, `record_step_stats`,
+`gather_stats`, `prepare_dataloader`, `prepare_model_inputs`, `create_model_card`, `save_pretrained`. Their tensors
 are completion-aligned, (batch, response_length), as TRL's documentation describes them.
 
 Encoder–decoder policies (T5, BART: value_head.AutoModelForSeq2SeqLMWithValueHead, detected from the
@@ -170,9 +170,12 @@ class ClassicPPOTrainer(ClassicBuildingBlocks, PPOTrainer):
                 ref_model = copy.deepcopy(vh.pretrained_model)
                 if num_shared_layers:
                     share_layers(vh.pretrained_model, ref_model, num_shared_layers)
-        elif num_shared_layers is not None:
-            raise ConfigError(
-                "num_shared_layers applies only when the trainer creates the reference model (ref_model=None)."
+        elif num_shared_layers is not None:  # TRL warns and goes on with two unshared models
+            warnings.warn(
+                f"num_shared_layers={num_shared_layers} is ignored: it applies only when the trainer creates the "
+                "reference model (ref_model=None); the given ref_model and the policy share no layers.",
+                UserWarning,
+                stacklevel=2,
             )
         config.set_runtime(self.run.world_size, detected, self.is_peft_model)
         if ref_model is not None:  # frozen before the policy is prepared: it may share layers with it
@@ -187,10 +190,32 @@ class ClassicPPOTrainer(ClassicBuildingBlocks, PPOTrainer):
         self.wrapped, self.optimizer = self.accelerator.prepare(wrapper, optimizer)
         # Placed (under ZeRO-3: sharded) after the policy, whose preparation fills the DeepSpeed config.
         self.ref_model = dist.prepare_frozen(ref_model, self.accelerator)
-        self.lr_scheduler = lr_scheduler
+        self.lr_scheduler = self.prepare_scheduler(lr_scheduler)
         self.dataset, self.data_collator = dataset, data_collator or io.dict_collator
         self.dataloader = None if dataset is None else self.prepare_dataloader(dataset, self.data_collator)
+        if dataset is None:
+            warnings.warn(
+                f"No dataset is provided: step() takes config.batch_size = {config.batch_size} rows; set it to the "
+                "number of (query, response, score) triples you pass (or prepare your own DataLoader with "
+                "trainer.accelerator.prepare when running on several processes).",
+                UserWarning,
+                stacklevel=2,
+            )
         self.tracker = io.build_tracker(config, self.accelerator)
+
+    def prepare_scheduler(self, lr_scheduler: Any) -> Any:
+        """The user's torch LR scheduler in accelerate's wrapper (`.scheduler` is the user's object, as in
+        TRL), stepped once per step() call on every process (TRL's accelerator.prepare would step it
+        once per process per call: num_processes times)."""
+        if lr_scheduler is None:
+            return None
+        if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+            raise ConfigError(
+                f"lr_scheduler must be a torch.optim.lr_scheduler.LRScheduler, got {type(lr_scheduler).__name__}."
+            )
+        from accelerate.scheduler import AcceleratedScheduler
+
+        return AcceleratedScheduler(lr_scheduler, self.optimizer, step_with_optimizer=False)
 
     def train(self) -> dict[str, float]:
         raise ConfigError("this trainer was built with config= for generate()/step(); build it with args= to train().")
@@ -281,6 +306,26 @@ class ClassicPPOTrainer(ClassicBuildingBlocks, PPOTrainer):
         return (results[0], results[1]) if generate_ref_response else results[0]
 
     # -- step -----------------------------------------------------------------------------------------
+    def _step_safety_checker(
+        self,
+        batch_size: int | None,
+        queries: list[torch.Tensor],
+        responses: list[torch.Tensor],
+        scores: list[torch.Tensor],
+        masks: list[torch.Tensor] | None = None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
+        """step()'s input checks (io.check_step_inputs: ValueError naming the argument and row) with
+        `batch_size` rows; returns (queries, responses, scores, masks) on the trainer's device, each
+        score a 0-d float tensor."""
+        score_t = io.check_step_inputs(queries, responses, scores, masks, batch_size, self.is_encoder_decoder)
+        device = self.current_device
+        return (
+            [q.to(device) for q in queries],
+            [r.to(device) for r in responses],
+            list(score_t.to(device).unbind()),
+            None if masks is None else [torch.as_tensor(m).to(device) for m in masks],
+        )
+
     def step(
         self,
         queries: list[torch.Tensor],
@@ -295,6 +340,7 @@ class ClassicPPOTrainer(ClassicBuildingBlocks, PPOTrainer):
         Rows per optimizer step = mini_batch_size × gradient_accumulation_steps; returns TRL's
         statistics, reduced over all processes."""
         cfg = self.config
+        cfg.sync_assigned()  # e.g. config.kl_penalty / ppo_epochs assigned since the trainer was built
         n = len(queries) if isinstance(queries, (list, tuple)) else 0
         score_t = io.check_step_inputs(
             queries, responses, scores, response_masks, cfg.step_batch_size, self.is_encoder_decoder
@@ -319,6 +365,7 @@ class ClassicPPOTrainer(ClassicBuildingBlocks, PPOTrainer):
         self.update(batch, layout)
         optimized = time.time()
         self.update_kl_controller(batch.kl)
+        phases = dict(self.phase_seconds)
         values = M.reduce(self.accelerator)
         M.reset()
         stats: dict[str, Any] = {name: values[key] for name, key in STEP_STATS.items() if key in values}
@@ -352,8 +399,10 @@ class ClassicPPOTrainer(ClassicBuildingBlocks, PPOTrainer):
                 "another distribution than the policy's (top_k / top_p / temperature / min_length).",
                 stacklevel=2,
             )
-        stats["time/ppo/compute_advantages"] = advantages_done - started
+        for phase, seconds in phases.items():
+            stats[f"time/ppo/{phase}"] = seconds
         stats["time/ppo/optimize_step"] = optimized - advantages_done
+        stats["time/ppo/calc_stats"] = time.time() - optimized
         stats["time/ppo/total"] = time.time() - started
         if cfg.optimize_cuda_cache:
             io.empty_device_cache()

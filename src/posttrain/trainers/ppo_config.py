@@ -72,6 +72,13 @@ _NAMES = {
     "total_episodes": ("total_episodes", "steps"),
     "mini_batch_size": ("mini_batch_size", "forward_batch_size"),
 }
+# Alias pairs (current name, classic name) a script may assign on a built config (kl: resolved_kl_estimator).
+_ASSIGNABLE_ALIASES = (
+    ("num_ppo_epochs", "ppo_epochs"),
+    ("kl_coef", "init_kl_coef"),
+    ("total_episodes", "steps"),
+    ("mini_batch_size", "forward_batch_size"),
+)
 # Classic-only settings train() cannot apply: field -> (default, why).
 _CLASSIC_ONLY = {
     "tracker_kwargs": ({}, "train() logs through report_to / run_name"),
@@ -270,7 +277,7 @@ class PPOConfig(OnPolicyConfig):
         new = _KL_CANONICAL.get(self.kl_estimator) if self.kl_estimator else None
         old = _KL_CANONICAL.get(self.kl_penalty) if self.kl_penalty else None
         self.kl_estimator = self._alias("kl_estimator", new, "kl_penalty", old, "k1")
-        self.kl_penalty = self.kl_estimator
+        self.kl_penalty = self._kl_resolved = self.kl_estimator
         if self.log_with is not None:
             if self.log_with not in ("wandb", "tensorboard"):
                 raise ConfigError(f'log_with={self.log_with!r} must be "wandb" or "tensorboard" (or use report_to).')
@@ -330,11 +337,84 @@ class PPOConfig(OnPolicyConfig):
             "backward_batch_size",
             None if self.mini_batch_size is None else self.mini_batch_size * self.gradient_accumulation_steps,
         )
+        self._check_batch_sizes_fit_an_api()
         if self.value_model_path is not None and self.value_model_init == "head":
             raise ConfigError(
                 'value_model_path and value_model_init="head" contradict each other: '
                 "a value head has no separate weights."
             )
+        self._assigned = self._snapshot()
+
+    def _snapshot(self) -> dict[str, Any]:
+        """The values of the fields apply_classic_defaults may set (both names of an alias pair)."""
+        names = set(classic_defaults()) | {n for pair in _ASSIGNABLE_ALIASES for n in pair}
+        return {name: getattr(self, name) for name in names}
+
+    def _fields_assigned_since_built(self) -> set[str]:
+        """Fields the caller assigned on the built config (`config.ppo_epochs = 1`, as TRL scripts do
+        between trainers): those whose value changed since the last snapshot. An alias assigned under
+        one name is copied to the other; both assigned to different values is a ConfigError."""
+        before = getattr(self, "_assigned", None) or self._snapshot()
+        changed = {n for n, v in before.items() if getattr(self, n) != v}
+        for new, old in _ASSIGNABLE_ALIASES:
+            new_v, old_v = getattr(self, new), getattr(self, old)
+            if new in changed and old in changed and old_v is not None and new_v != old_v:
+                raise ConfigError(
+                    f"{new}={new_v!r} and {old}={old_v!r} were both assigned, to different values; "
+                    f"they are two names of one setting: assign only one."
+                )
+            if old in changed and old_v is not None and new not in changed:
+                setattr(self, new, old_v)
+                changed.add(new)
+        return changed
+
+    def _check_batch_sizes_fit_an_api(self) -> None:
+        """An explicit batch_size must hold whole optimizer steps of mini_batch_size ×
+        gradient_accumulation_steps rows (the classic sizes; TRL's PPOConfig raises this at
+        construction) unless the sizes can be train()'s derived ones (mini_batch_size = a multiple of
+        per_device_train_batch_size × gradient_accumulation_steps, batch_size = a multiple of it)."""
+        batch, mini, accum = self.batch_size, self.mini_batch_size, self.gradient_accumulation_steps
+        if batch is None or mini is None or batch % (mini * accum) == 0:
+            return  # an unset mini_batch_size: apply_classic_defaults checks its default
+        if mini % (self.per_device_train_batch_size * accum) == 0 and batch % mini == 0:
+            return
+        raise ConfigError(
+            f"batch_size={batch} must be a multiple of mini_batch_size × gradient_accumulation_steps = "
+            f"{mini} × {accum} (rows per optimizer step of step()); raise batch_size or lower the other two."
+        )
+
+    def sync_assigned(self) -> None:
+        """Bring the config in line with fields assigned since the trainer was built (TRL reads the
+        config at each step()): alias pairs, the KL estimator's two names, the step() sizes."""
+        changed = self._fields_assigned_since_built()
+        self.resolved_kl_estimator()
+        if "batch_size" in changed:
+            self._step_batch_size = self.batch_size
+        if "mini_batch_size" in changed:
+            self._step_mini_batch_size = self.mini_batch_size
+        self._assigned = self._snapshot()
+
+    def resolved_kl_estimator(self) -> str:
+        """The KL estimator after the caller may have assigned `kl_penalty` or `kl_estimator` on the
+        built config (TRL scripts set `config.kl_penalty = "abs"` before building a trainer); both
+        names are brought back in line. Assigning both to different estimators is a ConfigError."""
+        changed = {}
+        for name in ("kl_estimator", "kl_penalty"):
+            value = getattr(self, name)
+            if value not in _KL_CANONICAL:
+                raise ConfigError(f"{name}={value!r} is not a KL estimator; use one of {', '.join(_KL_CANONICAL)}.")
+            if _KL_CANONICAL[value] != self._kl_resolved:
+                changed[name] = _KL_CANONICAL[value]
+        if len(set(changed.values())) > 1:
+            raise ConfigError(
+                f"kl_estimator={self.kl_estimator!r} and kl_penalty={self.kl_penalty!r} were both changed, to "
+                "different estimators; set only one of them."
+            )
+        resolved = next(iter(changed.values()), self._kl_resolved)
+        self._kl_resolved = self.kl_estimator = resolved
+        if self.kl_penalty is None or _KL_CANONICAL[self.kl_penalty] != resolved:
+            self.kl_penalty = {"k1": "kl", "k2": "mse"}.get(resolved, resolved)
+        return resolved
 
     @staticmethod
     def _alias(new: str, new_value, old: str, old_value, default):
@@ -357,10 +437,12 @@ class PPOConfig(OnPolicyConfig):
     def apply_classic_defaults(self) -> PPOConfig:
         """Give every field the caller did not set its classic (TRL 0.7) default; fill in and check
         the classic sizes. Called by the classic trainer; returns self."""
+        assigned = self._fields_assigned_since_built()
         for name, value in classic_defaults().items():
-            if not self.explicit_fields & set(_NAMES.get(name, (name,))):
+            if not (self.explicit_fields | assigned) & set(_NAMES.get(name, (name,))):
                 setattr(self, name, value)
         self.init_kl_coef, self.steps, self.forward_batch_size = self.kl_coef, self.total_episodes, None
+        self.resolved_kl_estimator()
         self.kl_penalty = {"k1": "kl", "k2": "mse"}.get(self.kl_estimator, self.kl_estimator)  # classic spelling
         self._step_batch_size, self._step_mini_batch_size = self.batch_size, self.mini_batch_size
         mini = self.mini_batch_size or self.batch_size
@@ -372,6 +454,7 @@ class PPOConfig(OnPolicyConfig):
                 f"batch_size={self.batch_size} must be a multiple of mini_batch_size × gradient_accumulation_steps "
                 f"= {mini} × {self.gradient_accumulation_steps} (rows per optimizer step)."
             )
+        self._assigned = self._snapshot()
         return self
 
     def set_runtime(self, world_size: int, is_encoder_decoder: bool, is_peft_model: bool) -> None:
