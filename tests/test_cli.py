@@ -299,7 +299,7 @@ def test_a_reward_function_returning_nan_is_one_line_naming_it(tmp_path, tiny_po
 
 def test_trl_example_scripts_add_their_dataset_unless_given(monkeypatch):
     """examples/scripts/rloo/rloo.py is `posttrain rloo` with TRL's script's dataset when the command line
-    names none (the docs' getting-started command gives no --dataset_name); a given flag or a --config wins."""
+    names none (the docs' getting-started command gives no --dataset_name); a given dataset or a --config wins."""
     import runpy
     from pathlib import Path
 
@@ -313,5 +313,5 @@ def test_trl_example_scripts_add_their_dataset_unless_given(monkeypatch):
         assert stop.value.code == 0
     dataset = ["--dataset_name", "trl-internal-testing/descriptiveness-sentiment-trl-style"]
     assert calls[0] == ["rloo", *dataset, "--dataset_train_split", "descriptiveness", "--learning_rate", "3e-6"]
-    assert calls[1] == ["rloo", "--dataset_train_split", "descriptiveness", "--dataset_name=prompts.jsonl"]
+    assert calls[1] == ["rloo", "--dataset_name=prompts.jsonl"]
     assert calls[2] == ["rloo", "--config", "run.yaml"]

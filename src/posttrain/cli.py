@@ -221,13 +221,12 @@ def parse_config(name: str, argv: list[str]) -> Any:
 def run_as(command: str, **defaults: str) -> None:
     """`posttrain <command> <this process's arguments>`, then exit: the body of the scripts under
     examples/scripts, which run TRL's documented commands (`python examples/scripts/rloo/rloo.py ...`).
-    `defaults` are flags the script's TRL version fixed (e.g. its dataset), added when the command line
-    gives neither that flag nor a --config file."""
+    `defaults` are flags the script's TRL version fixed (its dataset and split), added together when the
+    command line gives none of them and no --config file."""
     argv = sys.argv[1:]
     given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-    extra = (
-        [] if "--config" in given else [x for k, v in defaults.items() if f"--{k}" not in given for x in (f"--{k}", v)]
-    )
+    flags = {f"--{k}": v for k, v in defaults.items()}
+    extra = [] if given & {"--config", *flags} else [x for item in flags.items() for x in item]
     sys.exit(main([command, *extra, *argv]))
 
 
