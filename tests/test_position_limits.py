@@ -44,7 +44,7 @@ def test_without_max_prompt_length_the_policys_room_bounds_the_prompts_with_a_co
         trainer = rloo(tmp_path, tiny_tokenizer)
     message = str(caught[0].message)
     assert "policy" in message and "at most 16 positions" in message and "truncated from the left" in message
-    lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
+    lengths = [len(ids) for ids in trainer.run.train_dataset["input_ids"]]
     assert max(lengths) == 16 - 4  # 16 positions − response_length 4
     assert len(lengths) == 8  # truncated, not dropped
     trainer.train()  # one rollout batch through the reference and the policy, within 16 positions
@@ -53,7 +53,7 @@ def test_without_max_prompt_length_the_policys_room_bounds_the_prompts_with_a_co
 def test_drop_removes_only_the_prompts_that_do_not_fit(tmp_path, tiny_tokenizer):
     with pytest.warns(UserWarning, match="4 of 8 prompts .* they are dropped"):
         trainer = rloo(tmp_path, tiny_tokenizer, prompt_overflow="drop")
-    assert trainer.train_dataset["prompt"] == ["Hi"] * 4
+    assert trainer.run.train_dataset["prompt"] == ["Hi"] * 4
 
 
 def test_a_max_prompt_length_that_does_not_fit_stops_naming_model_limit_lengths_and_fix(tmp_path, tiny_tokenizer):
@@ -92,7 +92,7 @@ def test_the_tightest_model_sets_the_bound_here_the_reward_model(tmp_path, tiny_
     reward_model = build_tiny_reward_model(tiny_tokenizer, max_position_embeddings=10)
     with pytest.warns(UserWarning, match=r"longer than 6 tokens, the room the reward model \(at most 10 positions\)"):
         trainer = rloo(tmp_path, tiny_tokenizer, positions=64, reward=reward_model)
-    assert max(len(ids) for ids in trainer.train_dataset["input_ids"]) == 6
+    assert max(len(ids) for ids in trainer.run.train_dataset["input_ids"]) == 6
 
 
 def test_a_model_without_a_position_limit_passes(tiny_tokenizer):

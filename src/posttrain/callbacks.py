@@ -384,7 +384,11 @@ class LogCompletionsCallback(TrainerCallback):
                 )
         self.trainer = trainer
         self.generation_config = generation_config
-        self.num_prompts = num_prompts if num_prompts is not None else len(eval_dataset)
+        # every prompt of the prepared set the table draws from (online trainers: the first of several named sets)
+        sampled = getattr(getattr(trainer, "run", None), "sample_dataset", None)
+        self.num_prompts = (
+            num_prompts if num_prompts is not None else len(sampled if sampled is not None else eval_dataset)
+        )
         self.freq = freq
         self._last_logged_step = -1
 

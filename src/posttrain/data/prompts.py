@@ -5,6 +5,8 @@
 - `PromptStream`: an endless stream of prompt batches, reshuffled each epoch from (seed, epoch),
   whose position is checkpointed for an exact resume; under data parallelism each rank takes its
   own slice of every global batch.
+- `eval_dataset_sets`: an eval set, or a dict of named ones, prepared (streaming sets read into
+  memory first, `materialize`).
 
 torch is imported on first use, so `import posttrain.data` stays light.
 """
@@ -59,6 +61,44 @@ def prompt_dataset(config: Any, tokenizer: Any, dataset: Any, source: str, limit
         source=source,
     )
     return prepared
+
+
+def is_streaming(dataset: Any) -> bool:
+    """True for a `datasets.IterableDataset` (load_dataset(..., streaming=True))."""
+    import datasets
+
+    return isinstance(dataset, datasets.IterableDataset)
+
+
+def materialize(dataset: Any) -> Any:
+    """A streaming `datasets.IterableDataset` read into a `datasets.Dataset` (its features kept when
+    known); any other dataset as it is. For eval sets, which are finite and small."""
+    if not is_streaming(dataset):
+        return dataset
+    import datasets
+
+    rows = list(dataset)
+    features = dataset.features if rows and dataset.features is not None else None
+    return datasets.Dataset.from_list(rows, features=features)
+
+
+def eval_dataset_sets(config: Any, tokenizer: Any, dataset: Any, limits: Sequence[Any] = ()) -> Any:
+    """An eval set as the online trainers evaluate it: None; one prepared prompt dataset (see
+    `prompt_dataset`); or, for a dict / `datasets.DatasetDict` / `datasets.IterableDatasetDict` of
+    named sets (transformers.Trainer's `eval_dataset={"name": ...}`), a dict name -> prepared set.
+    Streaming sets (`datasets.IterableDataset`) are read into memory first."""
+    if dataset is None:
+        return None
+    if isinstance(dataset, dict):
+        if not dataset:
+            raise ConfigError("eval_dataset is an empty dict; give at least one named eval set, or None.")
+        return {
+            str(name): prompt_dataset(
+                config, tokenizer, materialize(d), source=f"eval_dataset[{name!r}]", limits=limits
+            )
+            for name, d in dataset.items()
+        }
+    return prompt_dataset(config, tokenizer, materialize(dataset), source="eval_dataset", limits=limits)
 
 
 class PromptStream:

@@ -45,7 +45,7 @@ from posttrain import hub, positions, runtime
 from posttrain.configs import ConfigError, OnPolicyConfig
 from posttrain.data.loading import load_split
 from posttrain.data.prepare import PROMPT_MESSAGES
-from posttrain.data.prompts import PromptStream, prompt_dataset
+from posttrain.data.prompts import PromptStream, eval_dataset_sets, is_streaming, prompt_dataset
 from posttrain.health import HealthMonitor, oom_advice
 from posttrain.models import compile_for_training, model_init_kwargs, uncompiled
 from posttrain.optim import build_optimizer, build_scheduler, clip_and_step
@@ -409,6 +409,8 @@ class OnlineRun:
     loss_total, loss_steps, stop_requested = 0.0, 0, False
     # Called with progress.optimizer_steps after each optimizer step taken (e.g. `sync_reference`).
     step_hooks: Sequence[Callable[[int], None]] = ()
+    # positions.PositionLimit of the models reading the prompts (eval sets prepared later use them too)
+    position_limits: Sequence[Any] = ()
 
     def __init__(
         self,
@@ -433,6 +435,14 @@ class OnlineRun:
             raise ConfigError(
                 "train_dataset is required: pass a prompt dataset (or --dataset_name on the command line)."
             )
+        if is_streaming(train_dataset):
+            raise ConfigError(
+                "train_dataset is a streaming datasets.IterableDataset (load_dataset(..., streaming=True)), which "
+                "the online trainers cannot train on: they draw shuffled prompt batches by index and count passes "
+                "over the prompts. Load it without streaming=True (a datasets.Dataset; select rows with "
+                "split='train[:N]' if it is large). Streaming eval sets are fine: they are read into memory."
+            )
+        self.position_limits = list(position_limits)
         self.train_dataset = prompt_dataset(
             config, tokenizer, train_dataset, source="train_dataset", limits=position_limits
         )
@@ -448,11 +458,8 @@ class OnlineRun:
             sizes=self.batch_sizes(),
             accumulation=config.gradient_accumulation_steps,
         )
-        self.eval_dataset = (
-            prompt_dataset(config, tokenizer, eval_dataset, source="eval_dataset", limits=position_limits)
-            if eval_dataset is not None
-            else None
-        )
+        # The prepared eval prompts: None, one dataset, or a dict name -> dataset (named eval sets).
+        self.eval_dataset = self.prepare_eval(eval_dataset)
         from posttrain.data import PromptCollator
 
         self.collate = data_collator or PromptCollator(tokenizer.pad_token_id)
@@ -534,8 +541,26 @@ class OnlineRun:
     def next_batch(self) -> dict:
         return self.to_device(next(self.prompts))
 
+    def prepare_eval(self, eval_dataset: Any) -> Any:
+        """An eval set (or a dict of named ones; streaming sets are read into memory) prepared as the
+        run's prompts are: None, a prepared dataset, or a dict name -> prepared dataset."""
+        return eval_dataset_sets(self.config, self.tokenizer, eval_dataset, limits=self.position_limits)
+
+    @property
+    def eval_sets(self) -> dict[str | None, Any]:
+        """The prepared eval sets by name (None: the one unnamed set); empty without an eval set."""
+        if self.eval_dataset is None:
+            return {}
+        return dict(self.eval_dataset) if isinstance(self.eval_dataset, dict) else {None: self.eval_dataset}
+
+    @property
+    def sample_dataset(self) -> Any:
+        """The prepared eval prompts the sample tables draw from: the eval set, or the first named one."""
+        return next(iter(self.eval_sets.values()), None)
+
     def eval_prompts(self, n: int) -> dict:
-        rows = [self.eval_dataset[i] for i in range(min(n, len(self.eval_dataset)))]
+        data = self.sample_dataset
+        rows = [data[i] for i in range(min(n, len(data)))]
         return self.to_device(self.collate(rows))
 
     @property
@@ -1187,8 +1212,9 @@ class OnlineTrainer(hub.PushToHub):
 
     Attributes, as on a transformers.Trainer: args (= config), model (the trained policy, unwrapped),
     ref_model, processing_class, accelerator, optimizer, lr_scheduler, train_dataset / eval_dataset
-    (the prepared prompt datasets), data_collator, state (a transformers.TrainerState: global_step =
-    rollout batches done, epoch, log_history), control, callback_handler. `run` is the OnlineRun; the
+    (as given; the prepared prompts are run.train_dataset / run.eval_dataset), data_collator, state
+    (a transformers.TrainerState: global_step = rollout batches done, epoch, log_history), control,
+    callback_handler. `run` is the OnlineRun; the
     counters a checkpoint restores are `run.progress`.
 
     Callbacks are transformers.TrainerCallback objects (`callbacks=`, add_callback / pop_callback /
@@ -1239,6 +1265,9 @@ class OnlineTrainer(hub.PushToHub):
             data_collator=data_collator,
             position_limits=limits,
         )
+        # As transformers.Trainer: the datasets as given (the prepared prompts are run.train_dataset /
+        # run.eval_dataset); from the command line, the loaded splits.
+        self._train_dataset, self._eval_dataset = train_dataset, eval_dataset
         self.accelerator = self.run.accelerator
         self.data_collator = self.run.collate
         if config.push_to_hub and self.run.is_main:
@@ -1314,11 +1343,20 @@ class OnlineTrainer(hub.PushToHub):
 
     @property
     def train_dataset(self) -> Any:
-        return self.run.train_dataset
+        """The train set as given (transformers.Trainer keeps it so); the prepared prompts are
+        `run.train_dataset`."""
+        return self._train_dataset
 
     @property
     def eval_dataset(self) -> Any:
-        return self.run.eval_dataset
+        """The eval set as given: a dataset, a dict of named sets, or None (the prepared prompts are
+        `run.eval_dataset`). Assigning a new one prepares it, as the constructor does."""
+        return self._eval_dataset
+
+    @eval_dataset.setter
+    def eval_dataset(self, eval_dataset: Any) -> None:
+        self.run.eval_dataset = self.run.prepare_eval(eval_dataset)
+        self._eval_dataset = eval_dataset
 
     @property
     def state(self) -> Any:
@@ -1402,8 +1440,9 @@ class OnlineTrainer(hub.PushToHub):
         folder = os.path.join(self.args.output_dir, f"{ckpt.CHECKPOINT_PREFIX}{step}")
         hub.push_checkpoint(self.args, folder, step, is_main=run.is_main, write_card=self.create_model_card)
 
-    @torch.no_grad()
-    def evaluate(self, metric_key_prefix: str = "eval") -> dict[str, float]:
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
         """Greedy completions of every eval prompt (batches of per_device_eval_batch_size), drawn as
         `sample_completions` draws them, summarised as
             {prefix}_objective/scores        mean score (missing_eos_penalty included; absent when
@@ -1414,15 +1453,48 @@ class OnlineTrainer(hub.PushToHub):
         logged (metrics.jsonl, state.log_history, on_log), passed to on_evaluate, and returned.
         During train() this runs as eval_strategy says (every eval_steps rollout batches, or at the end
         of each pass over the prompts; never with "no"), before the first rollout batch with
-        eval_on_start, and when a callback sets control.should_evaluate."""
+        eval_on_start, and when a callback sets control.should_evaluate.
+
+        As transformers.Trainer.evaluate: `eval_dataset` (a dataset, a streaming one, or a dict of
+        named sets) is prepared and evaluated instead of the trainer's; a string names one of the
+        trainer's named sets. Named sets are evaluated one by one, each logged with the prefix
+        `{metric_key_prefix}_{name}` (eval_data1_objective/scores, ...), and all their metrics are
+        returned together. `ignore_keys` (keys of model outputs to ignore) is accepted for the
+        signature: this evaluation reads no model output dicts, as TRL's GRPOTrainer ignores it."""
         run = self.run
-        if run.eval_dataset is None:
-            raise ConfigError("evaluate() needs an eval_dataset (--dataset_test_split).")
-        n, size = len(run.eval_dataset), self.args.per_device_eval_batch_size
+        if isinstance(eval_dataset, str):
+            if eval_dataset not in {name for name in run.eval_sets if name is not None}:
+                raise ConfigError(
+                    f"evaluate(eval_dataset={eval_dataset!r}): the trainer has no eval set of that name; its named "
+                    f"sets are {sorted(n for n in run.eval_sets if n is not None)}."
+                )
+            return self._evaluate_set(run.eval_sets[eval_dataset], f"{metric_key_prefix}_{eval_dataset}")
+        if eval_dataset is not None:
+            prepared = run.prepare_eval(eval_dataset)
+            sets = dict(prepared) if isinstance(prepared, dict) else {None: prepared}
+        else:
+            sets = run.eval_sets
+        if not sets:
+            raise ConfigError(
+                "evaluate() needs an eval_dataset: pass evaluate(eval_dataset=...), the trainer's eval_dataset=, "
+                "or --dataset_test_split."
+            )
+        metrics: dict[str, float] = {}
+        for name, data in sets.items():
+            metrics.update(
+                self._evaluate_set(data, metric_key_prefix if name is None else f"{metric_key_prefix}_{name}")
+            )
+        return metrics
+
+    @torch.no_grad()
+    def _evaluate_set(self, data: Any, metric_key_prefix: str) -> dict[str, float]:
+        """`evaluate` of one prepared eval set: its metrics, logged and passed to on_evaluate."""
+        run = self.run
+        n, size = len(data), self.args.per_device_eval_batch_size
         scores, lengths, ended = [], [], 0
         logged: dict[str, list[float]] = {}  # reward functions' log_metric: each batch's mean
         for start in range(0, n, size):
-            batch = run.to_device(run.collate([run.eval_dataset[i] for i in range(start, min(start + size, n))]))
+            batch = run.to_device(run.collate([data[i] for i in range(start, min(start + size, n))]))
             rollout, batch_scores = self.greedy_completions(batch)
             lengths.extend(rollout.completion_lengths.tolist())
             ended += int(rollout.ended.sum())
@@ -1582,13 +1654,14 @@ class OnlineTrainer(hub.PushToHub):
 
     @torch.no_grad()
     def sample_completions(self, num_prompts: int) -> list[dict]:
-        """Greedy completions of the first `num_prompts` eval prompts (see greedy_completions),
+        """Greedy completions of the first `num_prompts` eval prompts (of several named eval sets, the
+        first set's; see greedy_completions),
         decoded with special tokens (EOS shown, padding not), with their scores: rows {prompt,
         completion, score}, TRL LogCompletionsCallback's names, plus one key per column a reward
         function logged for them with `log_extra`. The same rows make every trainer's
         sample table (see `end_of_update`)."""
         run = self.run
-        if run.eval_dataset is None:
+        if run.sample_dataset is None:
             raise ConfigError("sampling completions needs an eval_dataset (--dataset_test_split).")
         batch = run.eval_prompts(num_prompts)
         self.take_function_logs()  # what was logged before belongs to other completions
