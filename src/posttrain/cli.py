@@ -218,14 +218,27 @@ def parse_config(name: str, argv: list[str]) -> Any:
         _refuse(f"posttrain {name}: {err}")
 
 
-def run_as(command: str, **defaults: str) -> None:
+# The dataset each of TRL's example scripts loads when the command line names none.
+TRL_SCRIPT_DATASETS = {
+    "descriptiveness": {
+        "--dataset_name": "trl-internal-testing/descriptiveness-sentiment-trl-style",
+        "--dataset_train_split": "descriptiveness",
+    },
+    "tldr": {
+        "--dataset_name": "trl-internal-testing/tldr-preference-sft-trl-style",
+        "--dataset_test_split": "validation",
+    },
+}
+
+
+def run_as(command: str, dataset: str | None = None) -> None:
     """`posttrain <command> <this process's arguments>`, then exit: the body of the scripts under
     examples/scripts, which run TRL's documented commands (`python examples/scripts/rloo/rloo.py ...`).
-    `defaults` are flags the script's TRL version fixed (its dataset and split), added together when the
-    command line gives none of them and no --config file."""
+    `dataset` names the TRL_SCRIPT_DATASETS entry the script's TRL version loads; its flags are added
+    when the command line gives none of them and no --config file."""
     argv = sys.argv[1:]
     given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-    flags = {f"--{k}": v for k, v in defaults.items()}
+    flags = TRL_SCRIPT_DATASETS[dataset] if dataset else {}
     extra = [] if given & {"--config", *flags} else [x for item in flags.items() for x in item]
     sys.exit(main([command, *extra, *argv]))
 

@@ -4,9 +4,4 @@
 if __name__ == "__main__":
     from posttrain.cli import run_as
 
-    run_as(
-        "ppo",
-        # the dataset TRL's script loads when --dataset_name is not given (TL;DR prompts)
-        dataset_name="trl-internal-testing/tldr-preference-sft-trl-style",
-        dataset_test_split="validation",
-    )
+    run_as("ppo", dataset="tldr")  # TRL's script loads this dataset when none is given
