@@ -42,6 +42,7 @@ ROOT = HERE.parent
 BENCH = Path(os.environ.get("POSTTRAIN_BENCH", os.path.expanduser("~/.cache/posttrain-bench")))
 SIZE = "05b"
 BATCH, K, RESP_LEN, LR, SEED = 4, 2, 16, 3e-6, 42
+BF16 = False  # --bf16: both libraries in bf16 autocast (fp32 master weights)
 VOCAB = 151_936
 OURS = ("sft", "reward", "ppo", "ppo_peft", "rloo", "grpo", "grpo_fused")
 TRL = ("trl_rloo", "trl_ppo", "trl_grpo")
@@ -65,6 +66,7 @@ def ours_argv(job: str, art: Path, out: Path, steps: int) -> list[str]:
     common = [
         "--output_dir", str(out), "--overwrite_output_dir", "--learning_rate", str(LR), "--seed", str(SEED),
         "--logging_steps", "1", "--report_to", "none", "--gradient_checkpointing", "--save_strategy", "no",
+        *(["--bf16"] if BF16 else []),
     ]  # fmt: skip
     if job in ("sft", "reward"):
         data = "sft" if job == "sft" else "preference"
@@ -111,7 +113,8 @@ def command(job: str, art: Path, out: Path, steps: int, trl_bench: Path, python:
     env.pop("PYTHONPATH", None)
     env.update(
         ART=str(art), SIZE=SIZE, RUNS=str(out), EPISODES=str(steps * BATCH), BATCH=str(BATCH), K=str(K),
-        RESP_LEN=str(RESP_LEN), PPO_EPOCHS="1", LR=str(LR), SEED=str(SEED), TEMP="1.0", BF16="0", PROBE_GC="1",
+        RESP_LEN=str(RESP_LEN), PPO_EPOCHS="1", LR=str(LR), SEED=str(SEED), TEMP="1.0", BF16=str(int(BF16)),
+        PROBE_GC="1",
     )  # fmt: skip
     return [str(venv / "bin" / "python"), *probe, "script", str(trl_bench / f"run_{name}.py")], env
 
@@ -247,7 +250,7 @@ def audit_table(results: dict[str, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    global BATCH, RESP_LEN
+    global BATCH, RESP_LEN, BF16
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--art", type=Path, default=BENCH / f"artifacts-{SIZE}", help="build_05b.py's output")
     parser.add_argument("--jobs", default=",".join(OURS + TRL), help=f"comma-separated, of {', '.join(OURS + TRL)}")
@@ -259,8 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--audit", action="store_true", help="full-vocabulary tensor audit on <art>-audit")
     parser.add_argument("--batch", type=int, default=BATCH, help="completions per rollout batch (both libraries)")
     parser.add_argument("--response_length", type=int, default=RESP_LEN, help="tokens per completion")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast in both libraries (default fp32)")
     args = parser.parse_args(argv)
-    BATCH, RESP_LEN = args.batch, args.response_length
+    BATCH, RESP_LEN, BF16 = args.batch, args.response_length, args.bf16
     jobs = [j.strip() for j in args.jobs.split(",") if j.strip()]
     for j in jobs:
         if j not in LABELS:

@@ -77,8 +77,9 @@ class TrainingConfig:
     )
     seed: int = flag("Random seed for python, numpy and torch (sampling included).", default=42)
     bf16: bool | None = flag(
-        "bf16 mixed precision (autocast). Fast on GPUs and on CPUs with AMX. None: off (posttrain never turns it "
-        "on by itself: CPUs without native bf16 emulate it ~100x slower).",
+        "bf16 mixed precision (autocast). Fast on GPUs, and on CPUs with native bf16 (AMX or AVX512-BF16) for "
+        "models of ~70M parameters and more. None: off (posttrain never turns it on by itself: CPUs without "
+        "native bf16 emulate it ~100x slower).",
         default=None,
     )
     fp16: bool = flag("fp16 mixed precision (GPU only).", default=False)
