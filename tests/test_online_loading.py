@@ -133,6 +133,36 @@ def test_a_stop_token_outside_the_vocabulary_is_refused_before_models_load(tmp_p
         load_parts(config, rewards=[lambda prompts, completions, **kw: [0.0] * len(completions)])
 
 
+def test_a_prompt_dataset_without_a_prompt_column_is_refused_before_models_load(tmp_path, tiny_policy_dir, monkeypatch):
+    """A data file whose prompts sit under another name fails with the column, the columns it has and
+    the fix, before the policy (or any other model) loads; an empty dataset likewise."""
+    import json
+
+    import posttrain.models as models
+    from posttrain.data.loading import DataError
+    from posttrain.trainers.online import load_parts
+
+    def no_model_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the dataset's columns were checked")
+
+    monkeypatch.setattr(models, "load_policy", no_model_loading)
+    data = tmp_path / "texts.jsonl"
+    data.write_text("".join(json.dumps({"text": p}) + "\n" for p in PROMPTS))
+    config = RLOOConfig(
+        output_dir=str(tmp_path / "out"), model_name_or_path=str(tiny_policy_dir), dataset_name=str(data)
+    )
+    count = [lambda prompts, completions, **kw: [0.0] * len(completions)]
+    with pytest.warns(UserWarning, match="no 'test' split"):
+        with pytest.raises(
+            DataError, match=r"field 'prompt': missing column\(s\) \['prompt'\].*available columns: \['text'\]"
+        ):
+            load_parts(config, rewards=count)
+    from datasets import Dataset
+
+    with pytest.raises(DataError, match="train_dataset: the dataset is empty"):
+        load_parts(config, rewards=count, train_dataset=Dataset.from_dict({"prompt": []}))
+
+
 def test_a_dataset_without_its_test_split_warns_once_how_to_get_the_sample_tables_back(tmp_path, tiny_tokenizer):
     """A data file holds only a "train" split: the run trains, draws no sample table, and says so
     once, naming the split and the flags that bring the tables back."""

@@ -147,6 +147,30 @@ def _resolve_overflow(out: Any, total: int, drop: bool, what: str, kept: str, em
 # --------------------------------------------------------------------------------------------
 
 
+def _prompt_column(dataset: Dataset, prompt_column: str | None, source: str) -> tuple[str, bool]:
+    """(column the prompts are read from, whether they are pre-tokenized `input_ids`) of a prompt
+    dataset, refusing one without rows or without a prompt column (see prepare_prompt_dataset)."""
+    _require_rows(dataset, source)
+    columns = dataset.column_names
+    if prompt_column is None:
+        fallback = "query" in columns and "prompt" not in columns and "input_ids" not in columns
+        prompt_column = "query" if fallback else "prompt"
+    tokenized = prompt_column not in columns and "input_ids" in columns
+    if not tokenized:
+        _require_columns(dataset, [prompt_column], source, "prompts")
+    return prompt_column, tokenized
+
+
+def check_prompt_columns(dataset: Any, source: str | None = None) -> None:
+    """prepare_prompt_dataset's cheap checks (rows present, a `prompt` / `query` / `input_ids` column)
+    on a `datasets.Dataset`, so a wrong prompt dataset is refused before any model loads; other
+    dataset types (streaming, dicts of eval sets) are checked when they are prepared."""
+    from datasets import Dataset
+
+    if isinstance(dataset, Dataset):
+        _prompt_column(dataset, None, _source_of(dataset, source))
+
+
 def prepare_prompt_dataset(
     dataset: Dataset,
     tokenizer: PreTrainedTokenizerBase,
@@ -174,14 +198,7 @@ def prepare_prompt_dataset(
     if overflow not in ("truncate_left", "drop"):
         raise ValueError(f"overflow must be 'truncate_left' or 'drop', got {overflow!r}")
     source = _source_of(dataset, source)
-    _require_rows(dataset, source)
-    columns = dataset.column_names
-    if prompt_column is None:
-        fallback = "query" in columns and "prompt" not in columns and "input_ids" not in columns
-        prompt_column = "query" if fallback else "prompt"
-    tokenized = prompt_column not in columns and "input_ids" in columns
-    if not tokenized:
-        _require_columns(dataset, [prompt_column], source, "prompts")
+    prompt_column, tokenized = _prompt_column(dataset, prompt_column, source)
     # A stored mask would go stale after truncation; the collator builds it from lengths.
     if "attention_mask" in dataset.column_names:
         dataset = dataset.remove_columns("attention_mask")

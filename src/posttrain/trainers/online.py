@@ -44,7 +44,7 @@ from posttrain import distributed as dist
 from posttrain import hub, positions, runtime
 from posttrain.configs import ConfigError, OnPolicyConfig
 from posttrain.data.loading import load_split
-from posttrain.data.prepare import PROMPT_MESSAGES
+from posttrain.data.prepare import PROMPT_MESSAGES, check_prompt_columns
 from posttrain.data.prompts import PromptStream, eval_dataset_sets, is_streaming, prompt_dataset
 from posttrain.health import HealthMonitor, oom_advice
 from posttrain.models import compile_for_training, model_init_kwargs, uncompiled
@@ -234,6 +234,7 @@ def load_parts(
             eval_dataset = load_split(config, config.dataset_test_split, required=False)
             if eval_dataset is None and config.num_sample_generations > 0:
                 warn_no_test_split(config)
+    check_prompt_columns(train_dataset, source="train_dataset")  # a wrong dataset is refused before models load
     common = model_init_kwargs(config)
     if processing_class is None:
         path = config.model_name_or_path if from_config else _model_path(model)
