@@ -163,6 +163,30 @@ def test_a_prompt_dataset_without_a_prompt_column_is_refused_before_models_load(
         load_parts(config, rewards=count, train_dataset=Dataset.from_dict({"prompt": []}))
 
 
+def test_impossible_batch_arithmetic_is_refused_before_models_load(tmp_path, tiny_policy_dir, monkeypatch):
+    """3 completions per device cannot hold whole groups of rloo_k = 2: the ConfigError comes before the
+    policy loads, and the config the user passed is not changed by the early check."""
+    import posttrain.models as models
+    from posttrain.configs import ConfigError
+    from posttrain.trainers.online import load_parts
+
+    def no_model_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the batch sizes were checked")
+
+    monkeypatch.setattr(models, "load_policy", no_model_loading)
+    count = [lambda prompts, completions, **kw: [0.0] * len(completions)]
+    config = RLOOConfig(
+        output_dir=str(tmp_path / "out"),
+        model_name_or_path=str(tiny_policy_dir),
+        per_device_train_batch_size=3,
+        rloo_k=2,
+        num_sample_generations=0,
+    )
+    with pytest.raises(ConfigError, match=r"= 3 completions per device must be divisible by the samples per prompt"):
+        load_parts(config, rewards=count, train_dataset=prompts())
+    assert config.total_episodes is None and getattr(config, "batch_size", None) is None
+
+
 def test_a_dataset_without_its_test_split_warns_once_how_to_get_the_sample_tables_back(tmp_path, tiny_tokenizer):
     """A data file holds only a "train" split: the run trains, draws no sample table, and says so
     once, naming the split and the flags that bring the tables back."""

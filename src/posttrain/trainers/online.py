@@ -42,7 +42,7 @@ from torch import nn
 from posttrain import checkpoint as ckpt
 from posttrain import distributed as dist
 from posttrain import hub, positions, runtime
-from posttrain.configs import ConfigError, OnPolicyConfig
+from posttrain.configs import ConfigError, OnPolicyConfig, launch_world_size
 from posttrain.data.loading import load_split
 from posttrain.data.prepare import PROMPT_MESSAGES, check_prompt_columns
 from posttrain.data.prompts import PromptStream, eval_dataset_sets, is_streaming, prompt_dataset
@@ -234,7 +234,9 @@ def load_parts(
             eval_dataset = load_split(config, config.dataset_test_split, required=False)
             if eval_dataset is None and config.num_sample_generations > 0:
                 warn_no_test_split(config)
-    check_prompt_columns(train_dataset, source="train_dataset")  # a wrong dataset is refused before models load
+    # A wrong dataset or an impossible batch arithmetic is refused before any model loads.
+    check_prompt_columns(train_dataset, source="train_dataset")
+    check_sizes_early(config, train_dataset)
     common = model_init_kwargs(config)
     if processing_class is None:
         path = config.model_name_or_path if from_config else _model_path(model)
@@ -365,6 +367,21 @@ def default_config(config_cls: type, model: Any, algo: str) -> OnPolicyConfig:
     if not name:
         return config_cls()
     return config_cls(output_dir=f"{os.fspath(name).rstrip('/').split('/')[-1]}-{algo}")
+
+
+def check_sizes_early(config: OnPolicyConfig, train_dataset: Any) -> None:
+    """`derive_sizes` on a copy of the config, with this launch's world size and the dataset's rows as
+    given, so sizes that cannot divide are refused before any model loads. The config itself is
+    left as it is: OnlineRun derives the sizes again from the validated dataset (overflow="drop"
+    may remove prompts)."""
+    from datasets import Dataset
+
+    rows = len(train_dataset) if isinstance(train_dataset, (Dataset, list)) else 0
+    if not rows and config.total_episodes is None and config.max_steps <= 0:
+        return  # no dataset size yet (or none to count): it decides total_episodes once prepared
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        derive_sizes(copy.copy(config), launch_world_size(), rows)
 
 
 def derive_sizes(config: OnPolicyConfig, world_size: int, dataset_size: int) -> None:
