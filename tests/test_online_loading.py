@@ -21,6 +21,17 @@ def prompts():
     return Dataset.from_dict({"prompt": PROMPTS})
 
 
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Fail the test if any policy is loaded (checks that must run before the models load)."""
+    import posttrain.models as models
+
+    def no_model_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the inputs were checked")
+
+    monkeypatch.setattr(models, "load_policy", no_model_loading)
+
+
 def test_no_config_and_no_tokenizer_give_trls_defaults(tmp_path, monkeypatch, tiny_policy_dir, tiny_tokenizer):
     """args=None: the trainer's config with output_dir f"{last part of the model path}-{Algo}" (TRL's
     default); processing_class=None: the tokenizer saved with the model; the model given by path."""
@@ -118,34 +129,26 @@ def test_total_episodes_smaller_than_one_batch_runs_one_batch(tmp_path, tiny_tok
     assert trainer.run.progress.episode == 4 and trainer.run.progress.optimizer_steps == 1
 
 
-def test_a_stop_token_outside_the_vocabulary_is_refused_before_models_load(tmp_path, tiny_policy_dir, monkeypatch):
-    import posttrain.models as models
+def test_a_stop_token_outside_the_vocabulary_is_refused_before_models_load(tmp_path, tiny_policy_dir, no_model_loads):
     from posttrain import RLOOConfig
     from posttrain.configs import ConfigError
     from posttrain.trainers.online import load_parts
 
-    def no_model_loading(*args, **kwargs):
-        raise AssertionError("a model was loaded before the stop token was checked")
-
-    monkeypatch.setattr(models, "load_policy", no_model_loading)
     config = RLOOConfig(output_dir=str(tmp_path / "out"), model_name_or_path=str(tiny_policy_dir), stop_token_id=10**6)
     with pytest.raises(ConfigError, match=r"stop_token_id=1000000 is outside the tokenizer's vocabulary"):
         load_parts(config, rewards=[lambda prompts, completions, **kw: [0.0] * len(completions)])
 
 
-def test_a_prompt_dataset_without_a_prompt_column_is_refused_before_models_load(tmp_path, tiny_policy_dir, monkeypatch):
+def test_a_prompt_dataset_without_a_prompt_column_is_refused_before_models_load(
+    tmp_path, tiny_policy_dir, no_model_loads
+):
     """A data file whose prompts sit under another name fails with the column, the columns it has and
     the fix, before the policy (or any other model) loads; an empty dataset likewise."""
     import json
 
-    import posttrain.models as models
     from posttrain.data.loading import DataError
     from posttrain.trainers.online import load_parts
 
-    def no_model_loading(*args, **kwargs):
-        raise AssertionError("a model was loaded before the dataset's columns were checked")
-
-    monkeypatch.setattr(models, "load_policy", no_model_loading)
     data = tmp_path / "texts.jsonl"
     data.write_text("".join(json.dumps({"text": p}) + "\n" for p in PROMPTS))
     config = RLOOConfig(
@@ -163,17 +166,12 @@ def test_a_prompt_dataset_without_a_prompt_column_is_refused_before_models_load(
         load_parts(config, rewards=count, train_dataset=Dataset.from_dict({"prompt": []}))
 
 
-def test_impossible_batch_arithmetic_is_refused_before_models_load(tmp_path, tiny_policy_dir, monkeypatch):
+def test_impossible_batch_arithmetic_is_refused_before_models_load(tmp_path, tiny_policy_dir, no_model_loads):
     """3 completions per device cannot hold whole groups of rloo_k = 2: the ConfigError comes before the
     policy loads, and the config the user passed is not changed by the early check."""
-    import posttrain.models as models
     from posttrain.configs import ConfigError
     from posttrain.trainers.online import load_parts
 
-    def no_model_loading(*args, **kwargs):
-        raise AssertionError("a model was loaded before the batch sizes were checked")
-
-    monkeypatch.setattr(models, "load_policy", no_model_loading)
     count = [lambda prompts, completions, **kw: [0.0] * len(completions)]
     config = RLOOConfig(
         output_dir=str(tmp_path / "out"),
