@@ -75,6 +75,7 @@ def test_steps_per_generation_sets_the_minibatches(config_cls, monkeypatch):
         (dict(ref_model_sync_steps=0), "ref_model_sync_steps=0 must be >= 1"),
         (dict(sync_ref_model=True, use_peft=True, beta=0.1), "sync_ref_model=True with use_peft"),
         (dict(num_completions_to_print=0), "num_completions_to_print=0 must be >= 1"),
+        (dict(num_generations_eval=2), "num_generations_eval=2: .*one greedy completion per eval prompt"),
     ],
 )
 def test_bad_values_name_the_field(config_cls, values, message, monkeypatch):
@@ -95,6 +96,14 @@ def test_sync_ref_model_needs_a_reference_model():
 
 
 @pytest.mark.parametrize("config_cls", CONFIGS)
+def test_num_generations_eval_names_the_greedy_evaluation(config_cls):
+    # TRL 1.x scripts set num_generations_eval=1 with eval_strategy: evaluation is one greedy completion
+    # per eval prompt, which is what 1 asks for
+    assert config_cls(num_generations_eval=1).num_generations_eval == 1
+    assert config_cls().num_generations_eval is None
+
+
+@pytest.mark.parametrize("config_cls", CONFIGS)
 def test_generation_kwargs_override_the_sampling_fields(config_cls):
     c = config_cls(top_k=5, generation_kwargs={"top_k": 3, "min_p": 0.1, "repetition_penalty": 1.2, "do_sample": True})
     assert (c.top_k, c.min_p, c.repetition_penalty) == (3, 0.1, 1.2)
@@ -108,12 +117,14 @@ def test_options_on_the_command_line():
         "--repetition_penalty", "1.1", "--sync_ref_model", "--beta", "0.1", "--ref_model_mixup_alpha", "0.9",
         "--ref_model_sync_steps", "64", "--log_completions", "--num_completions_to_print", "3",
         "--chat_template_kwargs", '{"enable_thinking": false}', "--mask_truncated_completions",
+        "--num_generations_eval", "1",
     ]  # fmt: skip
     for name in ("grpo", "rloo"):
         c = cli.parse_config(name, argv)
         assert (c.num_mini_batches, c.top_p, c.min_p, c.repetition_penalty) == (2, 0.9, 0.05, 1.1)
         assert (c.sync_ref_model, c.ref_model_mixup_alpha, c.ref_model_sync_steps) == (True, 0.9, 64)
         assert (c.log_completions, c.num_completions_to_print, c.mask_truncated_completions) == (True, 3, True)
+        assert c.num_generations_eval == 1
         assert c.chat_template_kwargs == {"enable_thinking": False}
 
 

@@ -98,6 +98,20 @@ def test_range_checks():
         GRPOConfig(sapo_temperature_neg=0)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"])
+def test_sequence_ratio_with_a_token_summed_loss_warns(loss_type, caplog):
+    """GSPO's sequence ratio with a loss that sums token terms counts each sequence once per token:
+    a warning (TRL's) names the loss and points to loss_type='grpo'; grpo and sapo average each
+    sequence's tokens first, so they do not warn."""
+    with caplog.at_level("WARNING", logger="posttrain"):
+        GRPOConfig(importance_sampling_level="sequence", loss_type=loss_type)
+        GRPOConfig(importance_sampling_level="token", loss_type=loss_type)
+    warned = [r.getMessage() for r in caplog.records if "weights each sequence by its completion length" in r.message]
+    assert len(warned) == (loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"))
+    if warned:
+        assert f"loss_type={loss_type!r}" in warned[0] and "loss_type='grpo'" in warned[0]
+
+
 def test_only_the_global_batch_must_hold_whole_groups():
     """TRL 1.16: generation_batch_size (all processes) % num_generations == 0. 2 processes × 4
     completions with 8 generations is one group over both ranks; 1 process × 4 is half a group."""

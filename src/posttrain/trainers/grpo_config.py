@@ -25,6 +25,7 @@ Standard library only: `posttrain grpo --help` and validation run before torch l
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from posttrain.configs import (
@@ -36,6 +37,8 @@ from posttrain.configs import (
     flag,
 )
 
+logger = logging.getLogger(__name__)
+
 _DEFAULT_RESPONSE_LENGTH = 53  # OnPolicyConfig.response_length's default
 
 # The accepted values (posttrain.grpo_losses implements each one).
@@ -43,6 +46,8 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+# Loss types that sum per-token terms (a sequence-level ratio is then counted once per token).
+TOKEN_SUMMED_LOSS_TYPES = ("bnpo", "dr_grpo", "dapo", "cispo")
 
 
 def _one_of(name: str, value: object, accepted: tuple[str, ...], extra: str = "") -> None:
@@ -143,6 +148,13 @@ class GRPOConfig(GroupRolloutOptions, OnPolicyConfig):
             raise ConfigError(f"delta={self.delta} must be > 1 (it caps the ratio from above; None turns it off).")
         _one_of("loss_type", self.loss_type, LOSS_TYPES)
         _one_of("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+        if self.importance_sampling_level == "sequence" and self.loss_type in TOKEN_SUMMED_LOSS_TYPES:
+            logger.warning(
+                "importance_sampling_level='sequence' with loss_type=%r: this loss sums per-token contributions, "
+                "which weights each sequence by its completion length instead of optimizing GSPO's per-sequence "
+                "objective. Set loss_type='grpo' for the GSPO paper's setup (arXiv:2507.18071).",
+                self.loss_type,
+            )
         _one_of("multi_objective_aggregation", self.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
         scale = self.scale_rewards
         if isinstance(scale, str):
