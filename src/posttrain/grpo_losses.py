@@ -26,6 +26,8 @@ scaling, arXiv:2508.08221); GDPO (normalize_then_sum, arXiv:2601.05242); Schulma
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from posttrain.ops import masked_mean
@@ -279,6 +281,94 @@ def grpo_policy_loss(
 def _nan_reduce(x: torch.Tensor, reduce) -> torch.Tensor:
     kept = x[~torch.isnan(x)]
     return reduce(kept) if kept.numel() else torch.tensor(float("nan"), device=x.device)
+
+
+# --------------------------------------------------------------------------------------------
+# Entropy bonus
+# --------------------------------------------------------------------------------------------
+
+# Loss types whose policy term divides by the minibatch's global token count (not a per-micro-batch mean).
+_GLOBAL_TOKEN_MEAN = ("dapo", "cispo")
+
+
+def grpo_entropy_term(
+    entropies: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_type: str,
+    normalizer: int | float | torch.Tensor | None = None,
+    accumulation_steps: int = 1,
+) -> torch.Tensor:
+    """The entropy H that `entropy_coef` multiplies (loss = policy loss − coef·H), for one micro-batch.
+
+    H is the mean per-token entropy of the minibatch whatever the loss type, so entropy_coef means the
+    same for all of them (TRL 1.9 `GRPOTrainer._compute_loss`): summed over the micro-batches of an
+    optimizer step (and averaged over processes, as gradients are), the terms add up to
+      dapo, cispo: Σ_t H_t·m_t / normalizer (the minibatch's loss tokens over all ranks, as the policy
+                   term: `online.global_normalizer`), i.e. the global token mean;
+      others:      (Σ_t H_t·m_t / Σ_t m_t) / accumulation_steps, the mean of the micro-batch token means.
+    `mask`: the loss tokens (times the top-entropy mask when top_entropy_quantile < 1). entropies, mask
+    (B, T) -> scalar, with gradients through `entropies` (computed with grad for the bonus).
+    """
+    m = mask.bool()
+    total = torch.where(m, entropies.float(), torch.zeros((), device=entropies.device)).sum()
+    if loss_type in _GLOBAL_TOKEN_MEAN:
+        if normalizer is None:
+            raise ValueError(f"loss_type={loss_type!r} needs the minibatch's global token count as `normalizer`.")
+        return total / normalizer
+    return total / m.sum().clamp(min=1).float() / accumulation_steps
+
+
+class EntropyController:
+    """The entropy bonus coefficient: fixed (`entropy_coef`), or adaptive (`use_adaptive_entropy`,
+    Skywork-OR1's adaptive entropy control, He et al. 2025, arXiv:2505.22312; TRL 1.9's fields).
+
+    Adaptive: after each optimizer step, with H the step's mean per-token entropy over the loss tokens
+    of all processes, coef ← min(coef + delta, coef_max) if H ≤ target else max(coef − delta, coef_min);
+    the bonus of the next step is applied only if H ≤ target (coef, else 0). Before the first
+    measurement H = +inf: the first step applies no bonus. A fixed coefficient is always applied.
+    """
+
+    def __init__(
+        self,
+        coef: float,
+        *,
+        adaptive: bool = False,
+        target: float = 0.2,
+        delta: float = 0.005,
+        coef_min: float = 0.0,
+        coef_max: float = 1.0,
+    ) -> None:
+        self.coef, self.adaptive, self.target = float(coef), adaptive, float(target)
+        self.delta, self.coef_min, self.coef_max = float(delta), float(coef_min), float(coef_max)
+        self.last_entropy = math.inf
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the loss has an entropy term at all (adaptive control keeps it even at coef 0)."""
+        return self.adaptive or self.coef != 0.0
+
+    def applied(self) -> float:
+        """The coefficient of this optimizer step's bonus."""
+        if self.adaptive and not self.last_entropy <= self.target:
+            return 0.0
+        return self.coef
+
+    def update(self, entropy: float) -> None:
+        """After an optimizer step whose mean per-token entropy (all processes) was `entropy`."""
+        if not self.adaptive:
+            return
+        if entropy <= self.target:
+            self.coef = min(self.coef + self.delta, self.coef_max)
+        else:
+            self.coef = max(self.coef - self.delta, self.coef_min)
+        self.last_entropy = float(entropy)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"coef": self.coef, "last_entropy": self.last_entropy}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.coef, self.last_entropy = float(state["coef"]), float(state["last_entropy"])
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,6 +29,8 @@ is its reward relative to its group. One rollout batch of B = batch_size complet
      dr_grpo: Σ ℓ·m / (b·max_completion_length)  — each divided by gradient_accumulation_steps;
      dapo, cispo: Σ ℓ·m / N_tok, N_tok the loss tokens of the minibatch over all ranks (so
      micro-batching and data parallelism leave the update unchanged).
+   With entropy_coef (or use_adaptive_entropy) the loss minus coef·H, H the mean per-token entropy of
+   the loss tokens (`grpo_losses.grpo_entropy_term`; coefficient from `grpo_losses.EntropyController`).
    π_old as in RLOO (exact ratio 1 on the first minibatch; the update forward's detached
    logprobs when num_iterations = num_mini_batches = 1). docs/internals.md ("GRPO loss family")
    gives each variant's source; posttrain.grpo_losses is the math, checked against TRL 1.16.
@@ -52,6 +54,7 @@ Metrics (masked, count-weighted across micro-batches and ranks):
   policy/clipfrac_avg         = clip_ratio/region_mean (posttrain's name)
   policy/approxkl_avg         token mean of ½·(log π − log π_old)²
   policy/entropy_avg          token-weighted entropy of the update forward
+  policy_loss, entropy_coef   (with the entropy bonus) the loss without the bonus, and the coefficient
   val/ratio, val/ratio_var    mean and unbiased variance of the token ratio over loss tokens
   lr, episode, eps, epoch
 """
@@ -69,7 +72,14 @@ from posttrain import runtime
 from posttrain.advantages import kl_penalty
 from posttrain.configs import ConfigError
 from posttrain.data.prompts import PromptStream
-from posttrain.grpo_losses import grpo_advantages, grpo_policy_loss, high_entropy_mask, truncation_loss_mask
+from posttrain.grpo_losses import (
+    EntropyController,
+    grpo_advantages,
+    grpo_entropy_term,
+    grpo_policy_loss,
+    high_entropy_mask,
+    truncation_loss_mask,
+)
 from posttrain.rollout import Rollout
 from posttrain.scoring import RewardSource, completion_logprobs
 from posttrain.trainers import online
@@ -197,6 +207,14 @@ class GRPOTrainer(OnlineTrainer):
             runtime.data_seed(args),
             shuffle=args.shuffle_dataset,
         )
+        self.entropy_control = EntropyController(
+            args.entropy_coef,
+            adaptive=args.use_adaptive_entropy,
+            target=args.entropy_target,
+            delta=args.entropy_coef_delta,
+            coef_min=args.entropy_coef_min,
+            coef_max=args.entropy_coef_max,
+        )
         world, rank = run.world_size, dist.process_index(run.accelerator)
         self.layout = [rank_rows(args.global_prompts_per_rollout, args.num_generations, world, r) for r in range(world)]
         self.prompt_index, self.sample_index = (t.to(run.device) for t in self.layout[rank])
@@ -204,6 +222,17 @@ class GRPOTrainer(OnlineTrainer):
     @classmethod
     def from_config(cls, config: GRPOConfig) -> GRPOTrainer:
         return cls(args=config)
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's method: True on the tokens of `mask` whose entropy is at least the `threshold` quantile
+        (1 − top_entropy_quantile) of the entropies of the masked tokens of every process."""
+        pool = dist.gather_values(entropies[mask.bool()].float(), self.accelerator)
+        return high_entropy_mask(entropies, mask, 1.0 - threshold, all_entropies=pool)
+
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy bonus coefficient now (TRL's attribute): entropy_coef, moved by adaptive control."""
+        return self.entropy_control.coef
 
     def train(self) -> Any:
         """Run to total_episodes (resuming if asked); save the policy; return a transformers TrainOutput."""
@@ -296,19 +325,23 @@ class GRPOTrainer(OnlineTrainer):
         old_logprobs = None
         if not (config.num_iterations == 1 and config.num_mini_batches == 1):
             old_logprobs = online.old_policy_logprobs(run, dist.unwrap(policy, acc), rollout, orders[0], temperature)
+        control = self.entropy_control
+        window: list[torch.Tensor] = []  # (Σ H·m, Σ m) of each micro-batch of the optimizer step (adaptive control)
 
         def micro_loss(rows: torch.Tensor, normalizer: float, accumulation: int) -> torch.Tensor:
             mb = rollout.select(rows)
             with run.autocast():
-                logprobs, entropy = completion_logprobs(policy, mb, temperature=temperature, with_entropy=True)
+                logprobs, entropy = completion_logprobs(
+                    policy, mb, temperature=temperature, with_entropy=True, entropy_grad=control.enabled
+                )
             old = logprobs.detach() if old_logprobs is None else old_logprobs[rows]
             mask = loss_mask[rows]
             metrics.add_mean("policy/entropy_avg", entropy, mb.completion_mask)
             entropy_mask = None
             if config.top_entropy_quantile < 1.0:
-                entropy = entropy.detach().float()
-                pool = dist.gather_values(entropy[mask], acc)  # the loss tokens of every rank
-                entropy_mask = high_entropy_mask(entropy, mask, config.top_entropy_quantile, all_entropies=pool)
+                detached = entropy.detach().float()
+                pool = dist.gather_values(detached[mask], acc)  # the loss tokens of every rank
+                entropy_mask = high_entropy_mask(detached, mask, config.top_entropy_quantile, all_entropies=pool)
             loss, stats = grpo_policy_loss(
                 logprobs,
                 old,
@@ -329,6 +362,20 @@ class GRPOTrainer(OnlineTrainer):
                 max_completion_length=config.response_length,
                 accumulation_steps=accumulation,
             )
+            if control.enabled:
+                # the bonus acts on the tokens the policy term trains (the top-entropy ones, if selected)
+                bonus_mask = mask.bool() if entropy_mask is None else mask.bool() & entropy_mask
+                term = grpo_entropy_term(
+                    entropy,
+                    bonus_mask,
+                    loss_type=config.loss_type,
+                    normalizer=normalizer,
+                    accumulation_steps=accumulation,
+                )
+                metrics.add("policy_loss", loss.detach().float(), 1.0 / accumulation)  # TRL's: before the bonus
+                loss = loss - control.applied() * term
+                detached = entropy.detach().float() * bonus_mask
+                window.append(torch.stack([detached.sum(), bonus_mask.sum().float()]))
             # Each micro-batch adds 1/accumulation: per rank and minibatch the sum is the step's loss.
             metrics.add("loss/policy_avg", loss.detach().float(), 1.0 / accumulation)
             for name in _CLIP_STATS:
@@ -353,9 +400,24 @@ class GRPOTrainer(OnlineTrainer):
                 rows = order[start : start + config.local_mini_batch_size]
                 normalizer = online.global_normalizer(loss_mask[rows].sum(), acc)
                 micros = list(online.micro_batches(rows, config.per_device_train_batch_size))
+                window.clear()
                 online.minibatch_step(
                     run, policy, self.optimizer, micros, lambda r, n=normalizer, a=len(micros): micro_loss(r, n, a)
                 )
+                if control.enabled:
+                    if control.adaptive:
+                        # the step's mean per-token entropy over the bonus tokens of every rank
+                        total = dist.reduce_sum(torch.stack(window).sum(0), acc)
+                        control.update(float(total[0] / total[1].clamp(min=1.0)))
+                    metrics.add("entropy_coef", control.coef, 1)
+
+    def extra_state(self) -> dict:
+        """The adaptive entropy controller (its coefficient and last measured entropy), for resume."""
+        return {"entropy_control": self.entropy_control.state_dict()} if self.args.use_adaptive_entropy else {}
+
+    def load_extra_state(self, state: dict) -> None:
+        if "entropy_control" in state:
+            self.entropy_control.load_state_dict(state["entropy_control"])
 
     def checkpoint_models(self) -> dict[str, nn.Module]:
         """The policy, and with sync_ref_model the reference it moves (a resume must restore both)."""
