@@ -272,3 +272,84 @@ def test_shuffle_dataset_false_draws_prompts_in_dataset_order(trainer_cls, tmp_p
         )
         order = trainer.run.prompts._order
         assert (order == list(range(8))) is not shuffle and sorted(order) == list(range(8))
+
+
+# -- router_aux_loss_coef: a mixture-of-experts policy's load-balancing loss ------------------------
+
+
+def tiny_moe(tokenizer):
+    """A randomly initialised 2-layer Mixtral (4 experts, 2 per token) sized for `tokenizer`."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    config = MixtralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def test_grpo_router_aux_loss_of_a_moe_policy(tmp_path, tiny_tokenizer):
+    """TRL 1.9's router_aux_loss_coef: a mixture-of-experts policy's load-balancing loss joins the
+    policy loss, coef · aux_loss (one micro-batch per optimizer step), logged as aux_loss; the same
+    rollout without it (coef 0) has a loss smaller by exactly that. Dense models have no such loss."""
+    assert GRPOConfig().router_aux_loss_coef == 0.001  # TRL's default
+
+    def run(coef):
+        cfg = grpo_config(tmp_path, name=f"c{coef}", router_aux_loss_coef=coef, total_episodes=4)
+        trainer = GRPOTrainer(
+            tiny_moe(tiny_tokenizer), length_reward, cfg, prompt_dataset(8), processing_class=tiny_tokenizer
+        )
+        trainer.train()
+        return trainer, trainer.state.log_history[-1]
+
+    with_aux, logged = run(0.5)
+    without, plain = run(0.0)
+    assert with_aux.aux_loss_enabled and not without.aux_loss_enabled
+    assert "aux_loss" not in plain and logged["aux_loss"] > 0
+    assert logged["loss/policy_avg"] - plain["loss/policy_avg"] == pytest.approx(0.5 * logged["aux_loss"], abs=1e-5)
+    dense = GRPOTrainer(
+        build_tiny_causal_lm(tiny_tokenizer),
+        length_reward,
+        grpo_config(tmp_path, name="dense"),
+        prompt_dataset(8),
+        processing_class=tiny_tokenizer,
+    )
+    assert not dense.aux_loss_enabled
+
+
+def test_rloo_router_aux_loss_of_a_moe_policy(tmp_path, tiny_tokenizer):
+    """RLOO (TRL 1.9) adds the same loss: logged as aux_loss, and it moves the parameters."""
+    params = {}
+    for coef in (0.0, 5.0):
+        policy = tiny_moe(tiny_tokenizer)
+        cfg = rloo_config(tmp_path, name=f"c{coef}", router_aux_loss_coef=coef, total_episodes=4)
+        trainer = RLOOTrainer(
+            model=policy,
+            reward_funcs=length_reward,
+            args=cfg,
+            train_dataset=prompt_dataset(8),
+            processing_class=tiny_tokenizer,
+        )
+        trainer.train()
+        assert trainer.aux_loss_enabled == (coef > 0)
+        assert ("aux_loss" in trainer.state.log_history[-1]) == (coef > 0)
+        params[coef] = flat(policy).clone()
+    assert not torch.equal(params[0.0], params[5.0])
+    with pytest.raises(ConfigError, match="router_aux_loss_coef=-1 must be >= 0"):
+        RLOOConfig(router_aux_loss_coef=-1)

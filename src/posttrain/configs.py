@@ -969,6 +969,11 @@ class GroupRolloutOptions:
     num_completions_to_print: int | None = flag(
         "Rows of the log_completions table (None: every completion of the rollout batch).", default=None
     )
+    router_aux_loss_coef: float = flag(
+        "Weight of a mixture-of-experts model's router load-balancing loss in the policy loss (no effect on "
+        "other models); 0: off.",
+        default=0.001,
+    )
     num_generations_eval: int | None = flag(
         "TRL 1.x: completions per prompt at evaluation. posttrain evaluates one greedy completion per eval "
         "prompt, so only 1 (or None) is accepted.",
@@ -1039,6 +1044,8 @@ def check_group_rollout_options(config: Any, *, kl_field: str, kl_coef: float) -
         )
     if config.num_completions_to_print is not None and config.num_completions_to_print < 1:
         raise ConfigError(f"num_completions_to_print={config.num_completions_to_print} must be >= 1 (None: all).")
+    if config.router_aux_loss_coef < 0:
+        raise ConfigError(f"router_aux_loss_coef={config.router_aux_loss_coef} must be >= 0 (0: off).")
     if config.num_generations_eval not in (None, 1):
         raise ConfigError(
             f"num_generations_eval={config.num_generations_eval}: posttrain's evaluation draws one greedy completion "

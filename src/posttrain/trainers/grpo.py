@@ -81,7 +81,7 @@ from posttrain.grpo_losses import (
     truncation_loss_mask,
 )
 from posttrain.rollout import Rollout
-from posttrain.scoring import RewardSource, completion_logprobs
+from posttrain.scoring import RewardSource, completion_forward, forward_logprobs, router_aux_loss_enabled
 from posttrain.trainers import online
 from posttrain.trainers.grpo_config import GRPOConfig
 from posttrain.trainers.online import (
@@ -185,6 +185,8 @@ class GRPOTrainer(OnlineTrainer):
         self.ref_model = dist.prepare_frozen(self.ref_model, self.accelerator)
         online.sync_reference(self)
         self.reward_processing_classes = parts.reward_processing_classes
+        # a mixture-of-experts policy adds its router load-balancing loss (router_aux_loss_coef), as TRL 1.9
+        self.aux_loss_enabled = router_aux_loss_enabled(self.policy_model, args.router_aux_loss_coef)
         self.reward = RewardSource(
             [dist.prepare_frozen(r, self.accelerator) for r in parts.rewards],
             policy_tokenizer=self.processing_class,
@@ -331,8 +333,9 @@ class GRPOTrainer(OnlineTrainer):
         def micro_loss(rows: torch.Tensor, normalizer: float, accumulation: int) -> torch.Tensor:
             mb = rollout.select(rows)
             with run.autocast():
-                logprobs, entropy = completion_logprobs(
-                    policy, mb, temperature=temperature, with_entropy=True, entropy_grad=control.enabled
+                forward = completion_forward(policy, mb, router_aux=self.aux_loss_enabled)
+                logprobs, entropy = forward_logprobs(
+                    forward, temperature=temperature, with_entropy=True, entropy_grad=control.enabled
                 )
             old = logprobs.detach() if old_logprobs is None else old_logprobs[rows]
             mask = loss_mask[rows]
@@ -376,6 +379,7 @@ class GRPOTrainer(OnlineTrainer):
                 loss = loss - control.applied() * term
                 detached = entropy.detach().float() * bonus_mask
                 window.append(torch.stack([detached.sum(), bonus_mask.sum().float()]))
+            loss = online.add_router_aux_loss(run, loss, forward, config.router_aux_loss_coef, accumulation)
             # Each micro-batch adds 1/accumulation: per rank and minibatch the sum is the step's loss.
             metrics.add("loss/policy_avg", loss.detach().float(), 1.0 / accumulation)
             for name in _CLIP_STATS:
