@@ -303,6 +303,30 @@ def test_adaptive_entropy_moves_the_coefficient_once_per_optimizer_step(tmp_path
         assert h["loss/policy_avg"] == pytest.approx(h["policy_loss"], abs=1e-7)
 
 
+def test_off_policy_mask_threshold_in_training(tmp_path, tiny_tokenizer):
+    """off_policy_mask_threshold: logged as the fraction of completions dropped; a threshold no
+    sequence exceeds drops none and leaves the loss that of the run without it."""
+
+    def run(threshold):
+        torch.manual_seed(0)
+        cfg = config(tmp_path, name=f"o{threshold}", num_iterations=2, off_policy_mask_threshold=threshold)
+        trainer = GRPOTrainer(
+            build_tiny_causal_lm(tiny_tokenizer),
+            letter_fraction,
+            cfg,
+            prompt_dataset(8),
+            processing_class=tiny_tokenizer,
+        )
+        return train_and_last_log(trainer)
+
+    loose, plain = run(1e9), run(None)
+    assert loose["off_policy_mask/dropped"] == 0.0 and "off_policy_mask/dropped" not in plain
+    assert loose["loss/policy_avg"] == pytest.approx(plain["loss/policy_avg"], abs=1e-7)
+    assert 0.0 <= run(0.0)["off_policy_mask/dropped"] <= 1.0
+    with pytest.raises(ConfigError, match="off_policy_mask_threshold=-1 must be >= 0"):
+        GRPOConfig(off_policy_mask_threshold=-1)
+
+
 def test_entropy_bonus_config_checks():
     for field in ("entropy_coef", "entropy_coef_min", "entropy_coef_delta"):
         with pytest.raises(ConfigError, match=f"{field}=-0.1 must be >= 0"):

@@ -21,6 +21,7 @@ from posttrain.grpo_losses import (
     grpo_policy_loss,
     high_entropy_mask,
     log_importance_weights,
+    off_policy_sequence_mask,
     resolve_scale_rewards,
     truncation_loss_mask,
 )
@@ -501,3 +502,29 @@ def test_entropy_controller_fixed_and_adaptive():
     restored = EntropyController(0.01, adaptive=True, target=1.0)
     restored.load_state_dict(c.state_dict())
     assert (restored.coef, restored.last_entropy) == (0.0, 2.0)
+
+
+# -- off-policy sequence masking (TRL 1.9's off_policy_mask_threshold, DeepSeek-V3.2) ----------------
+
+
+def test_off_policy_sequence_mask_drops_negative_advantage_far_off_policy_sequences():
+    sampling = torch.zeros(4, 3)
+    logprobs = torch.tensor(
+        [
+            [-2.0, -2.0, -2.0],  # A > 0, mean KL 2: kept (positive advantage)
+            [-0.5, -0.5, -0.5],  # A < 0, mean KL 0.5 <= 1: kept
+            [-2.0, -2.0, -2.0],  # A < 0, mean KL 2 > 1: dropped
+            [-1.5, -0.5, -50.0],  # A < 0, mean over its 2 loss tokens (1.5 + 0.5) / 2 = 1; padding ignored: kept
+        ]
+    )
+    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    keep = off_policy_sequence_mask(torch.tensor([1.0, -1.0, -1.0, -1.0]), logprobs, sampling, mask, 1.0)
+    assert keep.tolist() == [[1.0], [1.0], [0.0], [1.0]]
+    # in the loss: the dropped sequence's policy term is 0, its KL term stays (as TRL)
+    adv = torch.tensor([1.0, -1.0, -1.0, -1.0])
+    ref = logprobs - 0.3
+    common = dict(loss_type="grpo", beta=0.1, ref_logprobs=ref, use_bias_correction_kl=False)
+    masked, _ = grpo_policy_loss(logprobs, logprobs, adv, mask, off_policy_mask=keep, **common)
+    plain, _ = grpo_policy_loss(logprobs, logprobs, adv, mask, **common)
+    # ρ = 1: each kept sequence's policy term is −A; sequence 2 (A = −1, term +1) is dropped: mean changes by 1/4
+    assert plain.item() - masked.item() == pytest.approx(0.25, abs=1e-6)

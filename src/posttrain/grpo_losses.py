@@ -95,6 +95,29 @@ def high_entropy_mask(
     return (torch.where(m, entropies.float(), torch.zeros_like(entropies, dtype=torch.float32)) >= threshold) & m
 
 
+def off_policy_sequence_mask(
+    advantages: torch.Tensor,
+    logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """`off_policy_mask_threshold`: DeepSeek-V3.2's off-policy sequence masking (arXiv:2512.02556, eq. 9).
+
+    Per sequence, the mean over its loss tokens of log π_sampling − log π_θ (π_θ detached; padding
+    ignored) estimates how far the policy has moved from the one that sampled it; a sequence with a
+    negative advantage AND a mean above `threshold` is dropped from the policy loss (learning from
+    its own mistakes is least reliable when it is most off-policy). advantages (B,) or (B, 1);
+    logprobs, sampling_logprobs, mask (B, T) -> (B, 1) of 1.0 (keep) / 0.0 (drop), in mask's float
+    dtype. Without an inference engine TRL 1.9 passes the old policy's logprobs as sampling_logprobs.
+    """
+    m = mask.to(logprobs.dtype) if mask.dtype == torch.bool else mask
+    adv = advantages.reshape(-1, 1)
+    kl = (sampling_logprobs - logprobs.detach()) * m
+    mean_kl = kl.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((adv >= 0) | (mean_kl <= threshold)).to(m.dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # Policy loss
 # --------------------------------------------------------------------------------------------
@@ -138,6 +161,7 @@ def grpo_policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     use_bias_correction_kl: bool = True,
     entropy_mask: torch.Tensor | None = None,
+    off_policy_mask: torch.Tensor | None = None,
     normalizer: int | float | torch.Tensor | None = None,
     max_completion_length: int | None = None,
     accumulation_steps: int = 1,
@@ -155,7 +179,8 @@ def grpo_policy_loss(
               on ρ here (ScaleRL's ε_max, recommended 5.0), and, as in TRL, it defaults to epsilon (0.2).
       sapo:   ℓ_t = −(4/τ)·σ(τ·(ρ − 1))·A, τ = sapo_temperature_pos where A > 0 else
               sapo_temperature_neg: a soft gate in place of the hard clip (SAPO, arXiv:2511.20347).
-    Then ℓ_t ← ℓ_t·entropy_mask_t (top_entropy_quantile; `high_entropy_mask`), and with beta ≠ 0
+    Then ℓ_t ← ℓ_t·off_policy_mask (off_policy_mask_threshold; `off_policy_sequence_mask`, one per
+    sequence), ℓ_t ← ℓ_t·entropy_mask_t (top_entropy_quantile; `high_entropy_mask`), and with beta ≠ 0
     ℓ_t ← ℓ_t + beta·KL_t, KL_t = exp(ref − lp) − (ref − lp) − 1 (k3, Schulman 2020), multiplied by ρ
     when use_bias_correction_kl (TRL 1.16's default, DeepSeek-V3.2 arXiv:2512.02556; ρ before
     the delta clamp). Aggregation over the loss tokens m (`mask`):
@@ -223,6 +248,8 @@ def grpo_policy_loss(
         )
         per_token_loss = -(torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau) * adv
 
+    if off_policy_mask is not None:  # (B, 1): a dropped sequence keeps only its KL term, as in TRL
+        per_token_loss = per_token_loss * off_policy_mask.to(per_token_loss.dtype)
     if entropy_mask is not None:
         per_token_loss = per_token_loss * entropy_mask.to(per_token_loss.dtype)
     if per_token_kl is not None:

@@ -55,6 +55,7 @@ Metrics (masked, count-weighted across micro-batches and ranks):
   policy/approxkl_avg         token mean of ½·(log π − log π_old)²
   policy/entropy_avg          token-weighted entropy of the update forward
   policy_loss, entropy_coef   (with the entropy bonus) the loss without the bonus, and the coefficient
+  off_policy_mask/dropped     (with off_policy_mask_threshold) fraction of completions dropped
   val/ratio, val/ratio_var    mean and unbiased variance of the token ratio over loss tokens
   lr, episode, eps, epoch
 """
@@ -78,6 +79,7 @@ from posttrain.grpo_losses import (
     grpo_entropy_term,
     grpo_policy_loss,
     high_entropy_mask,
+    off_policy_sequence_mask,
     truncation_loss_mask,
 )
 from posttrain.rollout import Rollout
@@ -231,6 +233,20 @@ class GRPOTrainer(OnlineTrainer):
         pool = dist.gather_values(entropies[mask.bool()].float(), self.accelerator)
         return high_entropy_mask(entropies, mask, 1.0 - threshold, all_entropies=pool)
 
+    @staticmethod
+    def get_off_policy_mask(
+        advantages: torch.Tensor,
+        per_token_logps: torch.Tensor,
+        sampling_per_token_logps: torch.Tensor,
+        mask: torch.Tensor,
+        off_policy_threshold: float,
+    ) -> torch.Tensor:
+        """TRL's method: the (B, 1) keep (1.0) / drop (0.0) mask of off_policy_mask_threshold
+        (`grpo_losses.off_policy_sequence_mask`)."""
+        return off_policy_sequence_mask(
+            advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold
+        )
+
     @property
     def entropy_coef(self) -> float:
         """The entropy bonus coefficient now (TRL's attribute): entropy_coef, moved by adaptive control."""
@@ -345,6 +361,13 @@ class GRPOTrainer(OnlineTrainer):
                 detached = entropy.detach().float()
                 pool = dist.gather_values(detached[mask], acc)  # the loss tokens of every rank
                 entropy_mask = high_entropy_mask(detached, mask, config.top_entropy_quantile, all_entropies=pool)
+            off_policy = None
+            if config.off_policy_mask_threshold is not None:
+                # TRL 1.9 without an inference engine: π_old stands for the sampling policy
+                off_policy = off_policy_sequence_mask(
+                    advantages[rows], logprobs, old, mask, config.off_policy_mask_threshold
+                )
+                metrics.add("off_policy_mask/dropped", (1 - off_policy).sum(), off_policy.numel())
             loss, stats = grpo_policy_loss(
                 logprobs,
                 old,
@@ -361,6 +384,7 @@ class GRPOTrainer(OnlineTrainer):
                 ref_logprobs=ref_logprobs[rows] if ref_logprobs is not None else None,
                 use_bias_correction_kl=config.use_bias_correction_kl,
                 entropy_mask=entropy_mask,
+                off_policy_mask=off_policy,
                 normalizer=normalizer,
                 max_completion_length=config.response_length,
                 accumulation_steps=accumulation,

@@ -3,7 +3,7 @@
 Field names and defaults follow TRL 1.16's `GRPOConfig` (num_generations, beta, epsilon,
 epsilon_high, delta, num_iterations, loss_type, importance_sampling_level, scale_rewards,
 multi_objective_aggregation, reward_weights, top_entropy_quantile, use_bias_correction_kl,
-sapo_temperature_pos / sapo_temperature_neg, max_completion_length; TRL 1.9's entropy bonus
+sapo_temperature_pos / sapo_temperature_neg, off_policy_mask_threshold, max_completion_length; TRL 1.9's entropy bonus
 entropy_coef / use_adaptive_entropy / entropy_coef_min / entropy_coef_max / entropy_coef_delta /
 entropy_target), with the TRL 1.x rollout
 settings GRPO shares with RLOO (`configs.GroupRolloutOptions`: steps_per_generation /
@@ -122,6 +122,11 @@ class GRPOConfig(GroupRolloutOptions, OnPolicyConfig):
     )
     sapo_temperature_pos: float = flag("SAPO's gate temperature for positive advantages.", default=1.0)
     sapo_temperature_neg: float = flag("SAPO's gate temperature for negative advantages.", default=1.05)
+    off_policy_mask_threshold: float | None = flag(
+        "Off-policy sequence masking (DeepSeek-V3.2): drop from the policy loss the completions with a negative "
+        "advantage whose mean per-token log π_old − log π_θ exceeds this (e.g. 0.5); None: off.",
+        default=None,
+    )
     entropy_coef: float = flag(
         "Entropy bonus: loss = policy loss − entropy_coef · H, H the mean per-token entropy of the loss tokens "
         "(the same meaning for every loss_type); 0: off. With use_adaptive_entropy, the initial coefficient.",
@@ -185,6 +190,10 @@ class GRPOConfig(GroupRolloutOptions, OnPolicyConfig):
         _one_of("scale_rewards", self.scale_rewards, SCALE_REWARDS, " (True / False: group / none)")
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             raise ConfigError(f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1.0 keeps all).")
+        if self.off_policy_mask_threshold is not None and self.off_policy_mask_threshold < 0:
+            raise ConfigError(
+                f"off_policy_mask_threshold={self.off_policy_mask_threshold} must be >= 0 (a mean KL; None: off)."
+            )
         for name in ("entropy_coef", "entropy_coef_min", "entropy_coef_delta"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0 (entropy_coef 0: no entropy bonus).")
