@@ -257,6 +257,9 @@ def test_entropy_bonus_is_coef_times_the_mean_token_entropy(tmp_path, tiny_token
     assert bonus["loss/policy_avg"] == pytest.approx(
         bonus["policy_loss"] - coef * bonus["policy/entropy_avg"], abs=1e-5
     )
+    # TRL's names: loss is the minimised loss, entropy the mean token entropy of the loss tokens
+    assert bonus["loss"] == bonus["loss/policy_avg"] and bonus["entropy"] == bonus["policy/entropy_avg"]
+    assert bonus["policy_loss"] - bonus["loss"] == pytest.approx(coef * bonus["entropy"], abs=1e-5)
     # same rollout and same starting policy: the policy term is the plain run's loss
     assert bonus["policy_loss"] == pytest.approx(plain["loss/policy_avg"], abs=1e-6)
     assert not torch.equal(plain_params, bonus_params)

@@ -54,6 +54,7 @@ Metrics (masked, count-weighted across micro-batches and ranks):
   policy/clipfrac_avg         = clip_ratio/region_mean (posttrain's name)
   policy/approxkl_avg         token mean of ½·(log π − log π_old)²
   policy/entropy_avg          token-weighted entropy of the update forward
+  loss, entropy               TRL's names: = loss/policy_avg, and the entropy over the loss tokens
   policy_loss, entropy_coef   (with the entropy bonus) the loss without the bonus, and the coefficient
   off_policy_mask/dropped     (with off_policy_mask_threshold) fraction of completions dropped
   val/ratio, val/ratio_var    mean and unbiased variance of the token ratio over loss tokens
@@ -356,6 +357,7 @@ class GRPOTrainer(OnlineTrainer):
             old = logprobs.detach() if old_logprobs is None else old_logprobs[rows]
             mask = loss_mask[rows]
             metrics.add_mean("policy/entropy_avg", entropy, mb.completion_mask)
+            metrics.add_mean("entropy", entropy, mask)  # TRL's name: over the loss tokens
             entropy_mask = None
             if config.top_entropy_quantile < 1.0:
                 detached = entropy.detach().float()
@@ -405,7 +407,8 @@ class GRPOTrainer(OnlineTrainer):
                 window.append(torch.stack([detached.sum(), bonus_mask.sum().float()]))
             loss = online.add_router_aux_loss(run, loss, forward, config.router_aux_loss_coef, accumulation)
             # Each micro-batch adds 1/accumulation: per rank and minibatch the sum is the step's loss.
-            metrics.add("loss/policy_avg", loss.detach().float(), 1.0 / accumulation)
+            for name in ("loss/policy_avg", "loss"):
+                metrics.add(name, loss.detach().float(), 1.0 / accumulation)
             for name in _CLIP_STATS:
                 if name in stats:
                     metrics.add(name, stats[name] * stats["count/clip"], stats["count/clip"])
