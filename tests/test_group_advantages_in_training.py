@@ -77,7 +77,7 @@ def capture(monkeypatch, module):
         seen["advantages"], seen["logprobs"] = advantages.detach().clone(), logprobs.detach().clone()
         return loss(logprobs, old_logprobs, advantages, mask, *args, **kwargs)
 
-    def update_spy(run, policy, optimizer, rollout, *, num_epochs, count, loss_fn):
+    def update_spy(run, policy, optimizer, rollout, *, num_epochs, count, loss_fn, **kwargs):
         record = {"rollout": rollout, "micro": []}
         records.append(record)
 
@@ -86,7 +86,7 @@ def capture(monkeypatch, module):
             record["micro"].append((rows.clone(), mb, seen.pop("advantages"), seen.pop("logprobs")))
             return out
 
-        return update(run, policy, optimizer, rollout, num_epochs=num_epochs, count=count, loss_fn=wrapped)
+        return update(run, policy, optimizer, rollout, num_epochs=num_epochs, count=count, loss_fn=wrapped, **kwargs)
 
     monkeypatch.setattr(module, "ppo_policy_loss", loss_spy)
     monkeypatch.setattr(module, "policy_update", update_spy)

@@ -75,6 +75,7 @@ def test_steps_per_generation_sets_the_minibatches(config_cls, monkeypatch):
         (dict(ref_model_sync_steps=0), "ref_model_sync_steps=0 must be >= 1"),
         (dict(sync_ref_model=True, use_peft=True, beta=0.1), "sync_ref_model=True with use_peft"),
         (dict(num_completions_to_print=0), "num_completions_to_print=0 must be >= 1"),
+        (dict(num_generations_eval=2), "num_generations_eval=2: .*one greedy completion per eval prompt"),
     ],
 )
 def test_bad_values_name_the_field(config_cls, values, message, monkeypatch):
@@ -95,6 +96,14 @@ def test_sync_ref_model_needs_a_reference_model():
 
 
 @pytest.mark.parametrize("config_cls", CONFIGS)
+def test_num_generations_eval_names_the_greedy_evaluation(config_cls):
+    # TRL 1.x scripts set num_generations_eval=1 with eval_strategy: evaluation is one greedy completion
+    # per eval prompt, which is what 1 asks for
+    assert config_cls(num_generations_eval=1).num_generations_eval == 1
+    assert config_cls().num_generations_eval is None
+
+
+@pytest.mark.parametrize("config_cls", CONFIGS)
 def test_generation_kwargs_override_the_sampling_fields(config_cls):
     c = config_cls(top_k=5, generation_kwargs={"top_k": 3, "min_p": 0.1, "repetition_penalty": 1.2, "do_sample": True})
     assert (c.top_k, c.min_p, c.repetition_penalty) == (3, 0.1, 1.2)
@@ -108,12 +117,14 @@ def test_options_on_the_command_line():
         "--repetition_penalty", "1.1", "--sync_ref_model", "--beta", "0.1", "--ref_model_mixup_alpha", "0.9",
         "--ref_model_sync_steps", "64", "--log_completions", "--num_completions_to_print", "3",
         "--chat_template_kwargs", '{"enable_thinking": false}', "--mask_truncated_completions",
+        "--num_generations_eval", "1",
     ]  # fmt: skip
     for name in ("grpo", "rloo"):
         c = cli.parse_config(name, argv)
         assert (c.num_mini_batches, c.top_p, c.min_p, c.repetition_penalty) == (2, 0.9, 0.05, 1.1)
         assert (c.sync_ref_model, c.ref_model_mixup_alpha, c.ref_model_sync_steps) == (True, 0.9, 64)
         assert (c.log_completions, c.num_completions_to_print, c.mask_truncated_completions) == (True, 3, True)
+        assert c.num_generations_eval == 1
         assert c.chat_template_kwargs == {"enable_thinking": False}
 
 
@@ -261,3 +272,84 @@ def test_shuffle_dataset_false_draws_prompts_in_dataset_order(trainer_cls, tmp_p
         )
         order = trainer.run.prompts._order
         assert (order == list(range(8))) is not shuffle and sorted(order) == list(range(8))
+
+
+# -- router_aux_loss_coef: a mixture-of-experts policy's load-balancing loss ------------------------
+
+
+def tiny_moe(tokenizer):
+    """A randomly initialised 2-layer Mixtral (4 experts, 2 per token) sized for `tokenizer`."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    config = MixtralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def test_grpo_router_aux_loss_of_a_moe_policy(tmp_path, tiny_tokenizer):
+    """TRL 1.9's router_aux_loss_coef: a mixture-of-experts policy's load-balancing loss joins the
+    policy loss, coef · aux_loss (one micro-batch per optimizer step), logged as aux_loss; the same
+    rollout without it (coef 0) has a loss smaller by exactly that. Dense models have no such loss."""
+    assert GRPOConfig().router_aux_loss_coef == 0.001  # TRL's default
+
+    def run(coef):
+        cfg = grpo_config(tmp_path, name=f"c{coef}", router_aux_loss_coef=coef, total_episodes=4)
+        trainer = GRPOTrainer(
+            tiny_moe(tiny_tokenizer), length_reward, cfg, prompt_dataset(8), processing_class=tiny_tokenizer
+        )
+        trainer.train()
+        return trainer, trainer.state.log_history[-1]
+
+    with_aux, logged = run(0.5)
+    without, plain = run(0.0)
+    assert with_aux.aux_loss_enabled and not without.aux_loss_enabled
+    assert "aux_loss" not in plain and logged["aux_loss"] > 0
+    assert logged["loss/policy_avg"] - plain["loss/policy_avg"] == pytest.approx(0.5 * logged["aux_loss"], abs=1e-5)
+    dense = GRPOTrainer(
+        build_tiny_causal_lm(tiny_tokenizer),
+        length_reward,
+        grpo_config(tmp_path, name="dense"),
+        prompt_dataset(8),
+        processing_class=tiny_tokenizer,
+    )
+    assert not dense.aux_loss_enabled
+
+
+def test_rloo_router_aux_loss_of_a_moe_policy(tmp_path, tiny_tokenizer):
+    """RLOO (TRL 1.9) adds the same loss: logged as aux_loss, and it moves the parameters."""
+    params = {}
+    for coef in (0.0, 5.0):
+        policy = tiny_moe(tiny_tokenizer)
+        cfg = rloo_config(tmp_path, name=f"c{coef}", router_aux_loss_coef=coef, total_episodes=4)
+        trainer = RLOOTrainer(
+            model=policy,
+            reward_funcs=length_reward,
+            args=cfg,
+            train_dataset=prompt_dataset(8),
+            processing_class=tiny_tokenizer,
+        )
+        trainer.train()
+        assert trainer.aux_loss_enabled == (coef > 0)
+        assert ("aux_loss" in trainer.state.log_history[-1]) == (coef > 0)
+        params[coef] = flat(policy).clone()
+    assert not torch.equal(params[0.0], params[5.0])
+    with pytest.raises(ConfigError, match="router_aux_loss_coef=-1 must be >= 0"):
+        RLOOConfig(router_aux_loss_coef=-1)

@@ -187,17 +187,19 @@ def test_single_pass_reuses_the_update_forward_as_the_old_policy(tmp_path, tiny_
 
     monkeypatch.setattr(online, "old_policy_logprobs", fail)
     holder, compared = [], []
-    original = grpo.completion_logprobs
+    original = grpo.completion_forward
 
     def spy(policy, mb, **kwargs):
-        logprobs, entropy = original(policy, mb, **kwargs)
+        forward = original(policy, mb, **kwargs)
         trainer = holder[0]
+        temperature = trainer.run.sampling.logprob_temperature
+        logprobs, _ = grpo.forward_logprobs(forward, temperature=temperature, with_entropy=True)  # the update's
         rows = torch.arange(len(mb))  # one micro-batch of the same rows, as the removed pass ran it
-        expected = old_pass(trainer.run, trainer.model, mb, rows, kwargs["temperature"])
+        expected = old_pass(trainer.run, trainer.model, mb, rows, temperature)
         compared.append(torch.equal(logprobs.detach(), expected))
-        return logprobs, entropy
+        return forward
 
-    monkeypatch.setattr(grpo, "completion_logprobs", spy)
+    monkeypatch.setattr(grpo, "completion_forward", spy)
     # 2 rollout batches of 8 completions, each one minibatch of 2 micro-batches of 4 rows.
     cfg = config(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, response_length=6)
     policy = build_tiny_causal_lm(tiny_tokenizer)

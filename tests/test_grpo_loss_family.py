@@ -98,6 +98,20 @@ def test_range_checks():
         GRPOConfig(sapo_temperature_neg=0)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"])
+def test_sequence_ratio_with_a_token_summed_loss_warns(loss_type, caplog):
+    """GSPO's sequence ratio with a loss that sums token terms counts each sequence once per token:
+    a warning (TRL's) names the loss and points to loss_type='grpo'; grpo and sapo average each
+    sequence's tokens first, so they do not warn."""
+    with caplog.at_level("WARNING", logger="posttrain"):
+        GRPOConfig(importance_sampling_level="sequence", loss_type=loss_type)
+        GRPOConfig(importance_sampling_level="token", loss_type=loss_type)
+    warned = [r.getMessage() for r in caplog.records if "weights each sequence by its completion length" in r.message]
+    assert len(warned) == (loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"))
+    if warned:
+        assert f"loss_type={loss_type!r}" in warned[0] and "loss_type='grpo'" in warned[0]
+
+
 def test_only_the_global_batch_must_hold_whole_groups():
     """TRL 1.16: generation_batch_size (all processes) % num_generations == 0. 2 processes × 4
     completions with 8 generations is one group over both ranks; 1 process × 4 is half a group."""
@@ -217,6 +231,111 @@ def test_each_loss_type_trains(tmp_path, tiny_tokenizer, loss_type, level):
         assert 0.0 <= last[name] <= 1.0, name
     assert last["kl"] > 0 and last["objective/kl"] != 0  # a different reference: a real KL term
     assert last["val/ratio"] > 0
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_entropy_bonus_is_coef_times_the_mean_token_entropy(tmp_path, tiny_tokenizer, loss_type):
+    """entropy_coef: the minimised loss is the policy loss − coef · H, H the mean per-token entropy of
+    the loss tokens (one optimizer step, one micro-batch: H is policy/entropy_avg) for a per-sequence
+    (grpo) and a global-token-mean (dapo) loss alike; the bonus has gradients, so the parameters end
+    up elsewhere than without it, and policy_loss (TRL's name) is the loss without the bonus."""
+    coef = 0.5
+
+    def run(entropy_coef):
+        torch.manual_seed(0)
+        cfg = config(
+            tmp_path, name=f"e{entropy_coef}", loss_type=loss_type, total_episodes=4, entropy_coef=entropy_coef
+        )
+        policy = build_tiny_causal_lm(tiny_tokenizer)
+        trainer = GRPOTrainer(policy, letter_fraction, cfg, prompt_dataset(8), processing_class=tiny_tokenizer)
+        return train_and_last_log(trainer), flat(policy).clone(), trainer
+
+    plain, plain_params, _ = run(0.0)
+    bonus, bonus_params, trainer = run(coef)
+    assert "policy_loss" not in plain and "entropy_coef" not in plain
+    assert bonus["entropy_coef"] == coef and trainer.entropy_coef == coef
+    assert bonus["loss/policy_avg"] == pytest.approx(
+        bonus["policy_loss"] - coef * bonus["policy/entropy_avg"], abs=1e-5
+    )
+    # TRL's names: loss is the minimised loss, entropy the mean token entropy of the loss tokens
+    assert bonus["loss"] == bonus["loss/policy_avg"] and bonus["entropy"] == bonus["policy/entropy_avg"]
+    assert bonus["policy_loss"] - bonus["loss"] == pytest.approx(coef * bonus["entropy"], abs=1e-5)
+    # same rollout and same starting policy: the policy term is the plain run's loss
+    assert bonus["policy_loss"] == pytest.approx(plain["loss/policy_avg"], abs=1e-6)
+    assert not torch.equal(plain_params, bonus_params)
+
+
+def test_adaptive_entropy_moves_the_coefficient_once_per_optimizer_step(tmp_path, tiny_tokenizer):
+    """use_adaptive_entropy: 2 rollout batches × 2 optimizer steps of 2 micro-batches. Entropy always
+    below a target of 100: +delta per optimizer step (4 steps: 0.01 + 4 · 0.005), kept for resume.
+    Entropy always above a target of 0: −delta per step down to entropy_coef_min, and never applied,
+    so the minimised loss is the policy loss."""
+
+    def run(target):
+        cfg = config(
+            tmp_path,
+            name=f"t{target}",
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            num_mini_batches=2,
+            total_episodes=16,
+            logging_steps=1,
+            entropy_coef=0.01,
+            use_adaptive_entropy=True,
+            entropy_target=target,
+            entropy_coef_delta=0.005,
+        )
+        trainer = GRPOTrainer(
+            build_tiny_causal_lm(tiny_tokenizer),
+            letter_fraction,
+            cfg,
+            prompt_dataset(8),
+            processing_class=tiny_tokenizer,
+        )
+        trainer.train()
+        return trainer, [h for h in trainer.state.log_history if "entropy_coef" in h and "train_runtime" not in h]
+
+    rising, logs = run(100.0)
+    assert rising.entropy_coef == pytest.approx(0.03)
+    assert [h["entropy_coef"] for h in logs] == pytest.approx([0.0175, 0.0275])  # mean of each batch's 2 steps
+    state = rising.extra_state()["entropy_control"]
+    assert state["coef"] == pytest.approx(0.03) and 0 < state["last_entropy"] < 100.0
+    falling, logs = run(0.0)
+    assert falling.entropy_coef == 0.0
+    for h in logs:
+        assert h["loss/policy_avg"] == pytest.approx(h["policy_loss"], abs=1e-7)
+
+
+def test_off_policy_mask_threshold_in_training(tmp_path, tiny_tokenizer):
+    """off_policy_mask_threshold: logged as the fraction of completions dropped; a threshold no
+    sequence exceeds drops none and leaves the loss that of the run without it."""
+
+    def run(threshold):
+        torch.manual_seed(0)
+        cfg = config(tmp_path, name=f"o{threshold}", num_iterations=2, off_policy_mask_threshold=threshold)
+        trainer = GRPOTrainer(
+            build_tiny_causal_lm(tiny_tokenizer),
+            letter_fraction,
+            cfg,
+            prompt_dataset(8),
+            processing_class=tiny_tokenizer,
+        )
+        return train_and_last_log(trainer)
+
+    loose, plain = run(1e9), run(None)
+    assert loose["off_policy_mask/dropped"] == 0.0 and "off_policy_mask/dropped" not in plain
+    assert loose["loss/policy_avg"] == pytest.approx(plain["loss/policy_avg"], abs=1e-7)
+    assert 0.0 <= run(0.0)["off_policy_mask/dropped"] <= 1.0
+    with pytest.raises(ConfigError, match="off_policy_mask_threshold=-1 must be >= 0"):
+        GRPOConfig(off_policy_mask_threshold=-1)
+
+
+def test_entropy_bonus_config_checks():
+    for field in ("entropy_coef", "entropy_coef_min", "entropy_coef_delta"):
+        with pytest.raises(ConfigError, match=f"{field}=-0.1 must be >= 0"):
+            GRPOConfig(**{field: -0.1})
+    with pytest.raises(ConfigError, match="entropy_coef_max=0.1 must be >= entropy_coef_min=0.2"):
+        GRPOConfig(entropy_coef_min=0.2, entropy_coef_max=0.1)
 
 
 def test_top_entropy_quantile_keeps_the_high_entropy_tokens(tmp_path, tiny_tokenizer, monkeypatch):

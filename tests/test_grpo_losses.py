@@ -15,10 +15,13 @@ import pytest
 import torch
 
 from posttrain.grpo_losses import (
+    EntropyController,
     grpo_advantages,
+    grpo_entropy_term,
     grpo_policy_loss,
     high_entropy_mask,
     log_importance_weights,
+    off_policy_sequence_mask,
     resolve_scale_rewards,
     truncation_loss_mask,
 )
@@ -455,3 +458,73 @@ def test_fixture_covers_every_loss_type_and_level():
     assert seen == {
         (t, lv) for t in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo") for lv in ("token", "sequence")
     }
+
+
+# -- the entropy bonus (TRL 1.9's entropy_coef / use_adaptive_entropy) -------------------------------------
+
+
+def test_entropy_term_is_the_mean_token_entropy_for_every_loss_type():
+    # 4 loss tokens with entropies 1, 2, 3, 4 (padding 9 ignored): mean H = 2.5
+    entropies = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    # global-token-mean losses divide by the minibatch's token count (here 4 tokens split over 2 micro-batches
+    # of 4 and 4 tokens: normalizer 8 gives half the mean from each)
+    assert grpo_entropy_term(entropies, mask, loss_type="dapo", normalizer=8).item() == pytest.approx(10 / 8)
+    assert grpo_entropy_term(entropies, mask, loss_type="cispo", normalizer=4).item() == pytest.approx(2.5)
+    # the others: the micro-batch's token mean / accumulation steps
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "sapo"):
+        assert grpo_entropy_term(entropies, mask, loss_type=loss_type).item() == pytest.approx(2.5)
+        assert grpo_entropy_term(entropies, mask, loss_type=loss_type, accumulation_steps=2).item() == 1.25
+    grpo_entropy_term(entropies, mask, loss_type="grpo").backward()
+    assert entropies.grad.tolist() == [[0.25, 0.25, 0.25], [0.25, 0.0, 0.0]]
+    with pytest.raises(ValueError, match="global token count"):
+        grpo_entropy_term(entropies, mask, loss_type="dapo")
+
+
+def test_entropy_controller_fixed_and_adaptive():
+    fixed = EntropyController(0.1)
+    fixed.update(5.0)
+    assert (fixed.enabled, fixed.coef, fixed.applied()) == (True, 0.1, 0.1)
+    assert not EntropyController(0.0).enabled
+    assert EntropyController(0.0, adaptive=True).enabled  # adaptive control can raise a zero coefficient
+    c = EntropyController(0.01, adaptive=True, target=1.0, delta=0.005, coef_min=0.0, coef_max=0.02)
+    assert c.applied() == 0.0  # no measurement yet: no bonus on the first step
+    c.update(0.5)  # entropy below target: up, and applied
+    assert (c.coef, c.applied()) == (pytest.approx(0.015), pytest.approx(0.015))
+    c.update(0.5)
+    c.update(0.5)  # capped at coef_max
+    assert c.coef == pytest.approx(0.02)
+    c.update(2.0)  # above target: down, and not applied on the next step
+    assert (c.coef, c.applied()) == (pytest.approx(0.015), 0.0)
+    for _ in range(5):
+        c.update(2.0)
+    assert c.coef == 0.0  # floored at coef_min
+    restored = EntropyController(0.01, adaptive=True, target=1.0)
+    restored.load_state_dict(c.state_dict())
+    assert (restored.coef, restored.last_entropy) == (0.0, 2.0)
+
+
+# -- off-policy sequence masking (TRL 1.9's off_policy_mask_threshold, DeepSeek-V3.2) ----------------
+
+
+def test_off_policy_sequence_mask_drops_negative_advantage_far_off_policy_sequences():
+    sampling = torch.zeros(4, 3)
+    logprobs = torch.tensor(
+        [
+            [-2.0, -2.0, -2.0],  # A > 0, mean KL 2: kept (positive advantage)
+            [-0.5, -0.5, -0.5],  # A < 0, mean KL 0.5 <= 1: kept
+            [-2.0, -2.0, -2.0],  # A < 0, mean KL 2 > 1: dropped
+            [-1.5, -0.5, -50.0],  # A < 0, mean over its 2 loss tokens (1.5 + 0.5) / 2 = 1; padding ignored: kept
+        ]
+    )
+    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    keep = off_policy_sequence_mask(torch.tensor([1.0, -1.0, -1.0, -1.0]), logprobs, sampling, mask, 1.0)
+    assert keep.tolist() == [[1.0], [1.0], [0.0], [1.0]]
+    # in the loss: the dropped sequence's policy term is 0, its KL term stays (as TRL)
+    adv = torch.tensor([1.0, -1.0, -1.0, -1.0])
+    ref = logprobs - 0.3
+    common = dict(loss_type="grpo", beta=0.1, ref_logprobs=ref, use_bias_correction_kl=False)
+    masked, _ = grpo_policy_loss(logprobs, logprobs, adv, mask, off_policy_mask=keep, **common)
+    plain, _ = grpo_policy_loss(logprobs, logprobs, adv, mask, **common)
+    # ρ = 1: each kept sequence's policy term is −A; sequence 2 (A = −1, term +1) is dropped: mean changes by 1/4
+    assert plain.item() - masked.item() == pytest.approx(0.25, abs=1e-6)

@@ -970,6 +970,16 @@ class GroupRolloutOptions:
     num_completions_to_print: int | None = flag(
         "Rows of the log_completions table (None: every completion of the rollout batch).", default=None
     )
+    router_aux_loss_coef: float = flag(
+        "Weight of a mixture-of-experts model's router load-balancing loss in the policy loss (no effect on "
+        "other models); 0: off.",
+        default=0.001,
+    )
+    num_generations_eval: int | None = flag(
+        "TRL 1.x: completions per prompt at evaluation. posttrain evaluates one greedy completion per eval "
+        "prompt, so only 1 (or None) is accepted.",
+        default=None,
+    )
 
 
 def check_group_rollout_options(config: Any, *, kl_field: str, kl_coef: float) -> None:
@@ -1035,6 +1045,14 @@ def check_group_rollout_options(config: Any, *, kl_field: str, kl_coef: float) -
         )
     if config.num_completions_to_print is not None and config.num_completions_to_print < 1:
         raise ConfigError(f"num_completions_to_print={config.num_completions_to_print} must be >= 1 (None: all).")
+    if config.router_aux_loss_coef < 0:
+        raise ConfigError(f"router_aux_loss_coef={config.router_aux_loss_coef} must be >= 0 (0: off).")
+    if config.num_generations_eval not in (None, 1):
+        raise ConfigError(
+            f"num_generations_eval={config.num_generations_eval}: posttrain's evaluation draws one greedy completion "
+            "per eval prompt (eval_objective/scores is their mean score), so more completions per prompt would "
+            "all be the same. Set num_generations_eval=1 or leave it unset."
+        )
     _resolve_generation_batch(config)
 
 

@@ -26,6 +26,8 @@ scaling, arXiv:2508.08221); GDPO (normalize_then_sum, arXiv:2601.05242); Schulma
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from posttrain.ops import masked_mean
@@ -93,6 +95,29 @@ def high_entropy_mask(
     return (torch.where(m, entropies.float(), torch.zeros_like(entropies, dtype=torch.float32)) >= threshold) & m
 
 
+def off_policy_sequence_mask(
+    advantages: torch.Tensor,
+    logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """`off_policy_mask_threshold`: DeepSeek-V3.2's off-policy sequence masking (arXiv:2512.02556, eq. 9).
+
+    Per sequence, the mean over its loss tokens of log π_sampling − log π_θ (π_θ detached; padding
+    ignored) estimates how far the policy has moved from the one that sampled it; a sequence with a
+    negative advantage AND a mean above `threshold` is dropped from the policy loss (learning from
+    its own mistakes is least reliable when it is most off-policy). advantages (B,) or (B, 1);
+    logprobs, sampling_logprobs, mask (B, T) -> (B, 1) of 1.0 (keep) / 0.0 (drop), in mask's float
+    dtype. Without an inference engine TRL 1.9 passes the old policy's logprobs as sampling_logprobs.
+    """
+    m = mask.to(logprobs.dtype) if mask.dtype == torch.bool else mask
+    adv = advantages.reshape(-1, 1)
+    kl = (sampling_logprobs - logprobs.detach()) * m
+    mean_kl = kl.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((adv >= 0) | (mean_kl <= threshold)).to(m.dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # Policy loss
 # --------------------------------------------------------------------------------------------
@@ -136,6 +161,7 @@ def grpo_policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     use_bias_correction_kl: bool = True,
     entropy_mask: torch.Tensor | None = None,
+    off_policy_mask: torch.Tensor | None = None,
     normalizer: int | float | torch.Tensor | None = None,
     max_completion_length: int | None = None,
     accumulation_steps: int = 1,
@@ -153,7 +179,8 @@ def grpo_policy_loss(
               on ρ here (ScaleRL's ε_max, recommended 5.0), and, as in TRL, it defaults to epsilon (0.2).
       sapo:   ℓ_t = −(4/τ)·σ(τ·(ρ − 1))·A, τ = sapo_temperature_pos where A > 0 else
               sapo_temperature_neg: a soft gate in place of the hard clip (SAPO, arXiv:2511.20347).
-    Then ℓ_t ← ℓ_t·entropy_mask_t (top_entropy_quantile; `high_entropy_mask`), and with beta ≠ 0
+    Then ℓ_t ← ℓ_t·off_policy_mask (off_policy_mask_threshold; `off_policy_sequence_mask`, one per
+    sequence), ℓ_t ← ℓ_t·entropy_mask_t (top_entropy_quantile; `high_entropy_mask`), and with beta ≠ 0
     ℓ_t ← ℓ_t + beta·KL_t, KL_t = exp(ref − lp) − (ref − lp) − 1 (k3, Schulman 2020), multiplied by ρ
     when use_bias_correction_kl (TRL 1.16's default, DeepSeek-V3.2 arXiv:2512.02556; ρ before
     the delta clamp). Aggregation over the loss tokens m (`mask`):
@@ -221,6 +248,8 @@ def grpo_policy_loss(
         )
         per_token_loss = -(torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau) * adv
 
+    if off_policy_mask is not None:  # (B, 1): a dropped sequence keeps only its KL term, as in TRL
+        per_token_loss = per_token_loss * off_policy_mask.to(per_token_loss.dtype)
     if entropy_mask is not None:
         per_token_loss = per_token_loss * entropy_mask.to(per_token_loss.dtype)
     if per_token_kl is not None:
@@ -279,6 +308,94 @@ def grpo_policy_loss(
 def _nan_reduce(x: torch.Tensor, reduce) -> torch.Tensor:
     kept = x[~torch.isnan(x)]
     return reduce(kept) if kept.numel() else torch.tensor(float("nan"), device=x.device)
+
+
+# --------------------------------------------------------------------------------------------
+# Entropy bonus
+# --------------------------------------------------------------------------------------------
+
+# Loss types whose policy term divides by the minibatch's global token count (not a per-micro-batch mean).
+_GLOBAL_TOKEN_MEAN = ("dapo", "cispo")
+
+
+def grpo_entropy_term(
+    entropies: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_type: str,
+    normalizer: int | float | torch.Tensor | None = None,
+    accumulation_steps: int = 1,
+) -> torch.Tensor:
+    """The entropy H that `entropy_coef` multiplies (loss = policy loss − coef·H), for one micro-batch.
+
+    H is the mean per-token entropy of the minibatch whatever the loss type, so entropy_coef means the
+    same for all of them (TRL 1.9 `GRPOTrainer._compute_loss`): summed over the micro-batches of an
+    optimizer step (and averaged over processes, as gradients are), the terms add up to
+      dapo, cispo: Σ_t H_t·m_t / normalizer (the minibatch's loss tokens over all ranks, as the policy
+                   term: `online.global_normalizer`), i.e. the global token mean;
+      others:      (Σ_t H_t·m_t / Σ_t m_t) / accumulation_steps, the mean of the micro-batch token means.
+    `mask`: the loss tokens (times the top-entropy mask when top_entropy_quantile < 1). entropies, mask
+    (B, T) -> scalar, with gradients through `entropies` (computed with grad for the bonus).
+    """
+    m = mask.bool()
+    total = torch.where(m, entropies.float(), torch.zeros((), device=entropies.device)).sum()
+    if loss_type in _GLOBAL_TOKEN_MEAN:
+        if normalizer is None:
+            raise ValueError(f"loss_type={loss_type!r} needs the minibatch's global token count as `normalizer`.")
+        return total / normalizer
+    return total / m.sum().clamp(min=1).float() / accumulation_steps
+
+
+class EntropyController:
+    """The entropy bonus coefficient: fixed (`entropy_coef`), or adaptive (`use_adaptive_entropy`,
+    Skywork-OR1's adaptive entropy control, He et al. 2025, arXiv:2505.22312; TRL 1.9's fields).
+
+    Adaptive: after each optimizer step, with H the step's mean per-token entropy over the loss tokens
+    of all processes, coef ← min(coef + delta, coef_max) if H ≤ target else max(coef − delta, coef_min);
+    the bonus of the next step is applied only if H ≤ target (coef, else 0). Before the first
+    measurement H = +inf: the first step applies no bonus. A fixed coefficient is always applied.
+    """
+
+    def __init__(
+        self,
+        coef: float,
+        *,
+        adaptive: bool = False,
+        target: float = 0.2,
+        delta: float = 0.005,
+        coef_min: float = 0.0,
+        coef_max: float = 1.0,
+    ) -> None:
+        self.coef, self.adaptive, self.target = float(coef), adaptive, float(target)
+        self.delta, self.coef_min, self.coef_max = float(delta), float(coef_min), float(coef_max)
+        self.last_entropy = math.inf
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the loss has an entropy term at all (adaptive control keeps it even at coef 0)."""
+        return self.adaptive or self.coef != 0.0
+
+    def applied(self) -> float:
+        """The coefficient of this optimizer step's bonus."""
+        if self.adaptive and not self.last_entropy <= self.target:
+            return 0.0
+        return self.coef
+
+    def update(self, entropy: float) -> None:
+        """After an optimizer step whose mean per-token entropy (all processes) was `entropy`."""
+        if not self.adaptive:
+            return
+        if entropy <= self.target:
+            self.coef = min(self.coef + self.delta, self.coef_max)
+        else:
+            self.coef = max(self.coef - self.delta, self.coef_min)
+        self.last_entropy = float(entropy)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"coef": self.coef, "last_entropy": self.last_entropy}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.coef, self.last_entropy = float(state["coef"]), float(state["last_entropy"])
 
 
 # --------------------------------------------------------------------------------------------

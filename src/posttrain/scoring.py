@@ -120,6 +120,8 @@ class CompletionForward:
         # 0 · (the model's own one-position logits) in the differentiable outputs: every parameter
         # the forward used stays in the graph even with no completion token (DDP's hooks then fire).
         self.keep = keep
+        # A mixture-of-experts model's router load-balancing loss (completion_forward(router_aux=True)), else None.
+        self.aux_loss: torch.Tensor | None = None
 
     @property
     def chunked(self) -> bool:
@@ -224,9 +226,13 @@ def completion_forward(
     output_hidden_states: bool = False,
     full_logits: bool = False,
     chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
+    router_aux: bool = False,
 ) -> CompletionForward:
     """Differentiable forward of `model` over prompt + completion, cut to the positions that predict
     completion tokens; with output_hidden_states the last hidden states at those positions too.
+    router_aux (a causal mixture-of-experts model, see `router_aux_loss_enabled`): the model is asked
+    for its router logits and its load-balancing loss (`aux_loss`, over the whole sequence, prompt
+    included, as transformers computes it) is kept as the result's `aux_loss`.
 
     Chunked (when batch × completion columns exceed one block of ops.head_chunk_rows(vocab,
     chunk_tokens) rows, 108 at a 151,936 vocabulary, and the model takes `logits_to_keep`): the model returns
@@ -242,6 +248,8 @@ def completion_forward(
     ids, mask, positions, P, Tc = _trimmed_inputs(rollout)
     targets, completion_mask = rollout.completion_ids[:, :Tc], rollout.completion_mask[:, :Tc]
     kwargs: dict[str, Any] = dict(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+    if router_aux:
+        kwargs["output_router_logits"] = True
     takes_keep = accepts_logits_to_keep(model)
     found = lm_head(model) if takes_keep and not full_logits and _HEAD_MATCHES.get(bare_module(model), True) else None
     if found is not None and ids.size(0) * Tc > head_chunk_rows(found[1], chunk_tokens):
@@ -252,7 +260,7 @@ def completion_forward(
             states = last[:, P - 1 : P - 1 + Tc]
             keep = out.logits.sum() * 0.0 if torch.is_grad_enabled() else None
             hidden = states if output_hidden_states else None
-            return CompletionForward(
+            result = CompletionForward(
                 None,
                 hidden,
                 targets,
@@ -264,6 +272,8 @@ def completion_forward(
                 keep=keep,
                 chunk_tokens=chunk_tokens,
             )
+            result.aux_loss = _router_aux_loss(out, router_aux)
+            return result
         del out, last  # the head does not reproduce this model's logits: the full path below
     if output_hidden_states:
         kwargs["output_hidden_states"] = True
@@ -274,7 +284,31 @@ def completion_forward(
         out = model(**kwargs)
         logits = out.logits[:, P - 1 : P - 1 + Tc]
     hidden = out.hidden_states[-1][:, P - 1 : P - 1 + Tc] if output_hidden_states else None
-    return CompletionForward(logits, hidden, targets, completion_mask, T)
+    result = CompletionForward(logits, hidden, targets, completion_mask, T)
+    result.aux_loss = _router_aux_loss(out, router_aux)
+    return result
+
+
+def router_aux_loss_enabled(model: torch.nn.Module, coef: float) -> bool:
+    """Whether the policy update adds a router load-balancing loss: a causal mixture-of-experts model
+    (its text config has `output_router_logits`, as TRL detects one) and router_aux_loss_coef != 0."""
+    config = getattr(model, "config", None)
+    if config is None or not coef or is_encoder_decoder(model):
+        return False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "output_router_logits", None) is not None
+
+
+def _router_aux_loss(out: Any, asked: bool) -> torch.Tensor | None:
+    if not asked:
+        return None
+    aux = getattr(out, "aux_loss", None)
+    if aux is None:
+        raise ValueError(
+            "router_aux_loss_coef: the model was asked for its router logits (output_router_logits=True) but "
+            "returned no aux_loss; set router_aux_loss_coef=0 for this model."
+        )
+    return aux
 
 
 def is_encoder_decoder(model: torch.nn.Module) -> bool:

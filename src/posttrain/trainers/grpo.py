@@ -29,6 +29,8 @@ is its reward relative to its group. One rollout batch of B = batch_size complet
      dr_grpo: Σ ℓ·m / (b·max_completion_length)  — each divided by gradient_accumulation_steps;
      dapo, cispo: Σ ℓ·m / N_tok, N_tok the loss tokens of the minibatch over all ranks (so
      micro-batching and data parallelism leave the update unchanged).
+   With entropy_coef (or use_adaptive_entropy) the loss minus coef·H, H the mean per-token entropy of
+   the loss tokens (`grpo_losses.grpo_entropy_term`; coefficient from `grpo_losses.EntropyController`).
    π_old as in RLOO (exact ratio 1 on the first minibatch; the update forward's detached
    logprobs when num_iterations = num_mini_batches = 1). docs/internals.md ("GRPO loss family")
    gives each variant's source; posttrain.grpo_losses is the math, checked against TRL 1.16.
@@ -52,6 +54,9 @@ Metrics (masked, count-weighted across micro-batches and ranks):
   policy/clipfrac_avg         = clip_ratio/region_mean (posttrain's name)
   policy/approxkl_avg         token mean of ½·(log π − log π_old)²
   policy/entropy_avg          token-weighted entropy of the update forward
+  loss, entropy               TRL's names: = loss/policy_avg, and the entropy over the loss tokens
+  policy_loss, entropy_coef   (with the entropy bonus) the loss without the bonus, and the coefficient
+  off_policy_mask/dropped     (with off_policy_mask_threshold) fraction of completions dropped
   val/ratio, val/ratio_var    mean and unbiased variance of the token ratio over loss tokens
   lr, episode, eps, epoch
 """
@@ -69,9 +74,17 @@ from posttrain import runtime
 from posttrain.advantages import kl_penalty
 from posttrain.configs import ConfigError
 from posttrain.data.prompts import PromptStream
-from posttrain.grpo_losses import grpo_advantages, grpo_policy_loss, high_entropy_mask, truncation_loss_mask
+from posttrain.grpo_losses import (
+    EntropyController,
+    grpo_advantages,
+    grpo_entropy_term,
+    grpo_policy_loss,
+    high_entropy_mask,
+    off_policy_sequence_mask,
+    truncation_loss_mask,
+)
 from posttrain.rollout import Rollout
-from posttrain.scoring import RewardSource, completion_logprobs
+from posttrain.scoring import RewardSource, completion_forward, forward_logprobs, router_aux_loss_enabled
 from posttrain.trainers import online
 from posttrain.trainers.grpo_config import GRPOConfig
 from posttrain.trainers.online import (
@@ -175,6 +188,8 @@ class GRPOTrainer(OnlineTrainer):
         self.ref_model = dist.prepare_frozen(self.ref_model, self.accelerator)
         online.sync_reference(self)
         self.reward_processing_classes = parts.reward_processing_classes
+        # a mixture-of-experts policy adds its router load-balancing loss (router_aux_loss_coef), as TRL 1.9
+        self.aux_loss_enabled = router_aux_loss_enabled(self.policy_model, args.router_aux_loss_coef)
         self.reward = RewardSource(
             [dist.prepare_frozen(r, self.accelerator) for r in parts.rewards],
             policy_tokenizer=self.processing_class,
@@ -197,6 +212,14 @@ class GRPOTrainer(OnlineTrainer):
             runtime.data_seed(args),
             shuffle=args.shuffle_dataset,
         )
+        self.entropy_control = EntropyController(
+            args.entropy_coef,
+            adaptive=args.use_adaptive_entropy,
+            target=args.entropy_target,
+            delta=args.entropy_coef_delta,
+            coef_min=args.entropy_coef_min,
+            coef_max=args.entropy_coef_max,
+        )
         world, rank = run.world_size, dist.process_index(run.accelerator)
         self.layout = [rank_rows(args.global_prompts_per_rollout, args.num_generations, world, r) for r in range(world)]
         self.prompt_index, self.sample_index = (t.to(run.device) for t in self.layout[rank])
@@ -204,6 +227,31 @@ class GRPOTrainer(OnlineTrainer):
     @classmethod
     def from_config(cls, config: GRPOConfig) -> GRPOTrainer:
         return cls(args=config)
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's method: True on the tokens of `mask` whose entropy is at least the `threshold` quantile
+        (1 − top_entropy_quantile) of the entropies of the masked tokens of every process."""
+        pool = dist.gather_values(entropies[mask.bool()].float(), self.accelerator)
+        return high_entropy_mask(entropies, mask, 1.0 - threshold, all_entropies=pool)
+
+    @staticmethod
+    def get_off_policy_mask(
+        advantages: torch.Tensor,
+        per_token_logps: torch.Tensor,
+        sampling_per_token_logps: torch.Tensor,
+        mask: torch.Tensor,
+        off_policy_threshold: float,
+    ) -> torch.Tensor:
+        """TRL's method: the (B, 1) keep (1.0) / drop (0.0) mask of off_policy_mask_threshold
+        (`grpo_losses.off_policy_sequence_mask`)."""
+        return off_policy_sequence_mask(
+            advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold
+        )
+
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy bonus coefficient now (TRL's attribute): entropy_coef, moved by adaptive control."""
+        return self.entropy_control.coef
 
     def train(self) -> Any:
         """Run to total_episodes (resuming if asked); save the policy; return a transformers TrainOutput."""
@@ -296,19 +344,32 @@ class GRPOTrainer(OnlineTrainer):
         old_logprobs = None
         if not (config.num_iterations == 1 and config.num_mini_batches == 1):
             old_logprobs = online.old_policy_logprobs(run, dist.unwrap(policy, acc), rollout, orders[0], temperature)
+        control = self.entropy_control
+        window: list[torch.Tensor] = []  # (Σ H·m, Σ m) of each micro-batch of the optimizer step (adaptive control)
 
         def micro_loss(rows: torch.Tensor, normalizer: float, accumulation: int) -> torch.Tensor:
             mb = rollout.select(rows)
             with run.autocast():
-                logprobs, entropy = completion_logprobs(policy, mb, temperature=temperature, with_entropy=True)
+                forward = completion_forward(policy, mb, router_aux=self.aux_loss_enabled)
+                logprobs, entropy = forward_logprobs(
+                    forward, temperature=temperature, with_entropy=True, entropy_grad=control.enabled
+                )
             old = logprobs.detach() if old_logprobs is None else old_logprobs[rows]
             mask = loss_mask[rows]
             metrics.add_mean("policy/entropy_avg", entropy, mb.completion_mask)
+            metrics.add_mean("entropy", entropy, mask)  # TRL's name: over the loss tokens
             entropy_mask = None
             if config.top_entropy_quantile < 1.0:
-                entropy = entropy.detach().float()
-                pool = dist.gather_values(entropy[mask], acc)  # the loss tokens of every rank
-                entropy_mask = high_entropy_mask(entropy, mask, config.top_entropy_quantile, all_entropies=pool)
+                detached = entropy.detach().float()
+                pool = dist.gather_values(detached[mask], acc)  # the loss tokens of every rank
+                entropy_mask = high_entropy_mask(detached, mask, config.top_entropy_quantile, all_entropies=pool)
+            off_policy = None
+            if config.off_policy_mask_threshold is not None:
+                # TRL 1.9 without an inference engine: π_old stands for the sampling policy
+                off_policy = off_policy_sequence_mask(
+                    advantages[rows], logprobs, old, mask, config.off_policy_mask_threshold
+                )
+                metrics.add("off_policy_mask/dropped", (1 - off_policy).sum(), off_policy.numel())
             loss, stats = grpo_policy_loss(
                 logprobs,
                 old,
@@ -325,12 +386,29 @@ class GRPOTrainer(OnlineTrainer):
                 ref_logprobs=ref_logprobs[rows] if ref_logprobs is not None else None,
                 use_bias_correction_kl=config.use_bias_correction_kl,
                 entropy_mask=entropy_mask,
+                off_policy_mask=off_policy,
                 normalizer=normalizer,
                 max_completion_length=config.response_length,
                 accumulation_steps=accumulation,
             )
+            if control.enabled:
+                # the bonus acts on the tokens the policy term trains (the top-entropy ones, if selected)
+                bonus_mask = mask.bool() if entropy_mask is None else mask.bool() & entropy_mask
+                term = grpo_entropy_term(
+                    entropy,
+                    bonus_mask,
+                    loss_type=config.loss_type,
+                    normalizer=normalizer,
+                    accumulation_steps=accumulation,
+                )
+                metrics.add("policy_loss", loss.detach().float(), 1.0 / accumulation)  # TRL's: before the bonus
+                loss = loss - control.applied() * term
+                detached = entropy.detach().float() * bonus_mask
+                window.append(torch.stack([detached.sum(), bonus_mask.sum().float()]))
+            loss = online.add_router_aux_loss(run, loss, forward, config.router_aux_loss_coef, accumulation)
             # Each micro-batch adds 1/accumulation: per rank and minibatch the sum is the step's loss.
-            metrics.add("loss/policy_avg", loss.detach().float(), 1.0 / accumulation)
+            for name in ("loss/policy_avg", "loss"):
+                metrics.add(name, loss.detach().float(), 1.0 / accumulation)
             for name in _CLIP_STATS:
                 if name in stats:
                     metrics.add(name, stats[name] * stats["count/clip"], stats["count/clip"])
@@ -353,9 +431,24 @@ class GRPOTrainer(OnlineTrainer):
                 rows = order[start : start + config.local_mini_batch_size]
                 normalizer = online.global_normalizer(loss_mask[rows].sum(), acc)
                 micros = list(online.micro_batches(rows, config.per_device_train_batch_size))
+                window.clear()
                 online.minibatch_step(
                     run, policy, self.optimizer, micros, lambda r, n=normalizer, a=len(micros): micro_loss(r, n, a)
                 )
+                if control.enabled:
+                    if control.adaptive:
+                        # the step's mean per-token entropy over the bonus tokens of every rank
+                        total = dist.reduce_sum(torch.stack(window).sum(0), acc)
+                        control.update(float(total[0] / total[1].clamp(min=1.0)))
+                    metrics.add("entropy_coef", control.coef, 1)
+
+    def extra_state(self) -> dict:
+        """The adaptive entropy controller (its coefficient and last measured entropy), for resume."""
+        return {"entropy_control": self.entropy_control.state_dict()} if self.args.use_adaptive_entropy else {}
+
+    def load_extra_state(self, state: dict) -> None:
+        if "entropy_control" in state:
+            self.entropy_control.load_state_dict(state["entropy_control"])
 
     def checkpoint_models(self) -> dict[str, nn.Module]:
         """The policy, and with sync_ref_model the reference it moves (a resume must restore both)."""

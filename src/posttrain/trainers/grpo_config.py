@@ -3,7 +3,9 @@
 Field names and defaults follow TRL 1.16's `GRPOConfig` (num_generations, beta, epsilon,
 epsilon_high, delta, num_iterations, loss_type, importance_sampling_level, scale_rewards,
 multi_objective_aggregation, reward_weights, top_entropy_quantile, use_bias_correction_kl,
-sapo_temperature_pos / sapo_temperature_neg, max_completion_length), with the TRL 1.x rollout
+sapo_temperature_pos / sapo_temperature_neg, off_policy_mask_threshold, max_completion_length; TRL 1.9's entropy bonus
+entropy_coef / use_adaptive_entropy / entropy_coef_min / entropy_coef_max / entropy_coef_delta /
+entropy_target), with the TRL 1.x rollout
 settings GRPO shares with RLOO (`configs.GroupRolloutOptions`: steps_per_generation /
 generation_batch_size, sync_ref_model, min_p, repetition_penalty, generation_kwargs,
 log_completions, chat_template_kwargs, pad_to_multiple_of, mask_truncated_completions), on top of
@@ -25,6 +27,7 @@ Standard library only: `posttrain grpo --help` and validation run before torch l
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from posttrain.configs import (
@@ -36,6 +39,8 @@ from posttrain.configs import (
     flag,
 )
 
+logger = logging.getLogger(__name__)
+
 _DEFAULT_RESPONSE_LENGTH = 53  # OnPolicyConfig.response_length's default
 
 # The accepted values (posttrain.grpo_losses implements each one).
@@ -43,6 +48,8 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+# Loss types that sum per-token terms (a sequence-level ratio is then counted once per token).
+TOKEN_SUMMED_LOSS_TYPES = ("bnpo", "dr_grpo", "dapo", "cispo")
 
 
 def _one_of(name: str, value: object, accepted: tuple[str, ...], extra: str = "") -> None:
@@ -115,6 +122,31 @@ class GRPOConfig(GroupRolloutOptions, OnPolicyConfig):
     )
     sapo_temperature_pos: float = flag("SAPO's gate temperature for positive advantages.", default=1.0)
     sapo_temperature_neg: float = flag("SAPO's gate temperature for negative advantages.", default=1.05)
+    off_policy_mask_threshold: float | None = flag(
+        "Off-policy sequence masking (DeepSeek-V3.2): drop from the policy loss the completions with a negative "
+        "advantage whose mean per-token log π_old − log π_θ exceeds this (e.g. 0.5); None: off.",
+        default=None,
+    )
+    entropy_coef: float = flag(
+        "Entropy bonus: loss = policy loss − entropy_coef · H, H the mean per-token entropy of the loss tokens "
+        "(the same meaning for every loss_type); 0: off. With use_adaptive_entropy, the initial coefficient.",
+        default=0.0,
+    )
+    use_adaptive_entropy: bool = flag(
+        "Adaptive entropy control (Skywork-OR1): after each optimizer step the coefficient moves by "
+        "entropy_coef_delta, up when the entropy is <= entropy_target, down otherwise, within "
+        "[entropy_coef_min, entropy_coef_max]; the bonus applies only while the entropy is <= entropy_target.",
+        default=False,
+    )
+    entropy_coef_min: float = flag("Lower bound of the adaptive entropy coefficient.", default=0.0)
+    entropy_coef_max: float = flag("Upper bound of the adaptive entropy coefficient.", default=1.0)
+    entropy_coef_delta: float = flag("Change of the adaptive entropy coefficient per optimizer step.", default=0.005)
+    entropy_target: float = flag(
+        "Target mean per-token entropy (nats) of adaptive entropy control, over the loss tokens (the "
+        "top-entropy ones with top_entropy_quantile < 1). Language models typically have 2-10 nats per token: "
+        "set it near the entropy observed early in training.",
+        default=0.2,
+    )
 
     def __post_init__(self) -> None:
         if self.max_completion_length is not None:
@@ -143,6 +175,13 @@ class GRPOConfig(GroupRolloutOptions, OnPolicyConfig):
             raise ConfigError(f"delta={self.delta} must be > 1 (it caps the ratio from above; None turns it off).")
         _one_of("loss_type", self.loss_type, LOSS_TYPES)
         _one_of("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+        if self.importance_sampling_level == "sequence" and self.loss_type in TOKEN_SUMMED_LOSS_TYPES:
+            logger.warning(
+                "importance_sampling_level='sequence' with loss_type=%r: this loss sums per-token contributions, "
+                "which weights each sequence by its completion length instead of optimizing GSPO's per-sequence "
+                "objective. Set loss_type='grpo' for the GSPO paper's setup (arXiv:2507.18071).",
+                self.loss_type,
+            )
         _one_of("multi_objective_aggregation", self.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
         scale = self.scale_rewards
         if isinstance(scale, str):
@@ -151,6 +190,17 @@ class GRPOConfig(GroupRolloutOptions, OnPolicyConfig):
         _one_of("scale_rewards", self.scale_rewards, SCALE_REWARDS, " (True / False: group / none)")
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             raise ConfigError(f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1.0 keeps all).")
+        if self.off_policy_mask_threshold is not None and self.off_policy_mask_threshold < 0:
+            raise ConfigError(
+                f"off_policy_mask_threshold={self.off_policy_mask_threshold} must be >= 0 (a mean KL; None: off)."
+            )
+        for name in ("entropy_coef", "entropy_coef_min", "entropy_coef_delta"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0 (entropy_coef 0: no entropy bonus).")
+        if self.entropy_coef_max < self.entropy_coef_min:
+            raise ConfigError(
+                f"entropy_coef_max={self.entropy_coef_max} must be >= entropy_coef_min={self.entropy_coef_min}."
+            )
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0.")

@@ -59,11 +59,13 @@ from posttrain.rollout import (
     generation_mode,
 )
 from posttrain.scoring import (
+    CompletionForward,
     RewardSource,
     batched_completion_logprobs,
     completion_forward,
     completion_logprobs,
     forward_full_kl,
+    forward_logprobs,
     import_reward_function,
     same_tokenizer,
 )
@@ -1157,6 +1159,7 @@ def policy_update(
     num_epochs: int,
     count: Callable[[torch.Tensor], Any],
     loss_fn: LossFn,
+    router_aux_loss_coef: float = 0.0,
 ) -> None:
     """num_epochs × num_mini_batches optimizer steps over one rollout batch (PPO's inner loops).
 
@@ -1166,7 +1169,8 @@ def policy_update(
     `loss_fn(rows, micro_rollout, logprobs, old_logprobs, normalizer)` returns the micro-batch loss
     and logs its own metrics; this loop logs policy/entropy_avg. log π_old comes from a no-grad pass
     over the first epoch's micro-batches (ratio exactly 1 on the first minibatch); with one epoch
-    and one minibatch it is the update forward's own detached value.
+    and one minibatch it is the update forward's own detached value. router_aux_loss_coef (a
+    mixture-of-experts policy, `scoring.router_aux_loss_enabled`): `add_router_aux_loss`.
     """
     config, acc = run.config, run.accelerator
     temperature = run.sampling.logprob_temperature
@@ -1176,21 +1180,36 @@ def policy_update(
     if not (num_epochs == 1 and config.num_mini_batches == 1):
         old_logprobs = old_policy_logprobs(run, dist.unwrap(policy, acc), rollout, orders[0], temperature)
 
-    def micro_loss(rows: torch.Tensor) -> torch.Tensor:
+    def micro_loss(rows: torch.Tensor, accumulation: int) -> torch.Tensor:
         mb = rollout.select(rows)
         with run.autocast():
-            logprobs, entropy = completion_logprobs(policy, mb, temperature=temperature, with_entropy=True)
+            forward = completion_forward(policy, mb, router_aux=bool(router_aux_loss_coef))
+            logprobs, entropy = forward_logprobs(forward, temperature=temperature, with_entropy=True)
         old = logprobs.detach() if old_logprobs is None else old_logprobs[rows]
         run.metrics.add_mean("policy/entropy_avg", entropy, mb.completion_mask)
-        return loss_fn(rows, mb, logprobs, old, normalizer)
+        loss = loss_fn(rows, mb, logprobs, old, normalizer)
+        return add_router_aux_loss(run, loss, forward, router_aux_loss_coef, accumulation)
 
     for order in orders:
         for start in range(0, len(rollout), config.local_mini_batch_size):
             rows = order[start : start + config.local_mini_batch_size]
             normalizer = global_normalizer(count(rows), acc)
-            minibatch_step(
-                run, policy, optimizer, list(micro_batches(rows, config.per_device_train_batch_size)), micro_loss
-            )
+            micros = list(micro_batches(rows, config.per_device_train_batch_size))
+            minibatch_step(run, policy, optimizer, micros, lambda r, a=len(micros): micro_loss(r, a))
+
+
+def add_router_aux_loss(
+    run: OnlineRun, loss: torch.Tensor, forward: CompletionForward, coef: float, accumulation: int
+) -> torch.Tensor:
+    """A micro-batch's loss plus a mixture-of-experts policy's router load-balancing loss,
+    loss + coef · aux_loss / accumulation (accumulation: the micro-batches of the optimizer step, so
+    the step adds coef × their mean aux_loss), as TRL 1.9's GRPO / RLOO `router_aux_loss_coef`;
+    logs `aux_loss` (mean over micro-batches and ranks). Unchanged when the forward has no aux_loss."""
+    if forward.aux_loss is None:
+        return loss
+    aux = forward.aux_loss.float()
+    run.metrics.add("aux_loss", aux.detach(), 1)
+    return loss + coef * aux / accumulation
 
 
 @torch.no_grad()

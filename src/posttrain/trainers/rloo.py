@@ -80,7 +80,7 @@ from posttrain.configs import ConfigError
 from posttrain.grpo_losses import truncation_loss_mask
 from posttrain.losses import ppo_policy_loss
 from posttrain.rollout import Rollout
-from posttrain.scoring import RewardSource
+from posttrain.scoring import RewardSource, router_aux_loss_enabled
 from posttrain.trainers import online
 from posttrain.trainers.online import (
     OnlineTrainer,
@@ -246,6 +246,8 @@ class RLOOTrainer(OnlineTrainer):
         self.ref_model = dist.prepare_frozen(self.ref_model, self.accelerator)
         online.sync_reference(self)
         self.reward_processing_classes = parts.reward_processing_classes
+        # a mixture-of-experts policy adds its router load-balancing loss (router_aux_loss_coef), as TRL 1.9
+        self.aux_loss_enabled = router_aux_loss_enabled(self.policy_model, config.router_aux_loss_coef)
         self.reward = self.reward_source(parts.rewards, parts.reward_tokenizers)
         # TRL >= 0.21 passes reward functions a conversational prompt's messages and the completion as
         # [{"role": "assistant", "content": text}]; TRL 0.19's reward callables got texts.
@@ -336,6 +338,7 @@ class RLOOTrainer(OnlineTrainer):
                     num_epochs=config.num_ppo_epochs,
                     count=lambda rows: rows.numel(),
                     loss_fn=loss_fn,
+                    router_aux_loss_coef=config.router_aux_loss_coef if self.aux_loss_enabled else 0.0,
                 )
                 self.end_of_update(update, {"val/clipfrac_avg": 0.0})
         return self.train_output

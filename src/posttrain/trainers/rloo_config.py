@@ -109,11 +109,6 @@ class RLOOConfig(GroupRolloutOptions, OnPolicyConfig):
         "reward_funcs in order; the score is their weighted sum. None: all 1.",
         default=None,
     )
-    num_generations_eval: int | None = flag(
-        "TRL >= 0.21: completions per prompt at evaluation. posttrain evaluates one greedy completion per eval "
-        "prompt, so only 1 (or None) is accepted.",
-        default=None,
-    )
     token_level_kl: bool = flag(
         "Put the KL penalty per token (score on the last token) instead of per sequence; with a "
         "masked KL both give the same per-sequence reward.",
@@ -185,12 +180,6 @@ class RLOOConfig(GroupRolloutOptions, OnPolicyConfig):
         if self.kl_coef < 0:
             raise ConfigError(f"{self._named('kl_coef')}={self.kl_coef} must be >= 0.")
         check_reward_weights(self)
-        if self.num_generations_eval not in (None, 1):
-            raise ConfigError(
-                f"num_generations_eval={self.num_generations_eval}: posttrain's evaluation draws one greedy completion "
-                "per eval prompt (eval_objective/scores is their mean score), so more completions per prompt would "
-                "all be the same. Set num_generations_eval=1 or leave it unset."
-            )
         if self.normalize_reward and (self.reward_clip_range is None or self.reward_clip_range <= 0):
             raise ConfigError(f"reward_clip_range={self.reward_clip_range} must be > 0 when normalize_reward is set.")
 
