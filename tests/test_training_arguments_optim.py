@@ -341,8 +341,16 @@ def test_dataloader_fields_are_checked():
         TrainingConfig(dataloader_prefetch_factor=2)
     with pytest.raises(ConfigError, match="dataloader_persistent_workers needs worker processes"):
         TrainingConfig(dataloader_persistent_workers=True)
-    with pytest.raises(ConfigError, match="dataloader_num_workers=2 is not supported by posttrain .online trainers"):
-        RLOOConfig(dataloader_num_workers=2)
+    # TRL configs that ask for data-loader workers run: the online trainers have no DataLoader, so the
+    # settings are ignored with one warning naming them (training is the same as without them).
+    with pytest.warns(UserWarning, match=r"dataloader_num_workers=2, dataloader_persistent_workers=True: ignored"):
+        config = RLOOConfig(dataloader_num_workers=2, dataloader_persistent_workers=True)
+    assert config.dataloader_num_workers == 2
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RLOOConfig()  # nothing set: no warning
     # Every rollout batch is full (the prompt stream drops an epoch's incomplete batch), so drop_last holds.
     assert RLOOConfig(dataloader_drop_last=True).dataloader_drop_last
 

@@ -244,7 +244,7 @@ class TrainingConfig:
     torchdynamo: str | None = flag("Deprecated alias of torch_compile_backend.", default=None)
     dataloader_num_workers: int = flag(
         "SFT / reward: worker processes that collate the training batches (0: the main process). Online "
-        "trainers draw prompt batches in-process and refuse > 0.",
+        "trainers draw prompt batches in-process and ignore it (with a warning).",
         default=0,
     )
     dataloader_prefetch_factor: int | None = flag(
@@ -764,6 +764,9 @@ class OnPolicyConfig(TrainingConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         refuse_unsupported(self, ONLINE_UNSUPPORTED_FIELDS)
+        ignored = [f"{n}={getattr(self, n)!r}" for n in ONLINE_IGNORED_FIELDS if getattr(self, n)]
+        if ignored:
+            warnings.warn(f"{', '.join(ignored)}: ignored ({ONLINE_PROMPTS}).", UserWarning, stacklevel=3)
         self._requested_sizes = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(OnPolicyConfig)
@@ -1171,16 +1174,17 @@ DERIVED_SIZES = frozenset(
 )
 
 # Fields that apply to SFT and reward training but not to the online trainers.
-ONLINE_PROMPTS = "online trainers draw their prompt batches in the training process (no DataLoader workers)"
 ONLINE_UNSUPPORTED_FIELDS: dict[str, str] = {
     "load_best_model_at_end": "online trainers have no held-out loss to pick a checkpoint by",
     "neftune_noise_alpha": "NEFTune applies to supervised fine-tuning only",
-    "dataloader_num_workers": ONLINE_PROMPTS,
-    "dataloader_prefetch_factor": ONLINE_PROMPTS,
-    "dataloader_persistent_workers": ONLINE_PROMPTS,
     "include_tokens_per_second": "online trainers report throughput as eps (episodes per second)",
     "include_num_input_tokens_seen": "online trainers count completions (episode), not input tokens",
 }
+# Data-loader settings of TRL configs that have nothing to act on in the online trainers: their prompts are
+# tokenized once and drawn in the training process. Set, they are ignored with one warning (a TRL config
+# that asks for workers still runs, and trains exactly as without them).
+ONLINE_PROMPTS = "the online trainers draw their pre-tokenized prompt batches in the training process, without workers"
+ONLINE_IGNORED_FIELDS = ("dataloader_num_workers", "dataloader_prefetch_factor", "dataloader_persistent_workers")
 
 
 def _field_default(cls: type, name: str) -> Any:
