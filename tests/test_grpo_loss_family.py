@@ -61,6 +61,13 @@ TRL_1_16_DEFAULTS = {
 }
 
 
+def letter_trainer(cfg, tokenizer, policy=None, dataset=None) -> GRPOTrainer:
+    """GRPO on the letter-fraction reward: a fresh tiny policy unless given, 8 prompts unless given."""
+    policy = policy if policy is not None else build_tiny_causal_lm(tokenizer)
+    dataset = dataset if dataset is not None else prompt_dataset(8)
+    return GRPOTrainer(policy, letter_fraction, cfg, dataset, processing_class=tokenizer)
+
+
 def test_defaults_are_trl_1_16s():
     cfg = GRPOConfig()
     assert {name: getattr(cfg, name) for name in TRL_1_16_DEFAULTS} == TRL_1_16_DEFAULTS
@@ -247,7 +254,7 @@ def test_entropy_bonus_is_coef_times_the_mean_token_entropy(tmp_path, tiny_token
             tmp_path, name=f"e{entropy_coef}", loss_type=loss_type, total_episodes=4, entropy_coef=entropy_coef
         )
         policy = build_tiny_causal_lm(tiny_tokenizer)
-        trainer = GRPOTrainer(policy, letter_fraction, cfg, prompt_dataset(8), processing_class=tiny_tokenizer)
+        trainer = letter_trainer(cfg, tiny_tokenizer, policy)
         return train_and_last_log(trainer), flat(policy).clone(), trainer
 
     plain, plain_params, _ = run(0.0)
@@ -285,13 +292,7 @@ def test_adaptive_entropy_moves_the_coefficient_once_per_optimizer_step(tmp_path
             entropy_target=target,
             entropy_coef_delta=0.005,
         )
-        trainer = GRPOTrainer(
-            build_tiny_causal_lm(tiny_tokenizer),
-            letter_fraction,
-            cfg,
-            prompt_dataset(8),
-            processing_class=tiny_tokenizer,
-        )
+        trainer = letter_trainer(cfg, tiny_tokenizer)
         trainer.train()
         return trainer, [h for h in trainer.state.log_history if "entropy_coef" in h and "train_runtime" not in h]
 
@@ -313,14 +314,7 @@ def test_off_policy_mask_threshold_in_training(tmp_path, tiny_tokenizer):
     def run(threshold):
         torch.manual_seed(0)
         cfg = config(tmp_path, name=f"o{threshold}", num_iterations=2, off_policy_mask_threshold=threshold)
-        trainer = GRPOTrainer(
-            build_tiny_causal_lm(tiny_tokenizer),
-            letter_fraction,
-            cfg,
-            prompt_dataset(8),
-            processing_class=tiny_tokenizer,
-        )
-        return train_and_last_log(trainer)
+        return train_and_last_log(letter_trainer(cfg, tiny_tokenizer))
 
     loose, plain = run(1e9), run(None)
     assert loose["off_policy_mask/dropped"] == 0.0 and "off_policy_mask/dropped" not in plain
@@ -355,9 +349,7 @@ def test_top_entropy_quantile_keeps_the_high_entropy_tokens(tmp_path, tiny_token
     cfg = config(tmp_path, top_entropy_quantile=0.2, response_length=12)
     policy = build_tiny_causal_lm(tiny_tokenizer)
     before = flat(policy).clone()
-    last = train_and_last_log(
-        GRPOTrainer(policy, letter_fraction, cfg, prompt_dataset(32, numbered=True), processing_class=tiny_tokenizer)
-    )
+    last = train_and_last_log(letter_trainer(cfg, tiny_tokenizer, policy, prompt_dataset(32, numbered=True)))
     assert all(math.isfinite(v) for v in last.values()), last
     assert not torch.equal(before, flat(policy))
     assert len(kept) == 2  # one micro-batch per rollout batch
