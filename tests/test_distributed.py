@@ -115,3 +115,45 @@ def test_bf16_on_a_cpu_that_emulates_it_warns_once_with_the_advice(monkeypatch, 
         assert len(messages) == 1 and "float32 is faster here" in messages[0]
     else:
         assert messages == []
+
+
+def test_early_device_is_this_process_gpu_only_when_models_will_sit_there_whole(tmp_path, monkeypatch):
+    """Where a trainer may copy its reference policy before the Accelerator exists: this process's GPU
+    in a one-process or DDP run; nowhere early on the CPU, under FSDP or DeepSpeed (sharded or placed
+    by their engines), or when the user passed an accelerator (its device and plan rule)."""
+    from helpers import rloo_config
+
+    for env in ("LOCAL_RANK", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
+        monkeypatch.delenv(env, raising=False)
+    config = rloo_config(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert distributed.early_device(config) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert distributed.early_device(config) == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert distributed.early_device(config) == torch.device("cuda", 1)
+    assert distributed.early_device(config, accelerator=object()) is None
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert distributed.early_device(config) is None
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    for field, value in (("use_cpu", True), ("fsdp", "full_shard"), ("deepspeed", {"zero_optimization": {"stage": 2}})):
+        changed = rloo_config(tmp_path)
+        setattr(changed, field, value)
+        assert distributed.early_device(changed) is None, field
+
+
+def test_reference_copy_is_made_on_the_early_device(tmp_path, tiny_tokenizer, monkeypatch):
+    """The reference copy is made where the policy will run, not in host memory first (on a GPU a
+    0.5B float32 copy held 2 GB of extra RAM). The meta device stands in for the GPU here."""
+    from helpers import build_tiny_causal_lm, rloo_config
+    from posttrain.trainers import online
+
+    monkeypatch.setattr(distributed, "early_device", lambda config, accelerator=None: torch.device("meta"))
+    policy, reference = online.prepare_policy(
+        build_tiny_causal_lm(tiny_tokenizer), None, rloo_config(tmp_path), peft_config=None, needs_reference=True
+    )
+    assert reference is not policy
+    assert {p.device.type for p in reference.parameters()} == {"meta"}
+    assert {p.device.type for p in policy.parameters()} == {"meta"}
+    assert not any(p.requires_grad for p in reference.parameters())
+    assert all(p.requires_grad for p in policy.parameters())

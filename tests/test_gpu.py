@@ -26,11 +26,11 @@ def devices(module: torch.nn.Module) -> set[str]:
     return {p.device.type for p in module.parameters()}
 
 
-def check_bf16_training(algo: str, out, tokenizer, device_type: str) -> dict:
-    """A few bf16 steps of `algo` with a reward model; every model on `device_type`; the logged
-    losses and KL are finite. Returns the last log."""
+def check_bf16_training(algo: str, out, tokenizer, device_type: str, **config) -> dict:
+    """A few bf16 steps of `algo` with a reward model (`config`: more config fields); every model on
+    `device_type`; the logged losses and KL are finite. Returns the last log."""
     reward = build_tiny_reward_model(tokenizer, seed=1)
-    trainer = online_trainer(algo, out, tokenizer, reward=reward, bf16=True, save_strategy="no")
+    trainer = online_trainer(algo, out, tokenizer, reward=reward, bf16=True, save_strategy="no", **config)
     assert trainer.accelerator.device.type == device_type
     assert trainer.accelerator.mixed_precision == "bf16"
     trainer.train()
@@ -91,6 +91,13 @@ def peak_memory(record_property):
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_bf16_training_on_the_gpu(algo, tmp_path, tiny_tokenizer, peak_memory):
     check_bf16_training(algo, tmp_path, tiny_tokenizer, "cuda")
+
+
+def test_bf16_training_with_the_compiled_static_engine_on_the_gpu(tmp_path, tiny_tokenizer, peak_memory):
+    """cache_implementation="static" on CUDA: a StaticCache and the decode step compiled with CUDA
+    graphs, under bf16 autocast over float32 weights (the keys and values reach the cache in different
+    dtypes; transformers 5.17's cache failed on that before compat.static_cache cast them)."""
+    check_bf16_training("grpo", tmp_path, tiny_tokenizer, "cuda", cache_implementation="static")
 
 
 def test_rollout_contract_on_the_gpu(peak_memory):

@@ -627,3 +627,35 @@ def test_min_p_keeps_tokens_within_a_ratio_of_the_most_likely(engine):
     assert set(r.completion_ids.unique().tolist()) == {0, 1}
     full = torch.log_softmax(torch.linspace(4.0, 0.0, V), -1)
     assert torch.allclose(r.logprobs, full[r.completion_ids])
+
+
+def test_static_cache_under_bf16_autocast_samples_the_dynamic_engines_tokens(monkeypatch):
+    """bf16=True over float32 weights runs the rollout under autocast: the keys reach the cache in
+    float32 (rotary embeddings), the values in bf16. transformers 5.17 allocates a lazy StaticCache
+    layer's values in the keys' dtype, so the static engine failed there on its first decode step
+    (index_copy_ between float32 and bf16, seen on an H200 with cache_implementation="static"). The
+    allocation of those releases is reproduced here on every release that allocates lazily."""
+    from transformers import cache_utils
+
+    layer_class = getattr(cache_utils, "StaticLayer", None)
+    if layer_class is not None and hasattr(layer_class, "lazy_initialization"):
+        allocate = layer_class.lazy_initialization
+
+        def allocate_both_in_key_dtype(self, key_states, value_states):
+            allocate(self, key_states, value_states.to(key_states.dtype))
+
+        monkeypatch.setattr(layer_class, "lazy_initialization", allocate_both_in_key_dtype)
+
+    model = tiny_llama()
+    ids, mask = left_pad([[5, 6, 7, 8, 9], [11, 12], [20, 21, 22], [30]], pad=2)
+    cfg = SamplingConfig(max_new_tokens=12, stop_token_ids=(2, 3, 5, 7))
+    runs = []
+    for options in ({}, {"cache_implementation": "static"}):
+        g = torch.Generator().manual_seed(5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            runs.append(generate(model, ids, mask, cfg, pad_token_id=2, num_samples=2, generator=g, **options))
+    dynamic, static = runs
+    assert static.completion_ids.shape == (8, 12)
+    assert torch.equal(static.completion_ids, dynamic.completion_ids)
+    assert torch.equal(static.completion_lengths, dynamic.completion_lengths)
+    assert torch.allclose(static.logprobs, dynamic.logprobs, atol=1e-2)

@@ -83,7 +83,27 @@ def static_cache(config: Any, batch_size: int, max_cache_len: int, device: Any, 
         return StaticCache(
             config=config, max_batch_size=batch_size, max_cache_len=max_cache_len, device=device, dtype=dtype
         )
-    return StaticCache(config=config, max_cache_len=max_cache_len)
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    for layer in cache.layers:
+        layer.update = _values_in_key_dtype(layer.update)
+    return cache
+
+
+def _values_in_key_dtype(update: Any) -> Any:
+    """A lazily allocated cache layer's `update` that stores the values in the keys' dtype.
+
+    Under autocast over float32 weights (bf16=True) the keys reach the cache in float32 (rotary
+    embeddings multiply the bf16 projection by float32 cos/sin) and the values in bf16. Some
+    transformers 5.x releases (5.17 among them) allocate both buffers in the keys' dtype, and the
+    values' `index_copy_` then fails ("self and source expected to have the same dtype"); later
+    releases allocate each in its own dtype. Casting the values here gives every release the same
+    cache; attention under autocast casts its inputs to the autocast dtype either way.
+    """
+
+    def update_values_in_key_dtype(key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> Any:
+        return update(key_states, value_states.to(key_states.dtype), *args, **kwargs)
+
+    return update_values_in_key_dtype
 
 
 def static_cache_select_rows(cache: Any, index: Any) -> None:

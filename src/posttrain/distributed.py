@@ -584,6 +584,19 @@ def is_main(accelerator: Accelerator | None) -> bool:
     return True if accelerator is None else accelerator.is_main_process
 
 
+def early_device(config: Any, accelerator: Accelerator | None = None) -> torch.device | None:
+    """The GPU this process will hold a whole (unsharded) model on, known before the run's Accelerator
+    exists: in a one-process or DDP run on CUDA, device cuda:LOCAL_RANK, as accelerate assigns it.
+    Trainers make their reference copy of the policy there instead of in host memory (a 0.5B float32
+    copy is 2 GB of RAM). None where models stay on the CPU, are sharded or placed by FSDP or
+    DeepSpeed, or an accelerator was passed in (the run then uses that one's device and plan)."""
+    if accelerator is not None or config.use_cpu or not torch.cuda.is_available():
+        return None
+    if config.fsdp or config.deepspeed or any(_launched_with(env) for env in _PLUGIN_ENV.values()):
+        return None
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def device(accelerator: Accelerator | None) -> torch.device:
     """The device this process computes on (CPU without an accelerator)."""
     return torch.device("cpu") if accelerator is None else accelerator.device

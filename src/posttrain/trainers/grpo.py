@@ -171,7 +171,12 @@ class GRPOTrainer(OnlineTrainer):
             needs_reference=self.use_reference,
         )
         policy, self.ref_model = prepare_policy(
-            parts.policy, parts.reference, args, peft_config=parts.peft_config, needs_reference=self.use_reference
+            parts.policy,
+            parts.reference,
+            args,
+            peft_config=parts.peft_config,
+            needs_reference=self.use_reference,
+            accelerator=accelerator,
         )
         self.wrapped = self.setup(
             args,

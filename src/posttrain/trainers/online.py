@@ -320,11 +320,19 @@ def reward_tokenizers_given(reward_processing_class: Any, rewards: list[Any]) ->
 
 
 def prepare_policy(
-    policy: nn.Module, reference: nn.Module | None, config: OnPolicyConfig, *, peft_config: Any, needs_reference: bool
+    policy: nn.Module,
+    reference: nn.Module | None,
+    config: OnPolicyConfig,
+    *,
+    peft_config: Any,
+    needs_reference: bool,
+    accelerator: Any = None,
 ) -> tuple[nn.Module, nn.Module | None]:
     """(policy, reference) ready to train: LoRA applied (only the adapter trains), dropout off in both
     (LoRA dropout included), the reference frozen in eval mode. No reference given: a frozen copy of
-    the initial policy, or None with PEFT, meaning "the policy with its adapter disabled". A
+    the initial policy, or None with PEFT, meaning "the policy with its adapter disabled"; on a GPU
+    that will hold the policy whole (`distributed.early_device`; `accelerator`: one passed in by the
+    user) the policy moves there first and is copied there, not in host memory. A
     models.CausalLMWithValueHead (PPO's policy with a value head) is prepared through its LM, and a
     reference given as one is its LM (the reference only scores tokens)."""
     from posttrain.models import (
@@ -339,13 +347,21 @@ def prepare_policy(
         reference = reference.pretrained_model
     if isinstance(policy, CausalLMWithValueHead):
         policy.pretrained_model, reference = prepare_policy(
-            policy.pretrained_model, reference, config, peft_config=peft_config, needs_reference=needs_reference
+            policy.pretrained_model,
+            reference,
+            config,
+            peft_config=peft_config,
+            needs_reference=needs_reference,
+            accelerator=accelerator,
         )
         return policy, reference
     if reference is not None and reference is policy:
         raise ConfigError("the reference model is the policy object itself; pass a separate copy (or None to copy it).")
     policy = apply_peft(policy, peft_config)
     if needs_reference and reference is None and not is_peft_model(policy):
+        target = dist.early_device(config, accelerator)
+        if target is not None and not getattr(policy, "hf_device_map", None):
+            policy.to(target)  # where the run would move it anyway (a device_map'd model stays where it is)
         reference = copy.deepcopy(policy)  # the initial policy, frozen
     if config.disable_dropout:
         for model in (policy, reference):

@@ -229,7 +229,12 @@ class RLOOTrainer(OnlineTrainer):
             needs_reference=self.use_reference,
         )
         policy, self.ref_model = prepare_policy(
-            parts.policy, parts.reference, config, peft_config=parts.peft_config, needs_reference=self.use_reference
+            parts.policy,
+            parts.reference,
+            config,
+            peft_config=parts.peft_config,
+            needs_reference=self.use_reference,
+            accelerator=a["accelerator"],
         )
         self.wrapped = self.setup(
             config,
