@@ -129,8 +129,11 @@ def test_early_device_is_this_process_gpu_only_when_models_will_sit_there_whole(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert distributed.early_device(config) is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert distributed.early_device(config) == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert distributed.early_device(config) == torch.device("cuda")  # one process: the current GPU
     monkeypatch.setenv("LOCAL_RANK", "1")
+    assert distributed.early_device(config) == torch.device("cuda", 1)
+    monkeypatch.setenv("LOCAL_RANK", "3")  # as accelerate: the local rank modulo the visible GPUs
     assert distributed.early_device(config) == torch.device("cuda", 1)
     assert distributed.early_device(config, accelerator=object()) is None
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")

@@ -586,7 +586,8 @@ def is_main(accelerator: Accelerator | None) -> bool:
 
 def early_device(config: Any, accelerator: Accelerator | None = None) -> torch.device | None:
     """The GPU this process will hold a whole (unsharded) model on, known before the run's Accelerator
-    exists: in a one-process or DDP run on CUDA, device cuda:LOCAL_RANK, as accelerate assigns it.
+    exists: in a one-process or DDP run on CUDA, the device accelerate will assign (the current CUDA
+    device for one process; cuda:(LOCAL_RANK mod the visible GPUs) for each launched process).
     Trainers make their reference copy of the policy there instead of in host memory (a 0.5B float32
     copy is 2 GB of RAM). None where models stay on the CPU, are sharded or placed by FSDP or
     DeepSpeed, or an accelerator was passed in (the run then uses that one's device and plan)."""
@@ -594,7 +595,10 @@ def early_device(config: Any, accelerator: Accelerator | None = None) -> torch.d
         return None
     if config.fsdp or config.deepspeed or any(_launched_with(env) for env in _PLUGIN_ENV.values()):
         return None
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is None:
+        return torch.device("cuda")
+    return torch.device("cuda", int(local_rank) % torch.cuda.device_count())
 
 
 def device(accelerator: Accelerator | None) -> torch.device:
