@@ -32,6 +32,11 @@ SCRIPT = textwrap.dedent("""
     fsdp_run(sys.argv[1])
     from posttrain.distributed import shutdown
     shutdown()
+    # the threads left for interpreter teardown (tests the process-exit note in docs/internals.md)
+    import json, os, pathlib
+    names = [pathlib.Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    rank = os.environ.get("RANK", "0")
+    (pathlib.Path(sys.argv[1]) / f"threads-{rank}.json").write_text(json.dumps(sorted(names)))
 """)
 
 
@@ -170,6 +175,11 @@ def test_fsdp_two_cpu_processes_equal_one_process(tmp_path):
     run_processes([str(script), str(one), here], nproc=1, check=True)
     run_processes([str(script), str(two), here], check=True)
     report = json.loads((two / "run.json").read_text())
+    for rank in (0, 1):
+        # shutdown() freed the process group: no gloo thread outlives it into interpreter teardown,
+        # where one made a rank of a finished run abort (docs/internals.md, "Process exit")
+        threads = json.loads((two / f"threads-{rank}.json").read_text())
+        assert not [name for name in threads if "gloo" in name], threads
     for algo in ALGOS:
         assert report[algo]["world"] == 2
         rank0, rank1 = report[algo]["shares"]

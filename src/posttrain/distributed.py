@@ -969,6 +969,49 @@ def shutdown() -> None:
         return
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    _release_process_groups()
+
+
+def _release_process_groups() -> None:
+    """Free the process groups `destroy_process_group` unregistered, so that their worker threads are
+    joined now rather than during interpreter teardown.
+
+    After FSDP2 (`fully_shard`), DTensor's module-level caches (sharding propagation, mesh topology,
+    redistribution planners) keep the device mesh, and with it the gloo/NCCL process group, alive after
+    `destroy_process_group()`: its worker and transport threads then outlive the interpreter's teardown,
+    a window in which a rank of a finished run can abort with SIGABRT ("terminate called without an
+    active exception"). Emptying those caches drops the last references; `gc.collect()` frees what
+    cycles still hold. See docs/internals.md ("Process exit").
+    """
+    import gc
+    import sys
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch.distributed.tensor"):
+            continue
+        for value in list(vars(module).values()):
+            _clear_caches(value)
+            if isinstance(value, type) and value.__module__ == name:
+                for member in vars(value).values():
+                    _clear_caches(getattr(member, "__func__", member))
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import DTensor
+
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        _clear_caches(propagator.propagate_op_sharding)  # per instance, not a module attribute
+        if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):  # the C++ fast path's cache
+            torch._C._clear_DTensor_sharding_propagator_cache()
+        planners = getattr(sys.modules.get("torch.distributed.tensor._redistribute"), "_planner_cache", None)
+        if isinstance(planners, dict):
+            planners.clear()
+    gc.collect()
+
+
+def _clear_caches(value: Any) -> None:
+    """Empty a functools cache (lru_cache / cache, or an object exposing the same cache_clear)."""
+    clear = getattr(value, "cache_clear", None)
+    if callable(clear) and not isinstance(value, type):
+        clear()
 
 
 def no_sync_unless_last(accelerator: Accelerator | None, model: nn.Module, is_last: bool):
