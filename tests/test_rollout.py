@@ -659,3 +659,72 @@ def test_static_cache_under_bf16_autocast_samples_the_dynamic_engines_tokens(mon
     assert torch.equal(static.completion_ids, dynamic.completion_ids)
     assert torch.equal(static.completion_lengths, dynamic.completion_lengths)
     assert torch.allclose(static.logprobs, dynamic.logprobs, atol=1e-2)
+
+
+def record_mask_dims(model: nn.Module) -> list[int]:
+    dims: list[int] = []
+    model.register_forward_pre_hook(
+        lambda mod, args, kwargs: dims.append(kwargs["attention_mask"].dim()), with_kwargs=True
+    )
+    return dims
+
+
+@pytest.mark.parametrize("builder", [tiny_llama, tiny_neox])
+def test_prepared_decode_mask_samples_what_the_padding_mask_samples(builder, monkeypatch):
+    """The decode steps get the (rows, 1, 1, keys) bool mask transformers would build from the 2-D
+    one; with left padding, shared prefill, compaction and rows stopping mid-batch, the tokens,
+    masks and log-probabilities are those of the 2-D mask."""
+    from posttrain import compat
+
+    model = builder()
+    dims = record_mask_dims(model)
+    ids, mask = left_pad([[5, 6, 7, 8, 9], [11, 12], [20, 21, 22], [30], [40, 41, 42, 43]], pad=2)
+    cfg = SamplingConfig(max_new_tokens=20, stop_token_ids=(2, 3, 5, 7))
+
+    def run():
+        dims.clear()
+        g = torch.Generator().manual_seed(11)
+        r = generate(model, ids, mask, cfg, pad_token_id=2, num_samples=2, generator=g, return_entropy=True)
+        return r, list(dims)
+
+    prepared, prepared_dims = run()
+    monkeypatch.setattr(compat, "takes_prepared_decode_mask", lambda model, total_length: False)
+    plain, plain_dims = run()
+    assert prepared_dims[0] == 2 and set(prepared_dims[1:]) == {4}  # the prefill keeps the 2-D mask
+    assert set(plain_dims) == {2} and len(plain_dims) == len(prepared_dims)
+    assert 0 < plain.ended.sum() < len(plain)  # rows stopped mid-batch (compaction ran)
+    assert torch.equal(prepared.completion_ids, plain.completion_ids)
+    assert torch.equal(prepared.completion_mask, plain.completion_mask)
+    assert torch.allclose(prepared.logprobs, plain.logprobs, atol=1e-5)
+    assert torch.allclose(prepared.entropy, plain.entropy, atol=1e-5)
+
+
+def test_prepared_decode_mask_only_where_the_mask_is_plain_causal():
+    import transformers
+
+    from posttrain.compat import takes_prepared_decode_mask
+
+    assert takes_prepared_decode_mask(tiny_llama(), 100)
+    assert takes_prepared_decode_mask(tiny_neox(), 100)
+    eager = tiny_llama()
+    eager.config._attn_implementation = "eager"  # eager attention adds a float mask, not a bool one
+    assert not takes_prepared_decode_mask(eager, 100)
+    # A sliding window shorter than prompt + completion masks more than padding; one that is
+    # switched off (Qwen2's use_sliding_window=False) or longer than the sequence does not.
+    window = tiny_llama()
+    window.config.sliding_window = 64
+    assert takes_prepared_decode_mask(window, 64) and not takes_prepared_decode_mask(window, 65)
+    window.config.use_sliding_window = False
+    assert takes_prepared_decode_mask(window, 65)
+    chunked = tiny_llama()
+    chunked.config.attention_chunk_size = 32
+    assert not takes_prepared_decode_mask(chunked, 33)
+    hybrid = tiny_llama()
+    hybrid.config.layer_types = ["full_attention", "linear_attention"]
+    assert not takes_prepared_decode_mask(hybrid, 10)
+    # Bloom builds its ALiBi biases from the 2-D mask.
+    torch.manual_seed(0)
+    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(hidden_size=32, n_layer=1, n_head=4, vocab_size=64))
+    bloom.config._attn_implementation = "sdpa"
+    assert not takes_prepared_decode_mask(bloom, 10)
+    assert not takes_prepared_decode_mask(ScriptedLM(), 10)  # a model outside transformers

@@ -69,6 +69,41 @@ def output_cache(output: Any) -> Any:
     return cache if cache is not None else output.past_key_values
 
 
+# Models whose forward builds ALiBi biases from the 2-D padding mask (transformers 5 gives them
+# `create_causal_mask` too): their decode steps keep the 2-D mask.
+_ALIBI_MODEL_TYPES = frozenset({"bloom", "falcon", "mpt"})
+
+
+def takes_prepared_decode_mask(model: Any, total_length: int) -> bool:
+    """Whether a one-token decode step of `model` may be given its attention mask already prepared,
+    as a (rows, 1, 1, keys) bool tensor, instead of the 2-D padding mask.
+
+    transformers' `masking_utils` (4.53+) turns the 2-D mask into that tensor again at every step (a
+    few hundred small operations and, on GPUs, a host sync); a 4-D mask is passed through as-is. That
+    is only the same attention when the model's mask is the plain causal one over `total_length`
+    positions, which holds when: the model's module builds its mask with `create_causal_mask` (so a 4-D
+    mask is returned unchanged) and reads the 2-D mask nowhere else (ALiBi models: Bloom, Falcon, MPT), attention
+    runs through SDPA (which takes a bool mask; flash attention wants the 2-D one), and no layer uses a
+    sliding window or chunk shorter than the sequence (Gemma's, Mistral's, Llama 4's).
+    """
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    module = inspect.getmodule(type(model))
+    if module is None or "create_causal_mask" not in vars(module):
+        return False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "model_type", None) in _ALIBI_MODEL_TYPES:
+        return False
+    if set(getattr(text, "layer_types", None) or ()) - {"full_attention", "sliding_attention", "chunked_attention"}:
+        return False  # linear-attention or state-space layers
+    window = getattr(text, "sliding_window", None)
+    if window and getattr(text, "use_sliding_window", True) and total_length > window:
+        return False
+    chunk = getattr(text, "attention_chunk_size", None)
+    return not (chunk and total_length > chunk)
+
+
 def static_cache(config: Any, batch_size: int, max_cache_len: int, device: Any, dtype: Any) -> Any:
     """A transformers `StaticCache` of `batch_size` rows and `max_cache_len` positions for `config`'s model.
 

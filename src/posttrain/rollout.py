@@ -479,6 +479,11 @@ def _generate_chunk(
     # discarded, so what it attends to does not matter, and live rows never see other rows.
     attention = torch.ones(N, P + max_new, dtype=torch.long, device=device)
     attention[:, :P] = prompt_mask
+    # Where the model's mask is plain causal + padding, the decode steps get it prepared, (N, 1, 1,
+    # keys) bool, so transformers does not rebuild it every token (compat.takes_prepared_decode_mask).
+    prepared = None
+    if not static and compat.takes_prepared_decode_mask(bare_module(model), P + max_new):
+        prepared = attention.bool()[:, None, None, :]
     positions = prompt_mask.sum(-1)[:, None] + torch.arange(max_new, device=device)  # (N, max_new)
 
     completion = torch.full((N, max_new), pad_token_id, dtype=torch.long, device=device)
@@ -599,6 +604,7 @@ def _generate_chunk(
                             past, tok = selected, tok[keep]
                             seen = seen[keep] if seen is not None else None
                             attention, positions = attention[keep], positions[keep]
+                            prepared = prepared[keep] if prepared is not None else None
                 # A row is still live, so every step so far counts: no rewind before this point.
                 rng_states, rng_base = [], steps
         if steps == max_new:
@@ -608,7 +614,8 @@ def _generate_chunk(
             out = forward(tok[:, None], attention, positions[:, t : t + 1], past, step_fn, **step_kwargs(P + t, 1))
             logits = out.logits[:, -1, :]
         else:
-            out = forward(tok[:, None], attention[:, : P + steps], positions[:, t : t + 1], past, step_fn)
+            mask = attention[:, : P + steps] if prepared is None else prepared[..., : P + steps]
+            out = forward(tok[:, None], mask, positions[:, t : t + 1], past, step_fn)
             past, logits = compat.output_cache(out), out.logits[:, -1, :]
     scatter_back()
 
