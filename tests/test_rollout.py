@@ -662,23 +662,30 @@ def test_static_cache_under_bf16_autocast_samples_the_dynamic_engines_tokens(mon
 
 
 def record_mask_dims(model: nn.Module) -> list[int]:
+    """The attention mask's number of dimensions at every forward (0: no mask)."""
     dims: list[int] = []
-    model.register_forward_pre_hook(
-        lambda mod, args, kwargs: dims.append(kwargs["attention_mask"].dim()), with_kwargs=True
-    )
+
+    def record(mod, args, kwargs):
+        mask = kwargs["attention_mask"]
+        dims.append(0 if mask is None else mask.dim())
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
     return dims
 
 
 @pytest.mark.parametrize("builder", [tiny_llama, tiny_neox])
-def test_prepared_decode_mask_samples_what_the_padding_mask_samples(builder, monkeypatch):
-    """The decode steps get the (rows, 1, 1, keys) bool mask transformers would build from the 2-D
-    one; with left padding, shared prefill, compaction and rows stopping mid-batch, the tokens,
-    masks and log-probabilities are those of the 2-D mask."""
+@pytest.mark.parametrize("padded", [True, False])
+def test_prepared_decode_mask_gives_the_logits_of_the_padding_mask(builder, padded, monkeypatch):
+    """The decode steps get the (rows, 1, 1, keys) bool mask transformers builds from the 2-D one
+    (no mask when no row holds padding, as transformers does): with shared prefill, compaction and
+    rows stopping mid-batch, tokens, masks, log-probabilities and entropies are bitwise those of the
+    2-D mask, so the KL of a policy against its own copy stays exactly 0."""
     from posttrain import compat
 
     model = builder()
     dims = record_mask_dims(model)
-    ids, mask = left_pad([[5, 6, 7, 8, 9], [11, 12], [20, 21, 22], [30], [40, 41, 42, 43]], pad=2)
+    rows = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22], [30], [40, 41, 42, 43]]
+    ids, mask = left_pad(rows if padded else [row[:1] for row in rows], pad=2)
     cfg = SamplingConfig(max_new_tokens=20, stop_token_ids=(2, 3, 5, 7))
 
     def run():
@@ -690,13 +697,11 @@ def test_prepared_decode_mask_samples_what_the_padding_mask_samples(builder, mon
     prepared, prepared_dims = run()
     monkeypatch.setattr(compat, "takes_prepared_decode_mask", lambda model, total_length: False)
     plain, plain_dims = run()
-    assert prepared_dims[0] == 2 and set(prepared_dims[1:]) == {4}  # the prefill keeps the 2-D mask
-    assert set(plain_dims) == {2} and len(plain_dims) == len(prepared_dims)
+    assert prepared_dims[0] == 2 and set(plain_dims) == {2}  # the prefill keeps the 2-D mask
+    assert set(prepared_dims[1:]) == ({4} if padded else {0}) and len(plain_dims) == len(prepared_dims)
     assert 0 < plain.ended.sum() < len(plain)  # rows stopped mid-batch (compaction ran)
-    assert torch.equal(prepared.completion_ids, plain.completion_ids)
-    assert torch.equal(prepared.completion_mask, plain.completion_mask)
-    assert torch.allclose(prepared.logprobs, plain.logprobs, atol=1e-5)
-    assert torch.allclose(prepared.entropy, plain.entropy, atol=1e-5)
+    for field in ("completion_ids", "completion_mask", "logprobs", "entropy"):
+        assert torch.equal(getattr(prepared, field), getattr(plain, field)), field
 
 
 def test_prepared_decode_mask_only_where_the_mask_is_plain_causal():

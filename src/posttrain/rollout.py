@@ -481,9 +481,12 @@ def _generate_chunk(
     attention[:, :P] = prompt_mask
     # Where the model's mask is plain causal + padding, the decode steps get it prepared, (N, 1, 1,
     # keys) bool, so transformers does not rebuild it every token (compat.takes_prepared_decode_mask).
-    prepared = None
+    # It is what transformers would pass to SDPA: that mask while a row holds padding, no mask once
+    # none does (`unpadded`, checked again when compaction drops rows), so the logits are the same.
+    prepared, unpadded = None, False
     if not static and compat.takes_prepared_decode_mask(bare_module(model), P + max_new):
         prepared = attention.bool()[:, None, None, :]
+        unpadded = bool(prepared.all())
     positions = prompt_mask.sum(-1)[:, None] + torch.arange(max_new, device=device)  # (N, max_new)
 
     completion = torch.full((N, max_new), pad_token_id, dtype=torch.long, device=device)
@@ -604,7 +607,9 @@ def _generate_chunk(
                             past, tok = selected, tok[keep]
                             seen = seen[keep] if seen is not None else None
                             attention, positions = attention[keep], positions[keep]
-                            prepared = prepared[keep] if prepared is not None else None
+                            if prepared is not None:
+                                prepared = prepared[keep]
+                                unpadded = bool(prepared.all())
                 # A row is still live, so every step so far counts: no rewind before this point.
                 rng_states, rng_base = [], steps
         if steps == max_new:
@@ -614,7 +619,10 @@ def _generate_chunk(
             out = forward(tok[:, None], attention, positions[:, t : t + 1], past, step_fn, **step_kwargs(P + t, 1))
             logits = out.logits[:, -1, :]
         else:
-            mask = attention[:, : P + steps] if prepared is None else prepared[..., : P + steps]
+            if prepared is None:
+                mask = attention[:, : P + steps]
+            else:
+                mask = None if unpadded else prepared[..., : P + steps]
             out = forward(tok[:, None], mask, positions[:, t : t + 1], past, step_fn)
             past, logits = compat.output_cache(out), out.logits[:, -1, :]
     scatter_back()
