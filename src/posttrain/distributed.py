@@ -1008,10 +1008,11 @@ def _release_process_groups() -> None:
 
 
 def _clear_caches(value: Any) -> None:
-    """Empty a functools cache (lru_cache / cache, or an object exposing the same cache_clear)."""
-    clear = getattr(value, "cache_clear", None)
-    if callable(clear) and not isinstance(value, type):
-        clear()
+    """Empty `value` if it is a functools cache (`lru_cache` / `cache`, DTensor's per-thread LRU cache)."""
+    import functools
+
+    if isinstance(value, functools._lru_cache_wrapper) or type(value).__name__ == "LocalLRUCache":
+        value.cache_clear()
 
 
 def no_sync_unless_last(accelerator: Accelerator | None, model: nn.Module, is_last: bool):
