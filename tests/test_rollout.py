@@ -733,3 +733,7 @@ def test_prepared_decode_mask_only_where_the_mask_is_plain_causal():
     bloom.config._attn_implementation = "sdpa"
     assert not takes_prepared_decode_mask(bloom, 10)
     assert not takes_prepared_decode_mask(ScriptedLM(), 10)  # a model outside transformers
+    # FSDP2's fully_shard makes the model an instance of a subclass defined outside transformers.
+    sharded = tiny_llama()
+    sharded.__class__ = type("FSDPLlamaForCausalLM", (type(sharded),), {"__module__": "torch.distributed.fsdp"})
+    assert takes_prepared_decode_mask(sharded, 100)

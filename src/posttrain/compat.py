@@ -89,7 +89,9 @@ def takes_prepared_decode_mask(model: Any, total_length: int) -> bool:
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
         return False
-    module = inspect.getmodule(type(model))
+    # The model's own class: FSDP2's fully_shard swaps in a subclass defined in torch's module.
+    cls = next((c for c in type(model).__mro__ if c.__module__.startswith("transformers")), type(model))
+    module = inspect.getmodule(cls)
     if module is None or "create_causal_mask" not in vars(module):
         return False
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
