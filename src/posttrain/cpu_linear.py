@@ -1,0 +1,176 @@
+"""oneDNN matrix multiplies for float32 `nn.Linear` layers on CPU, where they measure faster.
+
+torch runs a float32 CPU `F.linear` through its BLAS (MKL in the official wheels). On some CPUs
+oneDNN, which torch also ships, is much faster at the shapes RL post-training runs: on a 2-core AMD
+EPYC, (16 × 512) @ (512 × 2048) took 770 µs through MKL and 380 µs through oneDNN, and a
+(848 × 128) @ (128 × 6,815) LM head 17.8 ms against 10.3 ms (benchmarks/README.md, "oneDNN linear
+layers"); on others the two are even. So nothing is assumed from the CPU's name: `linear_kernels`
+times both on each distinct layer shape once per process (a few milliseconds) and routes a layer
+through oneDNN only where it is clearly faster.
+
+The forward is oneDNN's `_linear_pointwise` (the kernel `torch.compile` emits for CPU linears); the
+backward is two plain matrix multiplies, as autograd's own. Results differ from the BLAS path by
+float32 rounding only (a different summation order), never in the math.
+
+Control: the environment variable POSTTRAIN_CPU_LINEAR — `auto` (default: measure, use where
+faster), `onednn` (every eligible layer), `off` (torch's default path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import types
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODES = ("auto", "onednn", "off")
+ENV = "POSTTRAIN_CPU_LINEAR"
+# `auto` keeps the default path unless oneDNN takes at most this share of its time.
+FASTER = 0.85
+# Row counts the calibration times: a decode step's batch and a training forward's token block.
+CALIBRATION_ROWS = (16, 256)
+# Weights above this many elements are not timed (one calibration would cost seconds): default path.
+MAX_CALIBRATED_ELEMENTS = 1 << 26
+
+_DECISIONS: dict[tuple[int, int, bool, int], bool] = {}
+
+
+def mode_from_env() -> str:
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(MODES)}.")
+    return value
+
+
+def available() -> bool:
+    """Whether this torch build has oneDNN's linear kernel on CPU."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _onednn(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
+
+
+class _LinearFunction(torch.autograd.Function):
+    """y = x Wᵀ + b through oneDNN; backward: dx = dy W, dW = dyᵀ x, db = Σ dy (over rows)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.size(-1)).contiguous()
+        ctx.save_for_backward(x2 if weight.requires_grad else None, weight if x.requires_grad else None)
+        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
+        return _onednn(x2, weight, bias).view(*x.shape[:-1], weight.size(0))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x2, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.size(-1))
+        dx = g2.mm(weight).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        dw = g2.t().mm(x2) if ctx.needs_input_grad[1] else None
+        db = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear through oneDNN (float32 CPU tensors; empty inputs and anything else: F.linear)."""
+    if x.dim() < 2 or x.numel() == 0 or x.dtype != torch.float32 or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    grads = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if grads:
+        return _LinearFunction.apply(x, weight, bias)
+    return _onednn(x.reshape(-1, x.size(-1)).contiguous(), weight, bias).view(*x.shape[:-1], weight.size(0))
+
+
+def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    return linear(input, self.weight, self.bias)
+
+
+def _plain(t: torch.Tensor | None) -> bool:
+    """A float32 CPU tensor or Parameter of torch's own classes (no DTensor, no DeepSpeed-partitioned
+    or quantized parameter)."""
+    return (
+        t is None
+        or (type(t) in (torch.Tensor, nn.Parameter) and t.dtype == torch.float32 and t.device.type == "cpu")
+        and not hasattr(t, "ds_id")
+    )
+
+
+def eligible(module: nn.Module) -> bool:
+    """A plain float32 CPU `nn.Linear` (its exact class, whose forward nobody replaced)."""
+    return (
+        type(module) is nn.Linear
+        and "forward" not in module.__dict__
+        and _plain(module.weight)
+        and module.weight.dim() == 2
+        and _plain(module.bias)
+    )
+
+
+def _best_time(fn: Any, *args: Any, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(*args)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def onednn_faster(out_features: int, in_features: int, bias: bool) -> bool:
+    """Time F.linear and oneDNN on random float32 inputs of this weight shape at CALIBRATION_ROWS rows
+    (once per shape and thread count per process); True when oneDNN takes ≤ FASTER of the time."""
+    key = (out_features, in_features, bias, torch.get_num_threads())
+    if key not in _DECISIONS:
+        if out_features * in_features > MAX_CALIBRATED_ELEMENTS:
+            _DECISIONS[key] = False
+        else:
+            with torch.no_grad():
+                w = torch.randn(out_features, in_features)
+                b = torch.randn(out_features) if bias else None
+                default = onednn = 0.0
+                for rows in CALIBRATION_ROWS:
+                    x = torch.randn(rows, in_features)
+                    F.linear(x, w, b), linear(x, w, b)  # warm both
+                    default += _best_time(F.linear, x, w, b)
+                    onednn += _best_time(linear, x, w, b)
+            _DECISIONS[key] = onednn <= FASTER * default
+    return _DECISIONS[key]
+
+
+@contextlib.contextmanager
+def linear_kernels(models: Iterable[nn.Module], mode: str | None = None) -> Iterator[list[nn.Linear]]:
+    """Within the block, each eligible `nn.Linear` of `models` runs through oneDNN where `mode` says
+    so (None: POSTTRAIN_CPU_LINEAR); yields the layers switched. Their own forward comes back on exit,
+    also after an error."""
+    mode = mode_from_env() if mode is None else mode
+    if mode not in MODES:
+        raise ValueError(f"cpu linear mode {mode!r}: expected one of {', '.join(MODES)}.")
+    switched: list[nn.Linear] = []
+    if mode != "off" and available():
+        seen: set[int] = set()
+        for model in models:
+            for module in model.modules():
+                if id(module) in seen or not eligible(module):
+                    continue
+                seen.add(id(module))
+                shape = (module.out_features, module.in_features, module.bias is not None)
+                if mode == "onednn" or onednn_faster(*shape):
+                    module.forward = types.MethodType(_forward, module)
+                    switched.append(module)
+    try:
+        yield switched
+    finally:
+        for module in switched:
+            module.__dict__.pop("forward", None)
