@@ -218,6 +218,22 @@ def rloo_config(tmp_path, name="out", **overrides) -> RLOOConfig:
     return online_config(RLOOConfig, tmp_path, name, **{**one_epoch, **overrides})
 
 
+def learning_rloo_config(tmp_path, name="out") -> RLOOConfig:
+    """The RLOO learning check's settings: 30 rollout batches of 4 prompts × k = 4 at lr 1e-2, no KL,
+    on which `letter_fraction` rises by more than 0.08 from the first 5 batches to the last 5."""
+    return rloo_config(
+        tmp_path,
+        name,
+        per_device_train_batch_size=16,
+        rloo_k=4,
+        total_episodes=16 * 30,
+        response_length=8,
+        learning_rate=1e-2,
+        kl_coef=0.0,
+        lr_scheduler_type="constant",
+    )
+
+
 def grpo_config(tmp_path, name="out", **overrides) -> GRPOConfig:
     """online_config with one group of 4 per rollout batch."""
     return online_config(GRPOConfig, tmp_path, name, **{"num_generations": 4, **overrides})

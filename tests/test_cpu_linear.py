@@ -113,8 +113,7 @@ def test_calibration_decides_once_per_shape(monkeypatch):
 def test_online_trainer_learns_through_onednn_layers_and_restores_them(tmp_path, tiny_tokenizer, monkeypatch):
     # The RLOO learning check of tests/test_rloo.py with every linear layer forced through oneDNN:
     # the custom backward must carry the policy gradient, and the layers get their forward back.
-    from helpers import letter_fraction, prompt_dataset
-    from helpers import rloo_config as config
+    from helpers import learning_rloo_config, letter_fraction, prompt_dataset
     from posttrain.testing import build_tiny_causal_lm
     from posttrain.trainers.rloo import RLOOTrainer
 
@@ -122,16 +121,7 @@ def test_online_trainer_learns_through_onednn_layers_and_restores_them(tmp_path,
     calls = []
     real = cpu_linear.linear
     monkeypatch.setattr(cpu_linear, "linear", lambda *a: calls.append(torch.is_grad_enabled()) or real(*a))
-    cfg = config(
-        tmp_path,
-        per_device_train_batch_size=16,
-        rloo_k=4,
-        total_episodes=16 * 30,
-        response_length=8,
-        learning_rate=1e-2,
-        kl_coef=0.0,
-        lr_scheduler_type="constant",
-    )
+    cfg = learning_rloo_config(tmp_path)
     policy = build_tiny_causal_lm(tiny_tokenizer)
     trainer = RLOOTrainer(cfg, tiny_tokenizer, policy, None, letter_fraction, prompt_dataset())
     trainer.train()

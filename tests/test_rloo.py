@@ -22,7 +22,16 @@ from transformers import TrainerCallback
 import posttrain.advantages as adv
 import posttrain.trainers.online as online
 import posttrain.trainers.rloo as rloo
-from helpers import RL_METRICS, flat, letter_fraction, prompt_dataset, read_metrics, run_processes, train_and_last_log
+from helpers import (
+    RL_METRICS,
+    flat,
+    learning_rloo_config,
+    letter_fraction,
+    prompt_dataset,
+    read_metrics,
+    run_processes,
+    train_and_last_log,
+)
 from helpers import rloo_config as config
 from posttrain import cli
 from posttrain.testing import build_tiny_causal_lm
@@ -153,16 +162,7 @@ def test_missing_reward_is_a_clear_error(tmp_path, prompts_on_disk, tiny_policy_
 
 
 def test_learnable_reward_raises_scores(tmp_path, tiny_tokenizer):
-    cfg = config(
-        tmp_path,
-        per_device_train_batch_size=16,
-        rloo_k=4,
-        total_episodes=16 * 30,
-        response_length=8,
-        learning_rate=1e-2,
-        kl_coef=0.0,
-        lr_scheduler_type="constant",
-    )
+    cfg = learning_rloo_config(tmp_path)
     trainer = RLOOTrainer(
         cfg, tiny_tokenizer, build_tiny_causal_lm(tiny_tokenizer), None, letter_fraction, prompt_dataset()
     )
