@@ -27,10 +27,12 @@ SHAPES = [  # (rows, in, out, bias, what)
     (1088, 128, 512, True, "14m MLP up, training"),
     (848, 128, 6815, False, "14m LM head, training"),
     (16, 512, 1536, True, "70m qkv, decode"),
+    (16, 512, 512, True, "70m attention out, decode"),
     (16, 512, 2048, True, "70m MLP up, decode"),
     (16, 2048, 512, True, "70m MLP down, decode"),
     (16, 512, 6815, False, "70m LM head, decode"),
     (1088, 512, 1536, True, "70m qkv, training"),
+    (1088, 512, 512, True, "70m attention out, training"),
     (1088, 512, 2048, True, "70m MLP up, training"),
     (1088, 2048, 512, True, "70m MLP down, training"),
     (848, 512, 6815, False, "70m LM head, training"),
@@ -69,7 +71,7 @@ def main() -> None:
         raise SystemExit("this torch build has no oneDNN linear kernel")
     print(f"torch {torch.__version__}, {args.threads} threads, median of {args.repeats}")
     print("| shape (rows × in → out) | layer | default fwd ms | oneDNN fwd ms | fwd ratio | default fwd+bwd ms "
-          "| oneDNN fwd+bwd ms | fwd+bwd ratio | auto picks oneDNN |")  # fmt: skip
+          "| oneDNN fwd+bwd ms | fwd+bwd ratio | auto picks oneDNN at this size |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for rows, inp, out, bias, what in SHAPES:
         torch.manual_seed(0)
@@ -79,7 +81,8 @@ def main() -> None:
         g = torch.randn(rows, out)
         fwd = [median_ms(forward, (f, x, w, b, g), args.repeats) for f in (F.linear, cpu_linear.linear)]
         both = [median_ms(forward_backward, (f, x, w, b, g), args.repeats) for f in (F.linear, cpu_linear.linear)]
-        picks = cpu_linear.onednn_faster(out, inp, bias)
+        decision = cpu_linear.onednn_faster(out, inp, bias)
+        picks = decision.small if rows <= cpu_linear.SMALL_ROWS else decision.large
         print(
             f"| {rows} × {inp} → {out} | {what} | {fwd[0]:.3f} | {fwd[1]:.3f} | {fwd[0] / fwd[1]:.2f}× "
             f"| {both[0]:.3f} | {both[1]:.3f} | {both[0] / both[1]:.2f}× | {'yes' if picks else 'no'} |"

@@ -80,11 +80,30 @@ def test_switches_only_plain_float32_linear_layers_and_restores_them():
         assert switched == []
 
 
-def test_auto_follows_the_timing_and_the_environment_is_checked(monkeypatch):
-    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
-    monkeypatch.setattr(cpu_linear, "onednn_faster", lambda out, inp, bias: out == 16)
+def test_auto_follows_the_timing_per_row_count_and_the_environment_is_checked(monkeypatch):
+    # Decisions per weight shape: (16 → 8) oneDNN for small calls only, (8 → 24) for large calls
+    # only, (24 → 8) for neither. Each layer's calls then go to oneDNN only at the sizes decided.
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, 24), nn.Linear(24, 8))
+    decisions = {16: cpu_linear.Decision(True, True), 8: cpu_linear.Decision(False, False)}
+    decisions[24] = cpu_linear.Decision(False, True)
+    monkeypatch.setattr(
+        cpu_linear,
+        "onednn_faster",
+        lambda out, inp, bias: cpu_linear.Decision(True, False) if inp == 16 else decisions[out],
+    )
+    routed = []
+    real = cpu_linear.linear
+    monkeypatch.setattr(
+        cpu_linear, "linear", lambda x, w, b=None: routed.append((w.shape[0], x.shape[0])) or real(x, w, b)
+    )
+    small, large = cpu_linear.SMALL_ROWS, cpu_linear.SMALL_ROWS + 1
     with cpu_linear.linear_kernels([model], mode="auto") as switched:
-        assert switched == [model[0]]
+        assert switched == [model[0], model[1], model[2]]
+        for rows in (small, large):
+            out = model[3](model[2](model[1](model[0](torch.randn(rows, 8)))))
+            assert out.shape == (rows, 8)
+    # model[0] always, model[1] (16 → 8) only at SMALL_ROWS rows, model[2] only above; model[3] never.
+    assert routed == [(16, small), (8, small), (16, large), (24, large)]
     monkeypatch.setenv(cpu_linear.ENV, "fast")
     with pytest.raises(ValueError, match="POSTTRAIN_CPU_LINEAR='fast'.*auto, onednn, off"):
         cpu_linear.mode_from_env()
@@ -92,11 +111,24 @@ def test_auto_follows_the_timing_and_the_environment_is_checked(monkeypatch):
     assert cpu_linear.mode_from_env() == "off"
 
 
+@pytest.mark.parametrize("config", ["rloo_config:RLOOConfig", "sft_config:SFTConfig"])
+def test_a_bad_environment_value_fails_when_the_config_is_built(config, monkeypatch):
+    import importlib
+
+    from posttrain.configs import ConfigError
+
+    module, name = config.split(":")
+    config_cls = getattr(importlib.import_module(f"posttrain.trainers.{module}"), name)
+    monkeypatch.setenv(cpu_linear.ENV, "mkl")
+    with pytest.raises(ConfigError, match="POSTTRAIN_CPU_LINEAR='mkl': expected one of auto, onednn, off"):
+        config_cls(output_dir="unused", report_to="none")
+
+
 def test_calibration_decides_once_per_shape(monkeypatch):
     calls = []
     real = cpu_linear._best_time
 
-    def counted(fn, *args, repeats=3):
+    def counted(fn, *args, repeats=5):
         calls.append(1)
         return real(fn, *args, repeats=repeats)
 
@@ -106,8 +138,12 @@ def test_calibration_decides_once_per_shape(monkeypatch):
     timed = len(calls)
     assert timed == 2 * len(cpu_linear.CALIBRATION_ROWS)
     assert cpu_linear.onednn_faster(24, 40, True) == first and len(calls) == timed
-    assert cpu_linear.onednn_faster(1 << 14, 1 << 13, False) is False  # too large to time: default path
-    assert len(calls) == timed
+    assert isinstance(first, cpu_linear.Decision)
+    shapes = []
+    monkeypatch.setattr(cpu_linear, "linear", lambda x, w, b=None: shapes.append(tuple(w.shape)) or x)
+    cpu_linear.onednn_faster(151_936, 896, False)  # a 151k-vocabulary LM head: timed on its first outputs
+    assert set(shapes) == {(cpu_linear.MAX_CALIBRATED_ELEMENTS // 896, 896)}
+    assert len(calls) == 2 * timed
 
 
 def test_online_trainer_learns_through_onednn_layers_and_restores_them(tmp_path, tiny_tokenizer, monkeypatch):
@@ -118,9 +154,7 @@ def test_online_trainer_learns_through_onednn_layers_and_restores_them(tmp_path,
     from posttrain.trainers.rloo import RLOOTrainer
 
     monkeypatch.setenv(cpu_linear.ENV, "onednn")
-    calls = []
-    real = cpu_linear.linear
-    monkeypatch.setattr(cpu_linear, "linear", lambda *a: calls.append(torch.is_grad_enabled()) or real(*a))
+    calls = _recording_linear(monkeypatch)
     cfg = learning_rloo_config(tmp_path)
     policy = build_tiny_causal_lm(tiny_tokenizer)
     trainer = RLOOTrainer(cfg, tiny_tokenizer, policy, None, letter_fraction, prompt_dataset())
@@ -129,3 +163,50 @@ def test_online_trainer_learns_through_onednn_layers_and_restores_them(tmp_path,
     assert not any("forward" in m.__dict__ for m in policy.modules())
     scores = [h["objective/scores"] for h in trainer.state.log_history[:-1]]
     assert sum(scores[-5:]) / 5 > sum(scores[:5]) / 5 + 0.08, scores
+
+
+def _recording_linear(monkeypatch) -> list[bool]:
+    """Record, for every call that goes through oneDNN, whether autograd was on."""
+    calls: list[bool] = []
+    real = cpu_linear.linear
+    monkeypatch.setattr(cpu_linear, "linear", lambda *a: calls.append(torch.is_grad_enabled()) or real(*a))
+    return calls
+
+
+def test_sft_trains_through_onednn_layers_and_restores_them(tmp_path, tiny_tokenizer, monkeypatch):
+    # SFT with every linear layer forced through oneDNN: the held-out loss falls as on torch's path.
+    from helpers import sft_trainer
+
+    monkeypatch.setenv(cpu_linear.ENV, "onednn")
+    calls = _recording_linear(monkeypatch)
+    rows = [{"text": f"the sea is blue and the dog is {w}."} for w in ["good", "calm", "wide", "true"] * 4]
+    held_out = [{"text": f"the sea is blue and the dog is {w}."} for w in ["blue", "little"]]
+    trainer = sft_trainer(tmp_path, tiny_tokenizer, rows, held_out, max_steps=20, learning_rate=3e-3)
+    before = trainer.evaluate()["eval_loss"]
+    assert calls == []  # only train() switches the layers
+    trainer.train()
+    assert True in calls
+    assert not any("forward" in m.__dict__ for m in trainer.model.modules())
+    assert trainer.evaluate()["eval_loss"] < before - 1.0
+
+
+@pytest.mark.parametrize("bf16, compiled, switched", [(False, False, True), (True, False, False), (False, True, False)])
+def test_for_training_keeps_torch_path_under_autocast_and_compile(bf16, compiled, switched, monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV, "onednn")
+    model = nn.Sequential(nn.Linear(4, 4))
+    mixed_precision = "bf16" if bf16 else "no"
+    with cpu_linear.for_training([model], mixed_precision=mixed_precision, compiled=compiled) as layers:
+        assert ("forward" in model[0].__dict__) is switched
+        assert layers == ([model[0]] if switched else [])
+
+
+def test_reward_training_runs_through_onednn_layers(tmp_path, tiny_tokenizer, monkeypatch):
+    from helpers import reward_trainer
+
+    monkeypatch.setenv(cpu_linear.ENV, "onednn")
+    calls = _recording_linear(monkeypatch)
+    pairs = [{"chosen": "Q: sea? A: The sea is blue.", "rejected": "Q: sea? A: dog."}] * 8
+    trainer = reward_trainer(tmp_path, tiny_tokenizer, pairs, max_steps=2)
+    trainer.train()
+    assert True in calls
+    assert not any("forward" in m.__dict__ for m in trainer.model.modules())

@@ -96,11 +96,15 @@ def _command_available(cmd: Command) -> bool:
 
 
 def _top_parser() -> argparse.ArgumentParser:
+    from posttrain.configs import CPU_LINEAR_ENV  # torch-free
+
     parser = argparse.ArgumentParser(
         prog="posttrain",
         description="Post-train language models from feedback: SFT, reward models, PPO, RLOO, GRPO, Online DPO, XPO.",
         epilog="Run `posttrain <command> --help` for the flags of a command. "
-        "Multi-GPU: `accelerate launch -m posttrain.cli <command> ...`.",
+        "Multi-GPU: `accelerate launch -m posttrain.cli <command> ...`. "
+        f"Environment: {CPU_LINEAR_ENV}=auto|onednn|off picks the kernel of the online trainers' float32 CPU "
+        "linear layers (auto, the default: oneDNN where a timing at the start of train() finds it faster).",
     )
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>")

@@ -34,6 +34,21 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field(s) and the fix."""
 
 
+CPU_LINEAR_ENV = "POSTTRAIN_CPU_LINEAR"
+CPU_LINEAR_MODES = ("auto", "onednn", "off")
+
+
+def cpu_linear_mode() -> str:
+    """POSTTRAIN_CPU_LINEAR, which `posttrain.cpu_linear` reads: `auto` (unset or empty), `onednn` or `off`."""
+    value = os.environ.get(CPU_LINEAR_ENV, "auto").strip().lower() or "auto"
+    if value not in CPU_LINEAR_MODES:
+        raise ConfigError(
+            f"{CPU_LINEAR_ENV}={value!r}: expected one of {', '.join(CPU_LINEAR_MODES)} "
+            "(unset it for the default, auto)."
+        )
+    return value
+
+
 @dataclass
 class TrainingConfig:
     """Fields every trainer shares: where to read and write, how to optimise, log and save."""
@@ -441,6 +456,7 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         self._resolve_aliases()
         refuse_unsupported(self)
+        cpu_linear_mode()  # read by train(); a bad value fails here, before any model loads
         if self.bf16 is None:
             self.bf16 = False
         if self.report_to is None:

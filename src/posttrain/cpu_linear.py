@@ -5,47 +5,56 @@ oneDNN, which torch also ships, is much faster at the shapes RL post-training ru
 EPYC, (16 × 512) @ (512 × 2048) took 770 µs through MKL and 380 µs through oneDNN, and a
 (848 × 128) @ (128 × 6,815) LM head 17.8 ms against 10.3 ms (benchmarks/README.md, "oneDNN linear
 layers"); on others the two are even. So nothing is assumed from the CPU's name: `linear_kernels`
-times both on each distinct layer shape once per process (a few milliseconds) and routes a layer
-through oneDNN only where it is clearly faster.
+times both on each distinct layer shape once per process (a few milliseconds), separately at a
+decode step's row count and at a training forward's, and routes a layer's calls of that size through
+oneDNN only where it is clearly faster there.
 
 The forward is oneDNN's `_linear_pointwise` (the kernel `torch.compile` emits for CPU linears); the
 backward is two plain matrix multiplies, as autograd's own. Results differ from the BLAS path by
 float32 rounding only (a different summation order), never in the math.
 
 Control: the environment variable POSTTRAIN_CPU_LINEAR — `auto` (default: measure, use where
-faster), `onednn` (every eligible layer), `off` (torch's default path).
+faster), `onednn` (every eligible layer), `off` (torch's default path). The trainers' configs check
+it when they are built (`posttrain.configs.cpu_linear_mode`), before any model loads.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import types
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODES = ("auto", "onednn", "off")
-ENV = "POSTTRAIN_CPU_LINEAR"
+from posttrain.configs import CPU_LINEAR_ENV as ENV  # noqa: F401 (re-exported: the variable's name)
+from posttrain.configs import CPU_LINEAR_MODES as MODES
+from posttrain.configs import cpu_linear_mode as mode_from_env
+
 # `auto` keeps the default path unless oneDNN takes at most this share of its time.
 FASTER = 0.85
-# Row counts the calibration times: a decode step's batch and a training forward's token block.
+# Calls with at most SMALL_ROWS rows (decode steps) and calls with more (prefill, scoring and training
+# forwards) are decided apart, each timed at its own row count: oneDNN's lead differs between them.
+SMALL_ROWS = 64
 CALIBRATION_ROWS = (16, 256)
-# Weights above this many elements are not timed (one calibration would cost seconds): default path.
-MAX_CALIBRATED_ELEMENTS = 1 << 26
+# Larger weights (a 151k-vocabulary LM head: 136M elements) are timed on their first rows of outputs
+# up to this many elements: timing the whole one would cost seconds, and both kernels' time per output
+# column is flat at these widths (a 16,384-column slice of Qwen2.5-0.5B's LM head gave the same ratio as
+# the whole head, 2.2–2.7×, at 4, 16 and 80 rows; benchmarks/README.md, "oneDNN linear layers").
+MAX_CALIBRATED_ELEMENTS = 1 << 24
 
-_DECISIONS: dict[tuple[int, int, bool, int], bool] = {}
+
+class Decision(NamedTuple):
+    """Whether oneDNN runs this weight shape's calls of ≤ SMALL_ROWS rows, and of more."""
+
+    small: bool
+    large: bool
 
 
-def mode_from_env() -> str:
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in MODES:
-        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(MODES)}.")
-    return value
+_DECISIONS: dict[tuple[int, int, bool, int], Decision] = {}
 
 
 def available() -> bool:
@@ -98,6 +107,25 @@ def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     return linear(input, self.weight, self.bias)
 
 
+def _forward_small(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    if input.numel() <= SMALL_ROWS * self.in_features:
+        return linear(input, self.weight, self.bias)
+    return F.linear(input, self.weight, self.bias)
+
+
+def _forward_large(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    if input.numel() > SMALL_ROWS * self.in_features:
+        return linear(input, self.weight, self.bias)
+    return F.linear(input, self.weight, self.bias)
+
+
+_FORWARDS = {
+    Decision(True, True): _forward,
+    Decision(True, False): _forward_small,
+    Decision(False, True): _forward_large,
+}
+
+
 def _plain(t: torch.Tensor | None) -> bool:
     """A float32 CPU tensor or Parameter of torch's own classes (no DTensor, no DeepSpeed-partitioned
     or quantized parameter)."""
@@ -119,7 +147,7 @@ def eligible(module: nn.Module) -> bool:
     )
 
 
-def _best_time(fn: Any, *args: Any, repeats: int = 3) -> float:
+def _best_time(fn: Any, *args: Any, repeats: int = 5) -> float:
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -128,25 +156,34 @@ def _best_time(fn: Any, *args: Any, repeats: int = 3) -> float:
     return best
 
 
-def onednn_faster(out_features: int, in_features: int, bias: bool) -> bool:
-    """Time F.linear and oneDNN on random float32 inputs of this weight shape at CALIBRATION_ROWS rows
-    (once per shape and thread count per process); True when oneDNN takes ≤ FASTER of the time."""
+def onednn_faster(out_features: int, in_features: int, bias: bool) -> Decision:
+    """Time F.linear and oneDNN on random float32 inputs of this weight shape (its first outputs up to
+    MAX_CALIBRATED_ELEMENTS weights), at 16 rows for calls of ≤ SMALL_ROWS rows and at 256 for larger
+    ones (once per shape and thread count per process); each field is True when oneDNN takes ≤ FASTER
+    of the default path's time at that size."""
     key = (out_features, in_features, bias, torch.get_num_threads())
     if key not in _DECISIONS:
-        if out_features * in_features > MAX_CALIBRATED_ELEMENTS:
-            _DECISIONS[key] = False
-        else:
-            with torch.no_grad():
-                w = torch.randn(out_features, in_features)
-                b = torch.randn(out_features) if bias else None
-                default = onednn = 0.0
-                for rows in CALIBRATION_ROWS:
-                    x = torch.randn(rows, in_features)
-                    F.linear(x, w, b), linear(x, w, b)  # warm both
-                    default += _best_time(F.linear, x, w, b)
-                    onednn += _best_time(linear, x, w, b)
-            _DECISIONS[key] = onednn <= FASTER * default
+        timed_out = min(out_features, max(1, MAX_CALIBRATED_ELEMENTS // in_features))
+        faster = []
+        with torch.no_grad():
+            w = torch.randn(timed_out, in_features)
+            b = torch.randn(timed_out) if bias else None
+            for rows in CALIBRATION_ROWS:
+                x = torch.randn(rows, in_features)
+                F.linear(x, w, b), linear(x, w, b)  # warm both
+                faster.append(_best_time(linear, x, w, b) <= FASTER * _best_time(F.linear, x, w, b))
+        _DECISIONS[key] = Decision(*faster)
     return _DECISIONS[key]
+
+
+def for_training(
+    models: Iterable[nn.Module], *, mixed_precision: str, compiled: bool
+) -> contextlib.AbstractContextManager:
+    """`linear_kernels(models)` for a training run in eager float32: mixed precision (autocast picks the
+    kernels) and compiled runs (`torch.compile` emits its own) keep torch's path."""
+    if mixed_precision != "no" or compiled:
+        return contextlib.nullcontext([])
+    return linear_kernels(models)
 
 
 @contextlib.contextmanager
@@ -166,8 +203,9 @@ def linear_kernels(models: Iterable[nn.Module], mode: str | None = None) -> Iter
                     continue
                 seen.add(id(module))
                 shape = (module.out_features, module.in_features, module.bias is not None)
-                if mode == "onednn" or onednn_faster(*shape):
-                    module.forward = types.MethodType(_forward, module)
+                decision = Decision(True, True) if mode == "onednn" else onednn_faster(*shape)
+                if any(decision):
+                    module.forward = types.MethodType(_FORWARDS[decision], module)
                     switched.append(module)
     try:
         yield switched

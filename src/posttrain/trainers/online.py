@@ -1622,19 +1622,16 @@ class OnlineTrainer(hub.PushToHub):
         reward models) through oneDNN where it measures faster (`cpu_linear`, POSTTRAIN_CPU_LINEAR), in
         eager float32 runs: mixed precision (autocast picks the kernels), a compiled decode step or
         torch_compile keep torch's own path."""
-        args = self.args
-        if (
-            self.run.config.mixed_precision != "no"
-            or getattr(args, "cache_implementation", None) == "static"
-            or getattr(args, "torch_compile", False)
-        ):
-            return contextlib.nullcontext()
         from posttrain import cpu_linear
 
+        args = self.args
         models: list[nn.Module] = [m for m in vars(self).values() if isinstance(m, nn.Module)]
         for source in self.reward_sources():
             models.extend(source.models)
-        return cpu_linear.linear_kernels(models)
+        compiled = getattr(args, "cache_implementation", None) == "static" or bool(
+            getattr(args, "torch_compile", False)
+        )
+        return cpu_linear.for_training(models, mixed_precision=self.run.config.mixed_precision, compiled=compiled)
 
     def end_of_update(self, update: int, extra: dict[str, float] | None = None) -> dict[str, float] | None:
         """After each rollout batch: step the schedule; on_step_end (state.global_step = update + 1);

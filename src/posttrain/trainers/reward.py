@@ -180,7 +180,7 @@ class RewardTrainer(SupervisedTrainerAPI):
         """Train to max_steps / num_train_epochs (or until a callback sets control.should_training_stop),
         evaluate, save the final model; returns TrainOutput(global_step, training_loss, metrics)."""
         run = self.run
-        with ckpt.OutputDirGuard(self.args.output_dir, is_main=run.is_main), oom_advice():
+        with ckpt.OutputDirGuard(self.args.output_dir, is_main=run.is_main), oom_advice(), run.linear_kernels():
             run.model.train()
             for batches in run.steps(self.data_collator):
                 (n_pairs,) = run.global_counts(sum(b["lengths"].numel() // 2 for b in batches))

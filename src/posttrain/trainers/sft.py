@@ -203,7 +203,7 @@ class SFTTrainer(SupervisedTrainerAPI):
         """Train to max_steps / num_train_epochs (or until a callback sets control.should_training_stop),
         evaluate, save the final model; returns TrainOutput(global_step, training_loss, metrics)."""
         run = self.run
-        with ckpt.OutputDirGuard(self.args.output_dir, is_main=run.is_main), oom_advice():
+        with ckpt.OutputDirGuard(self.args.output_dir, is_main=run.is_main), oom_advice(), run.linear_kernels():
             run.model.train()
             for batches in run.steps(self.data_collator):
                 (n_trained,) = run.global_counts(sum(num_trained_tokens(b) for b in batches))
