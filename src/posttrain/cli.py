@@ -103,7 +103,7 @@ def _top_parser() -> argparse.ArgumentParser:
         description="Post-train language models from feedback: SFT, reward models, PPO, RLOO, GRPO, Online DPO, XPO.",
         epilog="Run `posttrain <command> --help` for the flags of a command. "
         "Multi-GPU: `accelerate launch -m posttrain.cli <command> ...`. "
-        f"Environment: {CPU_LINEAR_ENV}=auto|onednn|off picks the kernel of the online trainers' float32 CPU "
+        f"Environment: {CPU_LINEAR_ENV}=auto|onednn|off picks the kernel of the trainers' float32 CPU "
         "linear layers (auto, the default: oneDNN where a timing at the start of train() finds it faster).",
     )
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
