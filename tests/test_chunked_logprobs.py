@@ -314,3 +314,46 @@ def test_backward_of_the_chunked_log_softmax_builds_the_logits_gradient_once():
     # d/dlogits of Σ_i log softmax(logits_i)[index_i] = onehot(index_i) − softmax(logits_i)
     want = torch.nn.functional.one_hot(index, V).float() - logits.detach().softmax(-1)
     torch.testing.assert_close(logits.grad, want)
+
+
+class _VocabBuffers(TorchDispatchMode):
+    """Counts the new buffers (not views, not in-place results) ops create whose last dimension is `vocab`."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.created = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        if (
+            isinstance(out, torch.Tensor)
+            and out.dim() == 2
+            and out.size(-1) == self.vocab
+            and out.untyped_storage().data_ptr() not in inputs
+        ):
+            self.created += 1
+        return out
+
+
+def test_entropy_is_ln_v_for_uniform_logits_and_the_detached_path_builds_one_vocab_buffer():
+    from posttrain.ops import _entropy
+
+    # Uniform over V = 4: H = −Σ ¼ ln ¼ = ln 4 on every row.
+    uniform = torch.log_softmax(torch.zeros(3, 4), dim=-1)
+    torch.testing.assert_close(_entropy(uniform, grad=False), torch.full((3,), 1.3862943611198906))
+    # p = (½, ¼, ¼): H = ½ ln 2 + 2 · ¼ ln 4 = 1.5 ln 2.
+    skewed = torch.tensor([[0.5, 0.25, 0.25]]).log()
+    torch.testing.assert_close(_entropy(skewed, grad=False), torch.tensor([1.5 * 0.6931471805599453]))
+
+    logp = torch.log_softmax(torch.randn(6, 50, generator=torch.Generator().manual_seed(0)), dim=-1)
+    with_grad = _entropy(logp.clone().requires_grad_(), grad=True)
+    leaf = logp.clone().requires_grad_()
+    with _VocabBuffers(50) as mode:
+        detached = _entropy(leaf, grad=False)
+    assert mode.created == 1  # exp's output, then the product written into it
+    with torch.no_grad(), _VocabBuffers(50) as mode:
+        under_no_grad = _entropy(logp, grad=True)
+    assert mode.created == 1
+    assert torch.equal(with_grad.detach(), detached) and torch.equal(detached, under_no_grad)
+    assert with_grad.requires_grad and not detached.requires_grad
