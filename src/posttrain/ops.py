@@ -143,7 +143,7 @@ def _entropy(logp: torch.Tensor, grad: bool = True) -> torch.Tensor:
     if torch.is_grad_enabled() and source.requires_grad:
         return -(source.exp() * source).sum(-1)
     # Nothing to differentiate: the product goes into exp's output, one (n, V) buffer instead of two
-    # (the same values, bitwise; 25–35% faster on CPU at 6,815- and 151,936-token vocabularies).
+    # (the same values, bitwise; 7–34% faster per block on a 2-core CPU, benchmarks/README.md).
     return -source.exp().mul_(source).sum(-1)
 
 
