@@ -438,6 +438,31 @@ def tiny_llama() -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(config).eval()
 
 
+def tiny_neox() -> transformers.GPTNeoXForCausalLM:
+    """A 2-layer GPTNeoX (hidden 32, 4 heads) over 64 ids, seeded 1, in eval mode."""
+    torch.manual_seed(1)
+    config = transformers.GPTNeoXConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=64,
+        max_position_embeddings=128,
+    )
+    return transformers.GPTNeoXForCausalLM(config).eval()
+
+
+def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) of token rows left-padded with `pad` to the longest."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row)
+        mask[i, width - len(row) :] = True
+    return ids, mask
+
+
 # -- encoder-decoder models (64-word vocabulary) -------------------------------------------------------------
 
 VOCAB = 64

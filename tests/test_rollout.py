@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, StaticCache
 
-from helpers import tiny_llama
+from helpers import left_pad, tiny_llama, tiny_neox
 from posttrain.rollout import (
     Rollout,
     SamplingConfig,
@@ -92,16 +92,6 @@ ENGINES = [
     pytest.param({"cache_implementation": "static"}, id="static"),
     pytest.param({"cache_implementation": "static", "compact": False, "sync_every": 3}, id="static-sync3-nocompact"),
 ]
-
-
-def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    P = max(map(len, rows))
-    ids = torch.full((len(rows), P), pad)
-    mask = torch.zeros(len(rows), P, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        ids[i, P - len(r) :] = torch.tensor(r)
-        mask[i, P - len(r) :] = True
-    return ids, mask
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -366,21 +356,6 @@ def test_input_validation():
         generate(model, ids, torch.tensor([[True, False]]), SamplingConfig(max_new_tokens=2), pad_token_id=0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingConfig(max_new_tokens=2, top_p=0.0)
-
-
-def tiny_neox():
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    torch.manual_seed(1)
-    config = GPTNeoXConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        vocab_size=64,
-        max_position_embeddings=128,
-    )
-    return GPTNeoXForCausalLM(config).eval()
 
 
 def record_batch_sizes(model: nn.Module) -> list[int]:

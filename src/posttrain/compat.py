@@ -166,3 +166,48 @@ def static_cache_select_rows(cache: Any, index: Any) -> None:
         cache.key_cache = [pick(t) for t in cache.key_cache]
         cache.value_cache = [pick(t) for t in cache.value_cache]
         cache.max_batch_size = int(index.numel())
+
+
+def dynamic_cache_tensors(cache: Any) -> list[tuple[Any, Any]] | None:
+    """The per-layer (keys, values) tensors of a filled transformers DynamicCache (its exact class), or
+    None for any other cache. transformers ≥ 4.56 keeps them in `cache.layers` (DynamicLayer objects;
+    a sliding-window or other layer type gives None), older versions in `key_cache` / `value_cache`."""
+    from transformers import DynamicCache
+
+    if type(cache) is not DynamicCache:
+        return None
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        keys, values = getattr(cache, "key_cache", None), getattr(cache, "value_cache", None)
+        if not keys or values is None or len(keys) != len(values):
+            return None
+        return list(zip(keys, values))
+    from transformers.cache_utils import DynamicLayer
+
+    if not layers or any(type(layer) is not DynamicLayer or not layer.is_initialized for layer in layers):
+        return None
+    return [(layer.keys, layer.values) for layer in layers]
+
+
+def set_dynamic_cache_tensors(cache: Any, pairs: list[tuple[Any, Any]]) -> None:
+    """Replace the per-layer (keys, values) of a DynamicCache that `dynamic_cache_tensors` accepted."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        cache.key_cache = [k for k, _ in pairs]
+        cache.value_cache = [v for _, v in pairs]
+        return
+    for layer, (keys, values) in zip(layers, pairs):
+        layer.keys, layer.values = keys, values
+
+
+def dynamic_cache_of(pairs: list[tuple[Any, Any]]) -> Any:
+    """A DynamicCache holding the given per-layer (keys, values) tensors themselves (no copy). Each layer
+    is created by the cache's own `update` with a zero-length slice (on transformers ≥ 4.56 that sets
+    whatever the layer records on its first update), then given the tensors."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for index, (keys, values) in enumerate(pairs):
+        cache.update(keys[..., :0, :], values[..., :0, :], index)
+    set_dynamic_cache_tensors(cache, pairs)
+    return cache

@@ -38,15 +38,27 @@ CPU_LINEAR_ENV = "POSTTRAIN_CPU_LINEAR"
 CPU_LINEAR_MODES = ("auto", "onednn", "off")
 
 
+def _env_mode(name: str, modes: tuple[str, ...]) -> str:
+    """The environment variable `name`, lower-cased, one of `modes` (unset or empty: the first)."""
+    value = os.environ.get(name, modes[0]).strip().lower() or modes[0]
+    if value not in modes:
+        choices = ", ".join(modes)
+        raise ConfigError(f"{name}={value!r}: expected one of {choices} (unset it for the default, {modes[0]}).")
+    return value
+
+
 def cpu_linear_mode() -> str:
     """POSTTRAIN_CPU_LINEAR, which `posttrain.cpu_linear` reads: `auto` (unset or empty), `onednn` or `off`."""
-    value = os.environ.get(CPU_LINEAR_ENV, "auto").strip().lower() or "auto"
-    if value not in CPU_LINEAR_MODES:
-        raise ConfigError(
-            f"{CPU_LINEAR_ENV}={value!r}: expected one of {', '.join(CPU_LINEAR_MODES)} "
-            "(unset it for the default, auto)."
-        )
-    return value
+    return _env_mode(CPU_LINEAR_ENV, CPU_LINEAR_MODES)
+
+
+TRACE_DECODE_ENV = "POSTTRAIN_TRACE_DECODE"
+TRACE_DECODE_MODES = ("auto", "off")
+
+
+def trace_decode_mode() -> str:
+    """POSTTRAIN_TRACE_DECODE, which `posttrain.decode_trace` reads: `auto` (unset or empty) or `off`."""
+    return _env_mode(TRACE_DECODE_ENV, TRACE_DECODE_MODES)
 
 
 @dataclass
@@ -457,6 +469,7 @@ class TrainingConfig:
         self._resolve_aliases()
         refuse_unsupported(self)
         cpu_linear_mode()  # read by train(); a bad value fails here, before any model loads
+        trace_decode_mode()  # read by the decode loop; the same
         if self.bf16 is None:
             self.bf16 = False
         if self.report_to is None:

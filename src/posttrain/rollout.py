@@ -447,12 +447,14 @@ def _generate_chunk(
     rng: torch.Generator | None,
     static: bool = False,
     step_fn: Any = None,
+    traced: Any = None,
 ) -> Rollout:
     """Decode one chunk. prompt_ids / prompt_mask (U, P) are prefilled once; row_prompt (N,) maps
     each completion row to its prompt (None: one row per prompt, N = U). `rng`: the generator the
     sampler draws from, rewound after steps run past the last stop (sync_every > 1). static: decode
     into a preallocated StaticCache of P + max_new positions (row_prompt must be None); step_fn:
-    the callable that runs the one-token decode forwards (the model, or its compiled call)."""
+    the callable that runs the one-token decode forwards (the model, or its compiled call); traced: a
+    `decode_trace.TracedDecode` that runs the dynamic engine's decode forwards where it can."""
     device = prompt_ids.device
     max_new = sampling.max_new_tokens
     out_prompt_ids, out_prompt_mask = prompt_ids, prompt_mask  # what the Rollout reports
@@ -487,6 +489,8 @@ def _generate_chunk(
     if not static and compat.takes_prepared_decode_mask(bare_module(model), P + max_new):
         prepared = attention.bool()[:, None, None, :]
         unpadded = bool(prepared.all())
+    if prepared is None:
+        traced = None  # a trace replays the prepared-mask step only (decode_trace's rules)
     positions = prompt_mask.sum(-1)[:, None] + torch.arange(max_new, device=device)  # (N, max_new)
 
     completion = torch.full((N, max_new), pad_token_id, dtype=torch.long, device=device)
@@ -623,8 +627,10 @@ def _generate_chunk(
                 mask = attention[:, : P + steps]
             else:
                 mask = None if unpadded else prepared[..., : P + steps]
-            out = forward(tok[:, None], mask, positions[:, t : t + 1], past, step_fn)
-            past, logits = compat.output_cache(out), out.logits[:, -1, :]
+            logits = None if traced is None else traced(tok[:, None], mask, positions[:, t : t + 1], past)
+            if logits is None:
+                out = forward(tok[:, None], mask, positions[:, t : t + 1], past, step_fn)
+                past, logits = compat.output_cache(out), out.logits[:, -1, :]
     scatter_back()
 
     if sync_every > 1 and N > 0 and steps > 0:
@@ -700,6 +706,7 @@ def generate(
     sync_every: int = 1,
     cache_implementation: str | None = None,
     compile_mode: str | None = None,
+    trace: bool | None = None,
 ) -> Rollout:
     """Sample completions for left-padded prompts (B, P) and return a `Rollout` of B·num_samples rows.
 
@@ -731,6 +738,11 @@ def generate(
       a training run's rollouts of the same batch size then share one compilation. Compiled
       kernels round differently from eager ones, so a draw within float error of a token boundary
       can pick a neighbouring token.
+    - trace: run the dynamic cache's one-token decode forwards from a `torch.jit.trace` of the model's
+      forward (posttrain.decode_trace: the same kernels, bitwise the same logits, without the Python of
+      the model code; each trace is checked against the eager forward when it is made). None (the
+      default): on CPU, where the model qualifies (decode_trace.traceable) and POSTTRAIN_TRACE_DECODE is
+      not `off`; False: never; True: also off CPU (not measured there). A static cache never traces.
     `decode_engine` maps a trainer's `cache_implementation` field to these options.
     Prefill sharing and compaction need a KV cache whose rows can be indexed (transformers'
     DynamicCache or a tuple of per-layer tensors). With any other cache, compaction is skipped and
@@ -776,6 +788,14 @@ def generate(
     if sync_every > 1 and sampling.stop_token_ids and not sampling.greedy:
         rng = generator if generator is not None else _default_generator(device)
     keep_kwargs = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
+    if trace is None:
+        trace = device.type == "cpu" and not static and bare_module(model) is model
+    traced = None
+    if trace and not static:
+        from posttrain import decode_trace
+
+        if decode_trace.traceable(model):
+            traced = decode_trace.TracedDecode(model, compat.cache_argument(model.forward), keep_kwargs)
     n = prompt_ids.size(0) * k
     step = n if batch_size is None else batch_size
     if step < 1:
@@ -804,6 +824,7 @@ def generate(
                 rng,
                 static,
                 None if compile_mode is None else compiled_decode_step(model, compile_mode),
+                traced,
             )
         )
     return chunks[0] if len(chunks) == 1 else Rollout.cat(chunks)

@@ -1,0 +1,177 @@
+"""The default engine's one-token decode forward, replayed from a `torch.jit.trace` on CPU.
+
+A decode step of a small model is almost all per-operator overhead: at pythia-14m's shape, 16 rows,
+transformers' GPTNeoX forward costs about 4 ms where its arithmetic is under 1 ms, spent in Python
+(module calls, the cache object, output classes) around about 200 tensor operations. `torch.jit.trace`
+records those operations once (about 0.15 s) and replays them from TorchScript's interpreter: the same
+kernels in the same order, so the logits and the cache are bitwise those of the eager forward, at about
+two thirds of its time (benchmarks/README.md, "A traced decode step").
+
+A trace is only right where the step's Python decisions do not depend on the inputs' values, so it is
+used only where every decision is the same at every decode step of the engine's default path:
+
+- a CPU model of torch's own tensors (no DTensor or DeepSpeed-partitioned parameters), with no module
+  hooks (accelerate's offload hooks, ZeRO-3, FSDP, PEFT adapters that can be switched off: none of
+  their Python runs in a trace) and no autocast;
+- a transformers DynamicCache of plain layers, fed with the prepared (rows, 1, 1, keys) bool mask or no
+  mask (`compat.takes_prepared_decode_mask`: plain causal attention through SDPA);
+- no tracing already in progress, and POSTTRAIN_TRACE_DECODE not `off`.
+
+Each trace is checked when it is made, on the step it was traced from and on one row fewer and one
+cached position fewer (the shapes change from step to step and when stopped rows are compacted out):
+its logits and cache must equal the eager forward's exactly, or the model keeps the eager forward for
+the rest of the process. Traces are kept per model object and per kind of step (mask or none), and
+made again when the model's parameters, buffers or layer forwards are not the ones traced (a
+deep copy, a replaced Parameter, posttrain's oneDNN linear layers switched on or off); in-place
+updates (optimizer steps, `load_state_dict`) reach the trace, which holds the same tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from posttrain import compat
+from posttrain.configs import TRACE_DECODE_ENV as ENV  # noqa: F401 (re-exported: the variable's name)
+from posttrain.configs import trace_decode_mode as mode_from_env
+
+logger = logging.getLogger(__name__)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu" and not hasattr(t, "ds_id")
+
+
+def traceable(model: nn.Module) -> bool:
+    """Whether `model`'s decode forward may be traced (the module-level rules, before any cache is seen)."""
+    if mode_from_env() == "off" or not hasattr(torch.jit, "trace") or torch.jit.is_tracing():
+        return False
+    if torch.is_autocast_enabled("cpu") or getattr(model, "_compiled_call_impl", None) is not None:
+        return False
+    module_hooks = torch.nn.modules.module
+    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
+        return False
+    for module in model.modules():
+        if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
+            return False
+        if type(module).__module__.split(".")[0] == "peft":
+            return False
+    tensors = [*model.parameters(), *model.buffers()]
+    return bool(tensors) and all(_plain(t) for t in tensors)
+
+
+def _fingerprint(model: nn.Module) -> tuple:
+    """What a trace of `model` depends on besides tensor values: which parameter and buffer objects,
+    and which forward each module runs (posttrain.cpu_linear swaps nn.Linear forwards in place)."""
+    forwards = []
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        forwards.append(getattr(forward, "__func__", forward))
+    return (
+        tuple(id(p) for p in model.parameters()),
+        tuple(id(b) for b in model.buffers()),
+        tuple(id(f) if f is not None else None for f in forwards),
+    )
+
+
+class _DecodeForward(nn.Module):
+    """forward(input_ids, position_ids, [mask], k_0, v_0, k_1, v_1, ...) -> (logits, k_0', v_0', ...):
+    one decode forward of `model` over a DynamicCache built around the given tensors, flattened to
+    tensors in and out as `torch.jit.trace` needs."""
+
+    def __init__(self, model: nn.Module, cache_name: str, keep_kwargs: dict[str, int], masked: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.cache_name, self.keep_kwargs, self.masked = cache_name, dict(keep_kwargs), masked
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *tensors: torch.Tensor) -> tuple:
+        mask, flat = (tensors[0], tensors[1:]) if self.masked else (None, tensors)
+        cache = compat.dynamic_cache_of([(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)])
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            **{self.cache_name: cache},
+            use_cache=True,
+            **self.keep_kwargs,
+        )
+        pairs = compat.dynamic_cache_tensors(compat.output_cache(out))
+        if pairs is None:
+            raise TypeError("the model did not return the DynamicCache it was given")
+        return (out.logits, *(t for pair in pairs for t in pair))
+
+
+# model -> (fingerprint, {(masked, cache_name, keep_kwargs): traced step, or None where it is not used})
+_TRACES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, dict]] = weakref.WeakKeyDictionary()
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _smaller(args: tuple, masked: bool) -> tuple:
+    """The same step with one row fewer (when there are two or more) and one cached position fewer."""
+    rows = slice(1, None) if args[0].size(0) > 1 else slice(None)
+    input_ids, position_ids, *rest = (a[rows] for a in args)
+    if masked:
+        rest[0] = rest[0][..., :-1]
+    kv = [t[:, :, :-1] for t in rest[1:]] if masked else [t[:, :, :-1] for t in rest]
+    return (input_ids, position_ids, *(rest[:1] if masked else []), *kv)
+
+
+def _trace(model: nn.Module, key: tuple, args: tuple) -> Any:
+    """A checked trace of the decode forward for `args`, or None (the eager forward is used instead)."""
+    masked, cache_name, keep = key
+    eager = _DecodeForward(model, cache_name, dict(keep), masked)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TracerWarnings, and torch's deprecation notice of jit.trace
+            traced = torch.jit.trace(eager, args, check_trace=False)
+            for check in (args, _smaller(args, masked)):
+                if not _same(traced(*check), eager(*check)):
+                    logger.info(
+                        "decode step of %s not traced: the trace differs from the eager forward", type(model).__name__
+                    )
+                    return None
+    except Exception as error:  # any model code the tracer cannot follow keeps the eager forward
+        logger.info("decode step of %s not traced: %s", type(model).__name__, error)
+        return None
+    return traced
+
+
+class TracedDecode:
+    """The decode forwards of one `generate` call on `model`: `__call__` returns the step's logits and
+    updates `cache` in place, or returns None when this step must run eagerly."""
+
+    def __init__(self, model: nn.Module, cache_name: str, keep_kwargs: dict[str, int]) -> None:
+        self.model, self.cache_name, self.keep = model, cache_name, tuple(sorted(keep_kwargs.items()))
+        fingerprint = _fingerprint(model)
+        entry = _TRACES.get(model)
+        if entry is None or entry[0] != fingerprint:
+            entry = (fingerprint, {})
+            _TRACES[model] = entry
+        self.steps = entry[1]
+
+    def __call__(
+        self, input_ids: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor, cache: Any
+    ) -> torch.Tensor | None:
+        if mask is not None and (mask.dim() != 4 or mask.dtype != torch.bool):
+            return None
+        pairs = compat.dynamic_cache_tensors(cache)
+        if pairs is None or pairs[0][0].dim() != 4 or pairs[0][0].size(-2) < 2:
+            return None  # a cache too short for the check (one-token prompts) decodes eagerly
+        key = (mask is not None, self.cache_name, self.keep)
+        args = (input_ids, position_ids, *([mask] if mask is not None else []), *(t for pair in pairs for t in pair))
+        if key not in self.steps:
+            self.steps[key] = _trace(self.model, key, args)
+        step = self.steps[key]
+        if step is None:
+            return None
+        out = step(*args)
+        compat.set_dynamic_cache_tensors(cache, [(out[i], out[i + 1]) for i in range(1, len(out), 2)])
+        return out[0][:, -1, :]

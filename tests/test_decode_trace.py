@@ -1,0 +1,178 @@
+"""The traced decode step (posttrain.decode_trace): the default CPU engine replays each one-token decode
+forward from a torch.jit.trace of the model. It must sample exactly the eager engine's tokens, see every
+weight update, be made again for new parameter objects, and never be used where a trace could differ."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import DynamicCache, GPTNeoXForCausalLM
+
+from helpers import left_pad, tiny_llama, tiny_neox
+from posttrain import RLOOConfig, compat, decode_trace
+from posttrain.configs import ConfigError
+from posttrain.rollout import SamplingConfig, generate
+
+ROWS = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22], [30, 31], [40, 41, 42, 43]]
+STOPS = SamplingConfig(max_new_tokens=20, stop_token_ids=(2, 3, 5, 7))
+
+
+def count_forwards(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the model's eager forwards (a wrapper on the class, not a hook: hooks switch tracing off)."""
+    calls = [0]
+    forward = type(model).forward
+
+    @functools.wraps(forward)  # the same signature: the engine reads it
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", counted)
+    return calls
+
+
+def sample(model, rows=ROWS, cfg=STOPS, **options):
+    ids, mask = left_pad(rows, pad=2)
+    g = torch.Generator().manual_seed(11)
+    rollout = generate(
+        model, ids, mask, cfg, pad_token_id=2, num_samples=2, generator=g, return_entropy=True, **options
+    )
+    return rollout, torch.rand(1, generator=g)
+
+
+def assert_same(a, b) -> None:
+    (ra, next_a), (rb, next_b) = a, b
+    for field in ("completion_ids", "completion_mask", "completion_lengths", "ended", "logprobs", "entropy"):
+        assert torch.equal(getattr(ra, field), getattr(rb, field)), field
+    assert torch.equal(next_a, next_b)  # the generator ends in the same state
+
+
+def traces(model) -> dict:
+    return decode_trace._TRACES[model][1]
+
+
+@pytest.mark.parametrize("builder", [tiny_neox, tiny_llama])
+def test_traced_steps_sample_the_eager_tokens_bitwise(builder, monkeypatch):
+    """Prefill sharing (k = 2), rows stopping mid-batch and compaction (the batch shrinks, so the trace
+    runs at several row counts and cache lengths): tokens, masks, log-probabilities, entropies and the
+    generator's final state are bitwise those of the eager forward, and the eager forward runs for the
+    prefill, the trace and its check only."""
+    model = builder()
+    rows = ROWS  # left-padded: the step takes the prepared (rows, 1, 1, keys) mask
+    calls = count_forwards(model, monkeypatch)
+    eager = sample(model, rows, trace=False)
+    eager_calls, calls[0] = calls[0], 0
+    traced = sample(model, rows)
+    assert_same(traced, eager)
+    rollout = eager[0]
+    assert 0 < rollout.ended.sum() < len(rollout) and rollout.completion_ids.size(1) == 20  # compaction ran
+    kinds = [masked for (masked, _, _), step in traces(model).items() if step is not None]
+    assert True in kinds  # traced with the prepared mask (and, once compaction drops every padded row, none)
+    # eager: 1 prefill + 19 decode forwards; traced: the prefill, then per kind of step the trace and
+    # its two checks (compaction can drop every padded row: the mask-free step is traced then too)
+    assert eager_calls == 20 and calls[0] == 1 + 3 * len(kinds)
+    calls[0] = 0
+    assert_same(sample(model, rows), eager)  # the next rollout reuses the traces: the prefill only
+    assert calls[0] == 1
+
+
+@pytest.mark.parametrize("builder", [tiny_neox, tiny_llama])
+def test_a_trace_the_check_refuses_keeps_the_eager_forward(builder):
+    """Without padding the step gets no mask. Tracing that step is refused by the check where it would
+    differ: on transformers 4.x the mask-free step builds its causal mask with the cache length in
+    Python (the shorter check then fails), and transformers' SDPA path for grouped-query attention
+    differs under tracing (this Llama's logits move by ~1e-8). Either way the tokens, log-probabilities
+    and entropies are bitwise the eager engine's; GPTNeoX on transformers 5 is traced."""
+    model = builder()
+    rows = [row[:2] for row in ROWS]
+    assert_same(sample(model, rows), sample(model, rows, trace=False))
+    traced = [masked for (masked, _, _), step in traces(model).items() if step is not None]
+    assert traced == ([False] if builder is tiny_neox and compat.transformers_version() >= (5,) else [])
+
+
+def test_weight_updates_reach_the_trace_and_new_parameters_retrace():
+    model = tiny_neox()
+    sample(model)
+    (key, step), *_ = traces(model).items()
+    with torch.no_grad():  # an optimizer step: in place
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    assert_same(sample(model), sample(model, trace=False))
+    assert traces(model)[key] is step  # the same trace, new values
+    # a new Parameter object (what a stale trace would not see): the model is traced again
+    head = model.get_output_embeddings()  # embed_out on transformers 4, lm_head on 5
+    head.weight = torch.nn.Parameter(torch.randn_like(head.weight))
+    assert_same(sample(model), sample(model, trace=False))
+    assert traces(model)[key] is not step
+
+
+def test_trace_is_not_used_with_hooks_autocast_or_when_switched_off(monkeypatch, tmp_path):
+    model = tiny_neox()
+    assert decode_trace.traceable(model)
+    handle = model.gpt_neox.layers[0].register_forward_hook(lambda module, args, out: None)
+    assert not decode_trace.traceable(model)  # a hook's Python would not run in a trace
+    handle.remove()
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(tiny_neox(), LoraConfig(r=2, target_modules=["query_key_value"]))
+    assert not decode_trace.traceable(lora.get_base_model())  # adapters can be switched off: never frozen
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not decode_trace.traceable(model)
+    monkeypatch.setenv(decode_trace.ENV, "off")
+    assert not decode_trace.traceable(model)
+    sample(model)
+    assert model not in decode_trace._TRACES
+    monkeypatch.setenv(decode_trace.ENV, "sometimes")
+    with pytest.raises(ConfigError, match="POSTTRAIN_TRACE_DECODE='sometimes': expected one of auto, off"):
+        RLOOConfig(output_dir=str(tmp_path / "run"))  # a bad value stops the run before any model loads
+    assert not (tmp_path / "run").exists()
+
+
+class CountingNeoX(GPTNeoXForCausalLM):
+    """Adds its own call count to the logits: Python state a trace would freeze at its first call."""
+
+    calls = 0
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        self.calls += 1
+        out.logits = out.logits + self.calls
+        return out
+
+
+def test_a_trace_that_differs_from_the_eager_forward_is_never_used():
+    torch.manual_seed(1)
+    model = CountingNeoX(tiny_neox().config).eval()
+    rollout, _ = sample(model, cfg=SamplingConfig(max_new_tokens=6))
+    assert list(traces(model).values()) == [None]  # the check caught it: eager forwards throughout
+    # prefill (1) + trace (1) + its check's eager run (1) + 5 decode steps, all eager
+    assert model.calls == 8 and rollout.completion_ids.shape == (10, 6)
+
+
+def test_a_cache_too_short_to_check_is_traced_one_step_later(monkeypatch):
+    """One-token prompts leave one cached position and the check needs a shorter one: the first decode
+    step runs eagerly and the trace is made at the second."""
+    model = tiny_neox()
+    rows = [[row[0]] for row in ROWS]
+    calls = count_forwards(model, monkeypatch)
+    eager = sample(model, rows, trace=False)
+    calls[0] = 0
+    assert_same(sample(model, rows), eager)
+    if compat.transformers_version() >= (5,):  # the mask-free step (no padding) is traced there, see above
+        assert [masked for (masked, _, _), step in traces(model).items() if step is not None] == [False]
+        assert calls[0] == 1 + 1 + 3  # prefill, the first decode step, the trace and its two checks
+    else:
+        # 1 prefill + 19 eager decode forwards, plus the trace and the first check's eager run: the
+        # shorter check raises (the traced mask has the traced cache length), so the trace is refused
+        assert calls[0] == 1 + 19 + 2
+
+
+def test_the_traced_step_returns_none_for_caches_it_does_not_replay():
+    model = tiny_neox()
+    step = decode_trace.TracedDecode(model, "past_key_values", {})
+    ids = torch.tensor([[3], [4]])
+    positions = torch.tensor([[5], [5]])
+    assert step(ids, torch.ones(2, 6, dtype=torch.long), positions, DynamicCache()) is None  # a 2-D mask
+    assert step(ids, None, positions, ((torch.zeros(2, 4, 5, 8),) * 2,)) is None  # a legacy tuple cache
