@@ -41,7 +41,7 @@ VARIANTS = {
     "shared prefill": {"share_prefill": True, "compact": False},
     "compaction": {"share_prefill": False, "compact": True},
     "default (both)": {},
-    "default, eager step": {"trace": False},
+    "default with an eager step": {"trace": False},
     "default + sync_every=4": {"sync_every": 4},
     "static cache": {"cache_implementation": "static"},
     "static no-compaction": {"cache_implementation": "static", "compact": False},
