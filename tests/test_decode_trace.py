@@ -108,12 +108,15 @@ def test_weight_updates_reach_the_trace_and_new_parameters_retrace():
     assert traces(model)[key] is not step
 
 
-def test_trace_is_not_used_with_hooks_autocast_or_when_switched_off(monkeypatch, tmp_path):
+def test_trace_is_not_used_with_hooks_train_mode_autocast_or_when_switched_off(monkeypatch, tmp_path):
     model = tiny_neox()
     assert decode_trace.traceable(model)
     handle = model.gpt_neox.layers[0].register_forward_hook(lambda module, args, out: None)
     assert not decode_trace.traceable(model)  # a hook's Python would not run in a trace
     handle.remove()
+    model.train()
+    assert not decode_trace.traceable(model)  # dropout would be frozen out of the trace
+    model.eval()
     from peft import LoraConfig, get_peft_model
 
     lora = get_peft_model(tiny_neox(), LoraConfig(r=2, target_modules=["query_key_value"]))

@@ -10,9 +10,10 @@ two thirds of its time (benchmarks/README.md, "A traced decode step").
 A trace is only right where the step's Python decisions do not depend on the inputs' values, so it is
 used only where every decision is the same at every decode step of the engine's default path:
 
-- a CPU model of torch's own tensors (no DTensor or DeepSpeed-partitioned parameters), with no module
-  hooks (accelerate's offload hooks, ZeRO-3, FSDP, PEFT adapters that can be switched off: none of
-  their Python runs in a trace) and no autocast;
+- a CPU model in eval mode (as `generation_mode` puts it; a trace would freeze dropout out) of torch's
+  own tensors (no DTensor or DeepSpeed-partitioned parameters), with no module hooks (accelerate's
+  offload hooks, ZeRO-3, FSDP, PEFT adapters that can be switched off: none of their Python runs in a
+  trace) and no autocast;
 - a transformers DynamicCache of plain layers, fed with the prepared (rows, 1, 1, keys) bool mask or no
   mask (`compat.takes_prepared_decode_mask`: plain causal attention through SDPA);
 - no tracing already in progress, and POSTTRAIN_TRACE_DECODE not `off`.
@@ -57,6 +58,8 @@ def traceable(model: nn.Module) -> bool:
     if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
         return False
     for module in model.modules():
+        if module.training:  # a trace freezes eval-mode behaviour: dropout would be lost
+            return False
         if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
             return False
         if type(module).__module__.split(".")[0] == "peft":
