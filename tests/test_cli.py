@@ -52,6 +52,8 @@ def test_help_lists_every_command():
     ).stdout
     for name in ["sft", "reward", "ppo", "rloo", "grpo", "online-dpo", "xpo", "judge", "chat", "demo", "plot"]:
         assert name in out
+    flat = " ".join(out.split())  # argparse wraps the epilog
+    assert "POSTTRAIN_CPU_LINEAR=auto|onednn|off" in flat and "POSTTRAIN_TRACE_DECODE=auto|off" in flat
 
 
 def test_version():

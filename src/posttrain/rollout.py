@@ -706,7 +706,7 @@ def generate(
     sync_every: int = 1,
     cache_implementation: str | None = None,
     compile_mode: str | None = None,
-    trace: bool | None = None,
+    trace: bool = True,
 ) -> Rollout:
     """Sample completions for left-padded prompts (B, P) and return a `Rollout` of B·num_samples rows.
 
@@ -740,9 +740,10 @@ def generate(
       can pick a neighbouring token.
     - trace: run the dynamic cache's one-token decode forwards from a `torch.jit.trace` of the model's
       forward (posttrain.decode_trace: the same kernels, bitwise the same logits, without the Python of
-      the model code; each trace is checked against the eager forward when it is made). None (the
-      default): on CPU, where the model qualifies (decode_trace.traceable) and POSTTRAIN_TRACE_DECODE is
-      not `off`; False: never; True: also off CPU (not measured there). A static cache never traces.
+      the model code; each trace is checked against the eager forward when it is made). True (the
+      default): where the model qualifies (decode_trace.traceable: a bare CPU model in eval mode, no
+      hooks, PEFT or autocast) and POSTTRAIN_TRACE_DECODE is not `off`; False: never. A static cache
+      never traces.
     `decode_engine` maps a trainer's `cache_implementation` field to these options.
     Prefill sharing and compaction need a KV cache whose rows can be indexed (transformers'
     DynamicCache or a tuple of per-layer tensors). With any other cache, compaction is skipped and
@@ -788,10 +789,8 @@ def generate(
     if sync_every > 1 and sampling.stop_token_ids and not sampling.greedy:
         rng = generator if generator is not None else _default_generator(device)
     keep_kwargs = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
-    if trace is None:
-        trace = device.type == "cpu" and not static and bare_module(model) is model
     traced = None
-    if trace and not static:
+    if trace and not static and device.type == "cpu" and bare_module(model) is model:
         from posttrain import decode_trace
 
         if decode_trace.traceable(model):
