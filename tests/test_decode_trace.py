@@ -8,6 +8,7 @@ import functools
 
 import pytest
 import torch
+import transformers
 from transformers import DynamicCache, GPTNeoXForCausalLM
 
 from helpers import left_pad, tiny_llama, tiny_neox
@@ -179,3 +180,44 @@ def test_the_traced_step_returns_none_for_caches_it_does_not_replay():
     positions = torch.tensor([[5], [5]])
     assert step(ids, torch.ones(2, 6, dtype=torch.long), positions, DynamicCache()) is None  # a 2-D mask
     assert step(ids, None, positions, ((torch.zeros(2, 4, 5, 8),) * 2,)) is None  # a legacy tuple cache
+
+
+def rope_llama(rope_scaling: dict) -> torch.nn.Module:
+    """A 2-layer Llama whose original context is 8 positions (16 with the scaling), seeded 0."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=64,
+        max_position_embeddings=16,
+        rope_scaling=rope_scaling,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        {"rope_type": "dynamic", "factor": 2.0},
+        {
+            "rope_type": "longrope",
+            "factor": 2.0,
+            "original_max_position_embeddings": 8,
+            "short_factor": [1.0] * 4,
+            "long_factor": [4.0] * 4,
+        },
+    ],  # fmt: skip
+    ids=["dynamic", "longrope"],
+)
+def test_rotary_embeddings_that_change_with_the_length_keep_the_eager_forward(rope_scaling):
+    """Dynamic NTK and longrope frequencies change once a position passes the original context (in
+    Python, on 4.x and for dynamic on 5.x), which a trace made before that point would never see:
+    such models decode eagerly, and 20 new tokens after 5-token prompts (past 8 and 16 positions) give
+    exactly the eager engine's log-probabilities on a twin model (a traced step was 2e-4 off)."""
+    traced_model, eager_model = rope_llama(rope_scaling), rope_llama(rope_scaling)
+    cfg = SamplingConfig(max_new_tokens=20)
+    assert_same(sample(traced_model, cfg=cfg), sample(eager_model, cfg=cfg, trace=False))
+    assert not decode_trace.traceable(traced_model) and traced_model not in decode_trace._TRACES
+    assert decode_trace.traceable(tiny_llama())  # the default rotary embedding is traced

@@ -16,6 +16,9 @@ used only where every decision is the same at every decode step of the engine's 
   trace) and no autocast;
 - a transformers DynamicCache of plain layers, fed with the prepared (rows, 1, 1, keys) bool mask or no
   mask (`compat.takes_prepared_decode_mask`: plain causal attention through SDPA);
+- no rotary embedding whose frequencies depend on the sequence length reached (transformers' "dynamic"
+  NTK scaling and "longrope": they switch frequencies in Python once a position passes the original
+  context length, a decision a trace made before that point would never take again);
 - no tracing already in progress, and POSTTRAIN_TRACE_DECODE not `off`.
 
 Each trace is checked when it is made, on the step it was traced from and on one row fewer and one
@@ -48,6 +51,14 @@ def _plain(t: torch.Tensor) -> bool:
     return type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu" and not hasattr(t, "ds_id")
 
 
+def _length_dependent_rope(module: nn.Module) -> bool:
+    """Whether `module` is a rotary embedding that recomputes its frequencies from the positions it sees
+    (`rope_type` "dynamic" / "longrope"; a dict per layer type in some transformers 5.x models)."""
+    kind = getattr(module, "rope_type", None)
+    kinds = kind.values() if isinstance(kind, dict) else (kind,)
+    return any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds)
+
+
 def traceable(model: nn.Module) -> bool:
     """Whether `model`'s decode forward may be traced (the module-level rules, before any cache is seen)."""
     if mode_from_env() == "off" or not hasattr(torch.jit, "trace") or torch.jit.is_tracing():
@@ -62,7 +73,7 @@ def traceable(model: nn.Module) -> bool:
             return False
         if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
             return False
-        if type(module).__module__.split(".")[0] == "peft":
+        if type(module).__module__.split(".")[0] == "peft" or _length_dependent_rope(module):
             return False
     tensors = [*model.parameters(), *model.buffers()]
     return bool(tensors) and all(_plain(t) for t in tensors)
