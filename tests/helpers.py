@@ -7,6 +7,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -423,10 +424,11 @@ def tensorboard_scalars(folder) -> dict[str, list[int]]:
 # -- a causal LM built from config (64-word vocabulary) -----------------------------------------------------
 
 
-def tiny_llama() -> transformers.LlamaForCausalLM:
-    """A 2-layer Llama (hidden 32, 4 query / 2 key-value heads) over 64 ids, seeded 0, in eval mode."""
+def tiny_llama(**overrides: Any) -> transformers.LlamaForCausalLM:
+    """A 2-layer Llama (hidden 32, 4 query / 2 key-value heads) over 64 ids, seeded 0, in eval mode;
+    `overrides` replace LlamaConfig fields."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    fields = dict(
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -435,6 +437,7 @@ def tiny_llama() -> transformers.LlamaForCausalLM:
         vocab_size=64,
         max_position_embeddings=128,
     )
+    config = transformers.LlamaConfig(**{**fields, **overrides})
     return transformers.LlamaForCausalLM(config).eval()
 
 

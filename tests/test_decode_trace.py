@@ -8,7 +8,6 @@ import functools
 
 import pytest
 import torch
-import transformers
 from transformers import DynamicCache, GPTNeoXForCausalLM
 
 from helpers import left_pad, tiny_llama, tiny_neox
@@ -182,21 +181,6 @@ def test_the_traced_step_returns_none_for_caches_it_does_not_replay():
     assert step(ids, None, positions, ((torch.zeros(2, 4, 5, 8),) * 2,)) is None  # a legacy tuple cache
 
 
-def rope_llama(rope_scaling: dict) -> torch.nn.Module:
-    """A 2-layer Llama whose original context is 8 positions (16 with the scaling), seeded 0."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        vocab_size=64,
-        max_position_embeddings=16,
-        rope_scaling=rope_scaling,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
-
-
 @pytest.mark.parametrize(
     "rope_scaling",
     [
@@ -216,7 +200,10 @@ def test_rotary_embeddings_that_change_with_the_length_keep_the_eager_forward(ro
     Python, on 4.x and for dynamic on 5.x), which a trace made before that point would never see:
     such models decode eagerly, and 20 new tokens after 5-token prompts (past 8 and 16 positions) give
     exactly the eager engine's log-probabilities on a twin model (a traced step was 2e-4 off)."""
-    traced_model, eager_model = rope_llama(rope_scaling), rope_llama(rope_scaling)
+    # original context 8 positions (16 with the scaling)
+    traced_model, eager_model = (
+        tiny_llama(num_key_value_heads=4, max_position_embeddings=16, rope_scaling=rope_scaling) for _ in range(2)
+    )
     cfg = SamplingConfig(max_new_tokens=20)
     assert_same(sample(traced_model, cfg=cfg), sample(eager_model, cfg=cfg, trace=False))
     assert not decode_trace.traceable(traced_model) and traced_model not in decode_trace._TRACES
