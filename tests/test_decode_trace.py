@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache, GPTNeoXForCausalLM
 
 from helpers import left_pad, tiny_llama, tiny_neox
-from posttrain import RLOOConfig, compat, decode_trace
+from posttrain import RLOOConfig, compat, cpu_linear, decode_trace
 from posttrain.configs import ConfigError
 from posttrain.rollout import SamplingConfig, generate
 
@@ -68,7 +68,7 @@ def test_traced_steps_sample_the_eager_tokens_bitwise(builder, monkeypatch):
     assert_same(traced, eager)
     rollout = eager[0]
     assert 0 < rollout.ended.sum() < len(rollout) and rollout.completion_ids.size(1) == 20  # compaction ran
-    kinds = [masked for (masked, _, _), step in traces(model).items() if step is not None]
+    kinds = [masked for (masked, *_), step in traces(model).items() if step is not None]
     assert True in kinds  # traced with the prepared mask (and, once compaction drops every padded row, none)
     # eager: 1 prefill + 19 decode forwards; traced: the prefill, then per kind of step the trace and
     # its two checks (compaction can drop every padded row: the mask-free step is traced then too)
@@ -88,7 +88,7 @@ def test_a_trace_the_check_refuses_keeps_the_eager_forward(builder):
     model = builder()
     rows = [row[:2] for row in ROWS]
     assert_same(sample(model, rows), sample(model, rows, trace=False))
-    traced = [masked for (masked, _, _), step in traces(model).items() if step is not None]
+    traced = [masked for (masked, *_), step in traces(model).items() if step is not None]
     assert traced == ([False] if builder is tiny_neox and compat.transformers_version() >= (5,) else [])
 
 
@@ -164,7 +164,7 @@ def test_a_cache_too_short_to_check_is_traced_one_step_later(monkeypatch):
     calls[0] = 0
     assert_same(sample(model, rows), eager)
     if compat.transformers_version() >= (5,):  # the mask-free step (no padding) is traced there, see above
-        assert [masked for (masked, _, _), step in traces(model).items() if step is not None] == [False]
+        assert [masked for (masked, *_), step in traces(model).items() if step is not None] == [False]
         assert calls[0] == 1 + 1 + 3  # prefill, the first decode step, the trace and its two checks
     else:
         # 1 prefill + 19 eager decode forwards, plus the trace and the first check's eager run: the
@@ -208,3 +208,19 @@ def test_rotary_embeddings_that_change_with_the_length_keep_the_eager_forward(ro
     assert_same(sample(traced_model, cfg=cfg), sample(eager_model, cfg=cfg, trace=False))
     assert not decode_trace.traceable(traced_model) and traced_model not in decode_trace._TRACES
     assert decode_trace.traceable(tiny_llama())  # the default rotary embedding is traced
+
+
+def test_onednn_linear_layers_are_traced(monkeypatch):
+    """The trainers route float32 CPU linear layers through oneDNN where it measures faster
+    (posttrain.cpu_linear); its op is recorded through a TorchScript function, so those models' decode
+    steps are traced too (at 70m, where oneDNN wins at decode sizes, they were not), and still sample
+    the eager engine's tokens bitwise."""
+    model = tiny_neox()
+    with cpu_linear.linear_kernels([model], mode="onednn") as switched:
+        assert switched
+        eager = sample(model, trace=False)
+        calls = count_forwards(model, monkeypatch)
+        traced = sample(model)
+    assert_same(traced, eager)
+    assert any(step is not None for step in traces(model).values())
+    assert calls[0] < 20 - 5  # the trace replaced most of the 19 decode forwards

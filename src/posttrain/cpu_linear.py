@@ -21,6 +21,7 @@ it when they are built (`posttrain.configs.cpu_linear_mode`), before any model l
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import types
 from collections.abc import Iterable, Iterator
@@ -68,7 +69,23 @@ def available() -> bool:
 
 
 def _onednn(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if torch.jit.is_tracing():
+        return _scripted_onednn()(x2, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
+
+
+@functools.cache
+def _scripted_onednn() -> Any:
+    """The same call compiled by TorchScript, for `torch.jit.trace` (posttrain.decode_trace): the tracer
+    cannot record the op's empty `Scalar?[]` argument from Python, but records a call to this function."""
+    unit = torch.jit.CompilationUnit(
+        """
+def onednn_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    scalars = torch.jit.annotate(List[Optional[number]], [])
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", scalars, "")
+"""
+    )
+    return unit.onednn_linear
 
 
 class _LinearFunction(torch.autograd.Function):

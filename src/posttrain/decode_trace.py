@@ -43,6 +43,7 @@ from torch import nn
 from posttrain import compat
 from posttrain.configs import TRACE_DECODE_ENV as ENV  # noqa: F401 (re-exported: the variable's name)
 from posttrain.configs import trace_decode_mode as mode_from_env
+from posttrain.cpu_linear import SMALL_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,8 @@ class _DecodeForward(nn.Module):
         return (out.logits, *(t for pair in pairs for t in pair))
 
 
-# model -> (fingerprint, {(masked, cache_name, keep_kwargs): traced step, or None where it is not used})
+# model -> (fingerprint, {(masked, cache_name, keep_kwargs, rows <= SMALL_ROWS): traced step, or None where it
+# is not used})
 _TRACES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, dict]] = weakref.WeakKeyDictionary()
 
 
@@ -140,7 +142,7 @@ def _smaller(args: tuple, masked: bool) -> tuple:
 
 def _trace(model: nn.Module, key: tuple, args: tuple) -> Any:
     """A checked trace of the decode forward for `args`, or None (the eager forward is used instead)."""
-    masked, cache_name, keep = key
+    masked, cache_name, keep, _ = key
     eager = _DecodeForward(model, cache_name, dict(keep), masked)
     try:
         with warnings.catch_warnings():
@@ -179,7 +181,9 @@ class TracedDecode:
         pairs = compat.dynamic_cache_tensors(cache)
         if pairs is None or pairs[0][0].dim() != 4 or pairs[0][0].size(-2) < 2:
             return None  # a cache too short for the check (one-token prompts) decodes eagerly
-        key = (mask is not None, self.cache_name, self.keep)
+        # posttrain's oneDNN linear layers pick their kernel by row count (cpu_linear.SMALL_ROWS), a
+        # decision the trace records: steps on either side of it are traced apart.
+        key = (mask is not None, self.cache_name, self.keep, input_ids.size(0) <= SMALL_ROWS)
         args = (input_ids, position_ids, *([mask] if mask is not None else []), *(t for pair in pairs for t in pair))
         if key not in self.steps:
             self.steps[key] = _trace(self.model, key, args)
