@@ -24,10 +24,11 @@ used only where every decision is the same at every decode step of the engine's 
 Each trace is checked when it is made, on the step it was traced from and on one row fewer and one
 cached position fewer (the shapes change from step to step and when stopped rows are compacted out):
 its logits and cache must equal the eager forward's exactly, or the model keeps the eager forward for
-the rest of the process. Traces are kept per model object and per kind of step (mask or none), and
-made again when the model's parameters, buffers or layer forwards are not the ones traced (a
-deep copy, a replaced Parameter, posttrain's oneDNN linear layers switched on or off); in-place
-updates (optimizer steps, `load_state_dict`) reach the trace, which holds the same tensors.
+the rest of the process. Traces are kept per model object and per kind of step (mask or none; at most
+or more than cpu_linear.SMALL_ROWS rows, where posttrain's oneDNN layers change kernel), and made again
+when the model's parameters, buffers or layer forwards are not the ones traced (a deep copy, a replaced
+Parameter, posttrain's oneDNN linear layers switched on or off); in-place updates (optimizer steps,
+`load_state_dict`) reach the trace, which holds the same tensors.
 """
 
 from __future__ import annotations

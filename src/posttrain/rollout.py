@@ -742,8 +742,8 @@ def generate(
       forward (posttrain.decode_trace: the same kernels, bitwise the same logits, without the Python of
       the model code; each trace is checked against the eager forward when it is made). True (the
       default): where the model qualifies (decode_trace.traceable: a bare CPU model in eval mode, no
-      hooks, PEFT or autocast) and POSTTRAIN_TRACE_DECODE is not `off`; False: never. A static cache
-      never traces.
+      hooks, PEFT, autocast or length-dependent rotary scaling) and POSTTRAIN_TRACE_DECODE is not
+      `off`; False: never. A static cache never traces.
     `decode_engine` maps a trainer's `cache_implementation` field to these options.
     Prefill sharing and compaction need a KV cache whose rows can be indexed (transformers'
     DynamicCache or a tuple of per-layer tensors). With any other cache, compaction is skipped and
