@@ -136,14 +136,45 @@ def test_calibration_decides_once_per_shape(monkeypatch):
     cpu_linear._DECISIONS.clear()
     first = cpu_linear.onednn_faster(24, 40, True)
     timed = len(calls)
-    assert timed == 2 * len(cpu_linear.CALIBRATION_ROWS)
+    # both kernels at each row count, the packed weight's call at 16 rows, and the packing where that call won
+    packed_timed = 1 if cpu_linear.can_pack() else 0
+    assert timed - 2 * len(cpu_linear.CALIBRATION_ROWS) in {packed_timed, 2 * packed_timed}
     assert cpu_linear.onednn_faster(24, 40, True) == first and len(calls) == timed
     assert isinstance(first, cpu_linear.Decision)
     shapes = []
     monkeypatch.setattr(cpu_linear, "linear", lambda x, w, b=None: shapes.append(tuple(w.shape)) or x)
     cpu_linear.onednn_faster(151_936, 896, False)  # a 151k-vocabulary LM head: timed on its first outputs
     assert set(shapes) == {(cpu_linear.MAX_CALIBRATED_ELEMENTS // 896, 896)}
-    assert len(calls) == 2 * timed
+    assert len(calls) > timed
+
+
+@pytest.mark.skipif(not cpu_linear.can_pack(), reason="this torch build cannot pack oneDNN weights")
+@pytest.mark.parametrize(
+    ("times", "expected"),
+    [
+        # default 1.0, oneDNN 0.5 (≤ 0.85: small calls go to oneDNN), packed 0.3 (≤ 0.85 × 0.5), packing
+        # 4.0: it pays after 4.0 / (0.5 − 0.3) = 20 small calls.
+        ({"default": 1.0, "onednn": 0.5, "packed": 0.3, "pack": 4.0}, cpu_linear.Decision(True, True, 20.0)),
+        # default 1.0 and oneDNN 0.9 (> 0.85: small calls keep the default); packed 0.5: 3.0 / (1.0 − 0.5) = 6
+        ({"default": 1.0, "onednn": 0.9, "packed": 0.5, "pack": 3.0}, cpu_linear.Decision(False, False, 6.0)),
+        # packed 0.45 against oneDNN's 0.5 (> 0.85 × 0.5): never packed
+        ({"default": 1.0, "onednn": 0.5, "packed": 0.45, "pack": 0.1}, cpu_linear.Decision(True, True)),
+    ],
+)
+def test_calibration_weighs_packing_against_the_small_calls_it_saves(times, expected, monkeypatch):
+    def fake(fn, *args, repeats=5):
+        if fn is cpu_linear._pack:
+            return times["pack"]
+        if fn is cpu_linear.linear:
+            return times["packed" if args[1].is_mkldnn else "onednn"]
+        return times["default"]
+
+    monkeypatch.setattr(cpu_linear, "_best_time", fake)
+    cpu_linear._DECISIONS.clear()
+    decision = cpu_linear.onednn_faster(24, 40, True)
+    cpu_linear._DECISIONS.clear()
+    assert decision.small == expected.small and decision.large == expected.large
+    assert decision.pack_calls == pytest.approx(expected.pack_calls)
 
 
 def test_online_trainer_learns_through_onednn_layers_and_restores_them(tmp_path, tiny_tokenizer, monkeypatch):

@@ -224,3 +224,34 @@ def test_onednn_linear_layers_are_traced(monkeypatch):
     assert_same(traced, eager)
     assert any(step is not None for step in traces(model).values())
     assert calls[0] < 20 - 5  # the trace replaced most of the 19 decode forwards
+
+
+@pytest.mark.skipif(not cpu_linear.can_pack(), reason="this torch build cannot pack oneDNN weights")
+def test_packed_decode_weights_follow_the_weights_from_one_rollout_to_the_next(monkeypatch):
+    """Inside a rollout the switched layers decode on weights packed for it (cpu_linear.packed_weights).
+    The trace takes them as inputs: after an in-place weight update (an optimizer step) the next rollout
+    packs again and its traced steps sample what the eager forward on the new weights samples, bitwise; a
+    trace that had kept the first rollout's packed weights as constants would not. The copies are dropped
+    when the rollout ends."""
+    model = tiny_neox()
+    packs = []
+    real_pack = cpu_linear._pack
+    monkeypatch.setattr(cpu_linear, "_pack", lambda w: packs.append(w) or real_pack(w))
+    with cpu_linear.linear_kernels([model], mode="onednn") as switched:
+        first = sample(model)
+        assert len(packs) == len(switched) > 0  # every switched layer packed, once per rollout
+        (key, step), *_ = ((k, s) for k, s in traces(model).items() if s is not None)
+        assert key[-1] == len(switched)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        traced = sample(model)
+        assert traces(model)[key] is step  # the same trace, replayed on the new packed weights
+        assert_same(traced, sample(model, trace=False))
+        assert not torch.equal(traced[0].logprobs, first[0].logprobs)
+        assert all(cpu_linear.PACKED not in layer.__dict__ for layer in switched)
+    # the packed call is oneDNN's on the plain weight, so the rollout is what the unpacked layers sample
+    unpacked = cpu_linear.Decision(True, True)
+    monkeypatch.setattr(cpu_linear, "onednn_faster", lambda *shape: unpacked)
+    with cpu_linear.linear_kernels([model], mode="auto"):
+        assert_same(sample(model, trace=False), traced)

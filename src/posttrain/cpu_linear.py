@@ -13,6 +13,12 @@ The forward is oneDNN's `_linear_pointwise` (the kernel `torch.compile` emits fo
 backward is two plain matrix multiplies, as autograd's own. Results differ from the BLAS path by
 float32 rounding only (a different summation order), never in the math.
 
+Packed weights for decoding (`packed_weights`): given a plain weight, oneDNN reorders it into its blocked
+layout at every call, which is most of a decode-size call's cost. During a rollout the weights do not
+change, so the rollout engine reorders each switched layer's weight once and its small calls use that
+copy: on the 2-core EPYC above, the linear layers of a 70m decode step took 6.4 ms against 10.1 ms
+(benchmarks/README.md, "Packed decode weights"). The copy is dropped when the rollout ends.
+
 Control: the environment variable POSTTRAIN_CPU_LINEAR — `auto` (default: measure, use where
 faster), `onednn` (every eligible layer), `off` (torch's default path). The trainers' configs check
 it when they are built (`posttrain.configs.cpu_linear_mode`), before any model loads.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 import types
 from collections.abc import Iterable, Iterator
@@ -41,6 +48,8 @@ FASTER = 0.85
 # forwards) are decided apart, each timed at its own row count: oneDNN's lead differs between them.
 SMALL_ROWS = 64
 CALIBRATION_ROWS = (16, 256)
+# `packed_weights` reorders weights for this many rows (oneDNN's layout hint; any row count runs on it).
+PACK_ROWS = CALIBRATION_ROWS[0]
 # Larger weights (a 151k-vocabulary LM head: 136M elements) are timed on their first rows of outputs
 # up to this many elements: timing the whole one would cost seconds, and both kernels' time per output
 # column is flat at these widths (a 16,384-column slice of Qwen2.5-0.5B's LM head gave the same ratio as
@@ -49,10 +58,21 @@ MAX_CALIBRATED_ELEMENTS = 1 << 24
 
 
 class Decision(NamedTuple):
-    """Whether oneDNN runs this weight shape's calls of ≤ SMALL_ROWS rows, and of more."""
+    """Whether oneDNN runs this weight shape's calls of ≤ SMALL_ROWS rows, and of more; and after how
+    many small calls a packed copy of the weight (`packed_weights`) has paid for its making (inf: never)."""
 
     small: bool
     large: bool
+    pack_calls: float = math.inf
+
+    @property
+    def switched(self) -> bool:
+        return self.small or self.large or self.pack_calls < math.inf
+
+
+# A switched layer's Decision and, inside `packed_weights`, its packed weight, in the module's __dict__.
+KERNELS = "_posttrain_linear_kernels"
+PACKED = "_posttrain_packed_weight"
 
 
 _DECISIONS: dict[tuple[int, int, bool, int], Decision] = {}
@@ -66,6 +86,19 @@ def available() -> bool:
         return hasattr(torch.ops.mkldnn, "_linear_pointwise")
     except (AttributeError, RuntimeError):
         return False
+
+
+@functools.cache
+def can_pack() -> bool:
+    """Whether this torch build can reorder a weight into oneDNN's layout ahead of the calls."""
+    try:
+        return available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
 
 
 def _onednn(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -120,27 +153,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _onednn(x.reshape(-1, x.size(-1)).contiguous(), weight, bias).view(*x.shape[:-1], weight.size(0))
 
 
+def _runs_on_packed(input: torch.Tensor) -> bool:
+    return (
+        input.dim() >= 2
+        and input.numel() > 0
+        and input.dtype == torch.float32
+        and input.device.type == "cpu"
+        and not torch.is_grad_enabled()
+    )
+
+
 def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    return linear(input, self.weight, self.bias)
-
-
-def _forward_small(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    """A switched layer's forward: each call to the kernel decided for its size; small calls without
+    gradients to the packed weight while `packed_weights` holds one."""
+    decision: Decision = self.__dict__[KERNELS]
     if input.numel() <= SMALL_ROWS * self.in_features:
-        return linear(input, self.weight, self.bias)
-    return F.linear(input, self.weight, self.bias)
-
-
-def _forward_large(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    if input.numel() > SMALL_ROWS * self.in_features:
-        return linear(input, self.weight, self.bias)
-    return F.linear(input, self.weight, self.bias)
-
-
-_FORWARDS = {
-    Decision(True, True): _forward,
-    Decision(True, False): _forward_small,
-    Decision(False, True): _forward_large,
-}
+        packed = self.__dict__.get(PACKED)
+        if packed is not None and _runs_on_packed(input):
+            return _onednn(input.reshape(-1, self.in_features).contiguous(), packed, self.bias).view(
+                *input.shape[:-1], self.out_features
+            )
+        onednn = decision.small
+    else:
+        onednn = decision.large
+    return linear(input, self.weight, self.bias) if onednn else F.linear(input, self.weight, self.bias)
 
 
 def _plain(t: torch.Tensor | None) -> bool:
@@ -177,19 +213,28 @@ def onednn_faster(out_features: int, in_features: int, bias: bool) -> Decision:
     """Time F.linear and oneDNN on random float32 inputs of this weight shape (its first outputs up to
     MAX_CALIBRATED_ELEMENTS weights), at 16 rows for calls of ≤ SMALL_ROWS rows and at 256 for larger
     ones (once per shape and thread count per process); each field is True when oneDNN takes ≤ FASTER
-    of the default path's time at that size."""
+    of the default path's time at that size. At 16 rows it also times oneDNN on a packed weight and the
+    packing: `pack_calls` is the packing's time over what each small call then saves, where the packed
+    call takes ≤ FASTER of the small calls' kernel."""
     key = (out_features, in_features, bias, torch.get_num_threads())
     if key not in _DECISIONS:
         timed_out = min(out_features, max(1, MAX_CALIBRATED_ELEMENTS // in_features))
-        faster = []
+        faster, pack_calls = [], math.inf
         with torch.no_grad():
             w = torch.randn(timed_out, in_features)
             b = torch.randn(timed_out) if bias else None
             for rows in CALIBRATION_ROWS:
                 x = torch.randn(rows, in_features)
                 F.linear(x, w, b), linear(x, w, b)  # warm both
-                faster.append(_best_time(linear, x, w, b) <= FASTER * _best_time(F.linear, x, w, b))
-        _DECISIONS[key] = Decision(*faster)
+                onednn, default = _best_time(linear, x, w, b), _best_time(F.linear, x, w, b)
+                faster.append(onednn <= FASTER * default)
+                if rows == PACK_ROWS and can_pack():
+                    packed = _pack(w)
+                    linear(x, packed, b)
+                    kernel, with_packed = onednn if faster[-1] else default, _best_time(linear, x, packed, b)
+                    if with_packed <= FASTER * kernel:
+                        pack_calls = _best_time(_pack, w, repeats=3) / (kernel - with_packed)
+        _DECISIONS[key] = Decision(*faster, pack_calls)
     return _DECISIONS[key]
 
 
@@ -220,12 +265,37 @@ def linear_kernels(models: Iterable[nn.Module], mode: str | None = None) -> Iter
                     continue
                 seen.add(id(module))
                 shape = (module.out_features, module.in_features, module.bias is not None)
-                decision = Decision(True, True) if mode == "onednn" else onednn_faster(*shape)
-                if any(decision):
-                    module.forward = types.MethodType(_FORWARDS[decision], module)
+                decision = Decision(True, True, 0.0) if mode == "onednn" else onednn_faster(*shape)
+                if decision.switched:
+                    module.__dict__[KERNELS] = decision
+                    module.forward = types.MethodType(_forward, module)
                     switched.append(module)
     try:
         yield switched
     finally:
         for module in switched:
-            module.__dict__.pop("forward", None)
+            for name in ("forward", KERNELS, PACKED):
+                module.__dict__.pop(name, None)
+
+
+@contextlib.contextmanager
+def packed_weights(model: nn.Module, calls: int) -> Iterator[list[torch.Tensor]]:
+    """Within the block, each layer of `model` switched by `linear_kernels` whose packed weight pays for
+    itself within `calls` small calls (a rollout's decode steps) runs its small calls without gradients on
+    a copy of its weight in oneDNN's blocked layout, made here once instead of by oneDNN at every call;
+    bitwise the same values as the plain weight's oneDNN call. Yields the copies in module order (the
+    decode trace takes them as inputs) and drops them on exit. The weights must not change inside the
+    block: an optimizer step in it would leave the copies stale."""
+    layers: list[nn.Module] = []
+    try:
+        if can_pack():
+            with torch.no_grad():
+                for module in model.modules():
+                    decision = module.__dict__.get(KERNELS)
+                    if decision is not None and "forward" in module.__dict__ and decision.pack_calls <= calls:
+                        module.__dict__[PACKED] = _pack(module.weight)
+                        layers.append(module)
+        yield [module.__dict__[PACKED] for module in layers]
+    finally:
+        for module in layers:
+            module.__dict__.pop(PACKED, None)

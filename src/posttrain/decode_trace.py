@@ -25,7 +25,8 @@ Each trace is checked when it is made, on the step it was traced from and on one
 cached position fewer (the shapes change from step to step and when stopped rows are compacted out):
 its logits and cache must equal the eager forward's exactly, or the model keeps the eager forward for
 the rest of the process. Traces are kept per model object and per kind of step (mask or none; at most
-or more than cpu_linear.SMALL_ROWS rows, where posttrain's oneDNN layers change kernel), and made again
+or more than cpu_linear.SMALL_ROWS rows, where posttrain's oneDNN layers change kernel; how many packed
+weights the layers run on, which every replay takes as inputs: they are made anew for each rollout), and made again
 when the model's parameters, buffers or layer forwards are not the ones traced (a deep copy, a replaced
 Parameter, posttrain's oneDNN linear layers switched on or off); in-place updates (optimizer steps,
 `load_state_dict`) reach the trace, which holds the same tensors.
@@ -96,16 +97,21 @@ def _fingerprint(model: nn.Module) -> tuple:
 
 
 class _DecodeForward(nn.Module):
-    """forward(input_ids, position_ids, [mask], k_0, v_0, k_1, v_1, ...) -> (logits, k_0', v_0', ...):
+    """forward(input_ids, position_ids, [mask], k_0, v_0, k_1, v_1, ..., *packed) -> (logits, k_0', v_0', ...):
     one decode forward of `model` over a DynamicCache built around the given tensors, flattened to
-    tensors in and out as `torch.jit.trace` needs."""
+    tensors in and out as `torch.jit.trace` needs. `packed`: the rollout's packed linear weights
+    (cpu_linear.packed_weights), which the layers read themselves; passed in so that the trace records
+    them as inputs, not as constants of the first rollout."""
 
-    def __init__(self, model: nn.Module, cache_name: str, keep_kwargs: dict[str, int], masked: bool) -> None:
+    def __init__(
+        self, model: nn.Module, cache_name: str, keep_kwargs: dict[str, int], masked: bool, packed: int
+    ) -> None:
         super().__init__()
         self.model = model
-        self.cache_name, self.keep_kwargs, self.masked = cache_name, dict(keep_kwargs), masked
+        self.cache_name, self.keep_kwargs, self.masked, self.packed = cache_name, dict(keep_kwargs), masked, packed
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *tensors: torch.Tensor) -> tuple:
+        tensors = tensors[: len(tensors) - self.packed]
         mask, flat = (tensors[0], tensors[1:]) if self.masked else (None, tensors)
         cache = compat.dynamic_cache_of([(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)])
         out = self.model(
@@ -122,8 +128,8 @@ class _DecodeForward(nn.Module):
         return (out.logits, *(t for pair in pairs for t in pair))
 
 
-# model -> (fingerprint, {(masked, cache_name, keep_kwargs, rows <= SMALL_ROWS): traced step, or None where it
-# is not used})
+# model -> (fingerprint, {(masked, cache_name, keep_kwargs, rows <= SMALL_ROWS, packed weights): traced step, or
+# None where it is not used})
 _TRACES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, dict]] = weakref.WeakKeyDictionary()
 
 
@@ -131,25 +137,27 @@ def _same(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
 
 
-def _smaller(args: tuple, masked: bool) -> tuple:
-    """The same step with one row fewer (when there are two or more) and one cached position fewer."""
+def _smaller(args: tuple, masked: bool, packed: int) -> tuple:
+    """The same step with one row fewer (when there are two or more) and one cached position fewer
+    (the packed weights, the last `packed` arguments, as they are)."""
+    args, weights = args[: len(args) - packed], args[len(args) - packed :]
     rows = slice(1, None) if args[0].size(0) > 1 else slice(None)
     input_ids, position_ids, *rest = (a[rows] for a in args)
     if masked:
         rest[0] = rest[0][..., :-1]
     kv = [t[:, :, :-1] for t in rest[1:]] if masked else [t[:, :, :-1] for t in rest]
-    return (input_ids, position_ids, *(rest[:1] if masked else []), *kv)
+    return (input_ids, position_ids, *(rest[:1] if masked else []), *kv, *weights)
 
 
 def _trace(model: nn.Module, key: tuple, args: tuple) -> Any:
     """A checked trace of the decode forward for `args`, or None (the eager forward is used instead)."""
-    masked, cache_name, keep, _ = key
-    eager = _DecodeForward(model, cache_name, dict(keep), masked)
+    masked, cache_name, keep, _, packed = key
+    eager = _DecodeForward(model, cache_name, dict(keep), masked, packed)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TracerWarnings, and torch's deprecation notice of jit.trace
             traced = torch.jit.trace(eager, args, check_trace=False)
-            for check in (args, _smaller(args, masked)):
+            for check in (args, _smaller(args, masked, packed)):
                 if not _same(traced(*check), eager(*check)):
                     logger.info(
                         "decode step of %s not traced: the trace differs from the eager forward", type(model).__name__
@@ -163,10 +171,14 @@ def _trace(model: nn.Module, key: tuple, args: tuple) -> Any:
 
 class TracedDecode:
     """The decode forwards of one `generate` call on `model`: `__call__` returns the step's logits and
-    updates `cache` in place, or returns None when this step must run eagerly."""
+    updates `cache` in place, or returns None when this step must run eagerly. `packed`: the packed
+    linear weights the call's layers run on (cpu_linear.packed_weights), inputs of every replay."""
 
-    def __init__(self, model: nn.Module, cache_name: str, keep_kwargs: dict[str, int]) -> None:
+    def __init__(
+        self, model: nn.Module, cache_name: str, keep_kwargs: dict[str, int], packed: list[torch.Tensor] = ()
+    ) -> None:
         self.model, self.cache_name, self.keep = model, cache_name, tuple(sorted(keep_kwargs.items()))
+        self.packed = tuple(packed)
         fingerprint = _fingerprint(model)
         entry = _TRACES.get(model)
         if entry is None or entry[0] != fingerprint:
@@ -184,8 +196,9 @@ class TracedDecode:
             return None  # a cache too short for the check (one-token prompts) decodes eagerly
         # posttrain's oneDNN linear layers pick their kernel by row count (cpu_linear.SMALL_ROWS), a
         # decision the trace records: steps on either side of it are traced apart.
-        key = (mask is not None, self.cache_name, self.keep, input_ids.size(0) <= SMALL_ROWS)
+        key = (mask is not None, self.cache_name, self.keep, input_ids.size(0) <= SMALL_ROWS, len(self.packed))
         args = (input_ids, position_ids, *([mask] if mask is not None else []), *(t for pair in pairs for t in pair))
+        args += self.packed
         if key not in self.steps:
             self.steps[key] = _trace(self.model, key, args)
         step = self.steps[key]

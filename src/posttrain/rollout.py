@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from posttrain import compat
+from posttrain import compat, cpu_linear
 from posttrain.ops import lengths_to_mask
 
 
@@ -789,43 +789,47 @@ def generate(
     if sync_every > 1 and sampling.stop_token_ids and not sampling.greedy:
         rng = generator if generator is not None else _default_generator(device)
     keep_kwargs = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
-    traced = None
-    if trace and not static and device.type == "cpu" and bare_module(model) is model:
-        from posttrain import decode_trace
-
-        if decode_trace.traceable(model):
-            traced = decode_trace.TracedDecode(model, compat.cache_argument(model.forward), keep_kwargs)
     n = prompt_ids.size(0) * k
     step = n if batch_size is None else batch_size
     if step < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     chunks = []
-    for s in range(0, n, step):
-        e = min(s + step, n)
-        first, last = s // k, (e - 1) // k + 1  # the prompts of rows s .. e-1
-        row_prompt = None
-        if last - first != e - s:
-            row_prompt = torch.arange(s, e, device=device) // k - first
-        chunks.append(
-            _generate_chunk(
-                model,
-                prompt_ids[first:last],
-                prompt_mask[first:last],
-                row_prompt,
-                sampling,
-                pad_token_id,
-                sampler,
-                keep_kwargs,
-                return_logprobs,
-                return_entropy,
-                compact,
-                sync_every,
-                rng,
-                static,
-                None if compile_mode is None else compiled_decode_step(model, compile_mode),
-                traced,
+    # Layers that posttrain.cpu_linear switched to oneDNN decode on weights packed once for this call,
+    # where that pays within its max_new_tokens steps (the weights do not change during the call).
+    with cpu_linear.packed_weights(bare_module(model), sampling.max_new_tokens) as packed:
+        traced = None
+        if trace and not static and device.type == "cpu" and bare_module(model) is model:
+            from posttrain import decode_trace
+
+            if decode_trace.traceable(model):
+                cache_name = compat.cache_argument(model.forward)
+                traced = decode_trace.TracedDecode(model, cache_name, keep_kwargs, packed)
+        for s in range(0, n, step):
+            e = min(s + step, n)
+            first, last = s // k, (e - 1) // k + 1  # the prompts of rows s .. e-1
+            row_prompt = None
+            if last - first != e - s:
+                row_prompt = torch.arange(s, e, device=device) // k - first
+            chunks.append(
+                _generate_chunk(
+                    model,
+                    prompt_ids[first:last],
+                    prompt_mask[first:last],
+                    row_prompt,
+                    sampling,
+                    pad_token_id,
+                    sampler,
+                    keep_kwargs,
+                    return_logprobs,
+                    return_entropy,
+                    compact,
+                    sync_every,
+                    rng,
+                    static,
+                    None if compile_mode is None else compiled_decode_step(model, compile_mode),
+                    traced,
+                )
             )
-        )
     return chunks[0] if len(chunks) == 1 else Rollout.cat(chunks)
 
 
