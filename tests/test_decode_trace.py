@@ -5,6 +5,7 @@ weight update, be made again for new parameter objects, and never be used where 
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -241,7 +242,7 @@ def test_packed_decode_weights_follow_the_weights_from_one_rollout_to_the_next(m
         first = sample(model)
         assert len(packs) == len(switched) > 0  # every switched layer packed, once per rollout
         (key, step), *_ = ((k, s) for k, s in traces(model).items() if s is not None)
-        assert key[-1] == len(switched)
+        assert len(key[-1]) == len(switched)
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
@@ -255,3 +256,24 @@ def test_packed_decode_weights_follow_the_weights_from_one_rollout_to_the_next(m
     monkeypatch.setattr(cpu_linear, "onednn_faster", lambda *shape: unpacked)
     with cpu_linear.linear_kernels([model], mode="auto"):
         assert_same(sample(model, trace=False), traced)
+
+
+@pytest.mark.skipif(not cpu_linear.can_pack(), reason="this torch build cannot pack oneDNN weights")
+def test_a_trace_is_only_replayed_with_the_layers_it_packed(monkeypatch):
+    """Two runs that switch the same layers and pack as many of them, but different ones (the attention
+    output projections, then the query-key-value projections: one per layer each), must not share a trace:
+    a replay feeds each packed weight to the layer it was traced with. Both sample what the eager forward
+    samples."""
+    model = tiny_neox()
+    hidden = model.config.hidden_size
+
+    def packing(shape):
+        return lambda out, inp, bias: cpu_linear.Decision(True, False, 0.0 if (out, inp) == shape else math.inf)
+
+    for shape in [(hidden, hidden), (3 * hidden, hidden)]:
+        monkeypatch.setattr(cpu_linear, "onednn_faster", packing(shape))
+        with cpu_linear.linear_kernels([model], mode="auto") as switched:
+            assert len(switched) == 4 * model.config.num_hidden_layers + 1  # every linear layer, and the head
+            assert_same(sample(model), sample(model, trace=False))
+            packed = [key[-1] for key, step in traces(model).items() if step is not None]
+            assert packed and all(len(layers) == model.config.num_hidden_layers for layers in packed)

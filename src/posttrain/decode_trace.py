@@ -25,11 +25,11 @@ Each trace is checked when it is made, on the step it was traced from and on one
 cached position fewer (the shapes change from step to step and when stopped rows are compacted out):
 its logits and cache must equal the eager forward's exactly, or the model keeps the eager forward for
 the rest of the process. Traces are kept per model object and per kind of step (mask or none; at most
-or more than cpu_linear.SMALL_ROWS rows, where posttrain's oneDNN layers change kernel; how many packed
-weights the layers run on, which every replay takes as inputs: they are made anew for each rollout), and made again
+or more than cpu_linear.SMALL_ROWS rows, where posttrain's oneDNN layers change kernel; which layers run on
+packed weights, which every replay takes as inputs: they are made anew for each rollout), and made again
 when the model's parameters, buffers or layer forwards are not the ones traced (a deep copy, a replaced
-Parameter, posttrain's oneDNN linear layers switched on or off); in-place updates (optimizer steps,
-`load_state_dict`) reach the trace, which holds the same tensors.
+Parameter, posttrain's oneDNN linear layers switched on or off or their kernels decided otherwise);
+in-place updates (optimizer steps, `load_state_dict`) reach the trace, which holds the same tensors.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from torch import nn
 from posttrain import compat
 from posttrain.configs import TRACE_DECODE_ENV as ENV  # noqa: F401 (re-exported: the variable's name)
 from posttrain.configs import trace_decode_mode as mode_from_env
-from posttrain.cpu_linear import SMALL_ROWS
+from posttrain.cpu_linear import KERNELS, PACKED, SMALL_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -84,16 +84,14 @@ def traceable(model: nn.Module) -> bool:
 
 def _fingerprint(model: nn.Module) -> tuple:
     """What a trace of `model` depends on besides tensor values: which parameter and buffer objects,
-    and which forward each module runs (posttrain.cpu_linear swaps nn.Linear forwards in place)."""
+    which forward each module runs and, for posttrain.cpu_linear's switched layers, the kernels decided
+    (cpu_linear swaps nn.Linear forwards in place; a trace records the kernel each call took)."""
     forwards = []
     for module in model.modules():
         forward = module.__dict__.get("forward")
-        forwards.append(getattr(forward, "__func__", forward))
-    return (
-        tuple(id(p) for p in model.parameters()),
-        tuple(id(b) for b in model.buffers()),
-        tuple(id(f) if f is not None else None for f in forwards),
-    )
+        forward = getattr(forward, "__func__", forward)
+        forwards.append((id(forward) if forward is not None else None, module.__dict__.get(KERNELS)))
+    return (tuple(id(p) for p in model.parameters()), tuple(id(b) for b in model.buffers()), tuple(forwards))
 
 
 class _DecodeForward(nn.Module):
@@ -128,8 +126,8 @@ class _DecodeForward(nn.Module):
         return (out.logits, *(t for pair in pairs for t in pair))
 
 
-# model -> (fingerprint, {(masked, cache_name, keep_kwargs, rows <= SMALL_ROWS, packed weights): traced step, or
-# None where it is not used})
+# model -> (fingerprint, {(masked, cache_name, keep_kwargs, rows <= SMALL_ROWS, layers on packed weights): traced
+# step, or None where it is not used})
 _TRACES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, dict]] = weakref.WeakKeyDictionary()
 
 
@@ -151,7 +149,8 @@ def _smaller(args: tuple, masked: bool, packed: int) -> tuple:
 
 def _trace(model: nn.Module, key: tuple, args: tuple) -> Any:
     """A checked trace of the decode forward for `args`, or None (the eager forward is used instead)."""
-    masked, cache_name, keep, _, packed = key
+    masked, cache_name, keep, _, packed_layers = key
+    packed = len(packed_layers)
     eager = _DecodeForward(model, cache_name, dict(keep), masked, packed)
     try:
         with warnings.catch_warnings():
@@ -179,6 +178,8 @@ class TracedDecode:
     ) -> None:
         self.model, self.cache_name, self.keep = model, cache_name, tuple(sorted(keep_kwargs.items()))
         self.packed = tuple(packed)
+        # which layers run on them (a trace feeds each input to the layer it was traced with)
+        self.packed_layers = tuple(i for i, module in enumerate(model.modules()) if PACKED in module.__dict__)
         fingerprint = _fingerprint(model)
         entry = _TRACES.get(model)
         if entry is None or entry[0] != fingerprint:
@@ -196,7 +197,7 @@ class TracedDecode:
             return None  # a cache too short for the check (one-token prompts) decodes eagerly
         # posttrain's oneDNN linear layers pick their kernel by row count (cpu_linear.SMALL_ROWS), a
         # decision the trace records: steps on either side of it are traced apart.
-        key = (mask is not None, self.cache_name, self.keep, input_ids.size(0) <= SMALL_ROWS, len(self.packed))
+        key = (mask is not None, self.cache_name, self.keep, input_ids.size(0) <= SMALL_ROWS, self.packed_layers)
         args = (input_ids, position_ids, *([mask] if mask is not None else []), *(t for pair in pairs for t in pair))
         args += self.packed
         if key not in self.steps:
