@@ -27,6 +27,7 @@ from posttrain.judges import (
     BaseBinaryJudge,
     BasePairwiseJudge,
     CallableJudge,
+    HfPairwiseJudge,
     HTTPPairwiseJudge,
     OpenAIPairwiseJudge,
     PairRMJudge,
@@ -340,6 +341,34 @@ def test_openai_judge_defaults(monkeypatch):
     assert isinstance(judge, HTTPPairwiseJudge)
     assert (judge.base_url, judge.model, judge.max_requests) == ("https://api.openai.com/v1", "gpt-4o-mini", 1000)
     assert SECRET not in repr(judge)
+
+
+def test_hf_judge_takes_trls_arguments_and_the_hub_token(server, monkeypatch, caplog):
+    """TRL's HfPairwiseJudge(model, token, system_prompt): the token given, else huggingface_hub's
+    ($HF_TOKEN or `hf auth login`'s), sent as a bearer token to Inference Providers' router (here the
+    scripted server); never in repr() or a pickle; a pickled judge finds the token again where it lands."""
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
+    with pytest.raises(ValueError, match=r"HfPairwiseJudge needs a Hugging Face token.*HF_TOKEN.*hf auth login"):
+        HfPairwiseJudge()
+    judge = HfPairwiseJudge("org/judge", "hf_given", TEMPLATE, base_url=server.url, seed=0, backoff=0.001)
+    assert (judge.model, judge.max_requests) == ("org/judge", 1000)
+    assert HfPairwiseJudge("org/judge", "hf_given").base_url == "https://router.huggingface.co/v1"
+    assert HfPairwiseJudge("org/judge", "hf_given").model == "org/judge"
+    assert HfPairwiseJudge(token="hf_given").model == "meta-llama/Meta-Llama-3-70B-Instruct"  # TRL's default
+    prompts, pairs, expected = good_pairs(4)
+    assert judge.judge(prompts, pairs) == expected
+    assert {r["auth"] for r in server.requests} == {"Bearer hf_given"}
+    assert {r["payload"]["model"] for r in server.requests} == {"org/judge"}
+    assert "hf_given" not in repr(judge) and b"hf_given" not in pickle.dumps(judge)
+
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: "hf_from_login")
+    restored = pickle.loads(pickle.dumps(judge))
+    assert restored.judge(["good|moved"], [["GOOD", "bad"]]) == [0]
+    assert server.seen("good|moved")[0]["auth"] == "Bearer hf_from_login"
+    from_login = HfPairwiseJudge("org/judge", system_prompt=TEMPLATE, base_url=server.url, max_retries=0)
+    assert from_login.judge(["auth401|hf"], [["a", "b"]]) == [-1]
+    assert server.seen("auth401|hf")[0]["auth"] == "Bearer hf_from_login"
+    assert any("HTTP 401 (check the Hugging Face token" in m for m in judge_warnings(caplog))
 
 
 # --------------------------------------------------------------------------------------------
@@ -752,20 +781,19 @@ def test_judge_flags_parse_like_judge_tldr(monkeypatch):
     assert isinstance(judge, OpenAIPairwiseJudge) and judge.model == "gpt-4o-mini"
     assert (judge.timeout, judge.max_retries, judge.max_concurrency) == (2.5, 5, 3)
 
-    # A name without "gpt" is a model hosted by Hugging Face (TRL: HfPairwiseJudge), keyed by $HF_TOKEN.
+    # A name without "gpt" is a model hosted by Hugging Face (TRL: HfPairwiseJudge), keyed by $HF_TOKEN
+    # (or the token `hf auth login` saved, which this machine has none of).
     monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
     config = parse_config(
         "judge", ["--model_name_or_path", "m", "--judge_model", "meta-llama/Meta-Llama-3-70B-Instruct"]
     )
     with pytest.raises(ConfigError, match=r"--judge_model meta-llama/Meta-Llama-3-70B-Instruct: .*\$HF_TOKEN"):
         build_judge(config)
-    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: "hf_test")
     judge = build_judge(config)
-    assert (judge.base_url, judge.model, judge.api_key_env) == (
-        HF_ROUTER_URL,
-        "meta-llama/Meta-Llama-3-70B-Instruct",
-        "HF_TOKEN",
-    )
+    assert isinstance(judge, HfPairwiseJudge)
+    assert (judge.base_url, judge.model) == (HF_ROUTER_URL, "meta-llama/Meta-Llama-3-70B-Instruct")
     assert (judge.timeout, judge.max_retries, judge.max_concurrency) == (30.0, 3, 8)  # the judge's defaults
 
     # The http spec takes the flags too; the defaults stay with the judge when they are not given.

@@ -40,6 +40,7 @@ _EXPORTS = {
     "RewardModelJudge": "posttrain.judges",
     "CallableJudge": "posttrain.judges",
     "HTTPPairwiseJudge": "posttrain.judges",
+    "HfPairwiseJudge": "posttrain.judges",
     "OpenAIPairwiseJudge": "posttrain.judges",
     "PairRMJudge": "posttrain.judges",
     "BaseJudge": "posttrain.judges",

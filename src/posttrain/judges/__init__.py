@@ -4,8 +4,8 @@
   `BaseBinaryJudge`), the order flip against position bias, and `state_dict()` / `load_state_dict()`.
 - `local`: judges that run in this process: `RewardModelJudge`, `CallableJudge`, `PairRMJudge`,
   `AllTrueJudge` and the `Random*Judge` helpers for tests and smoke runs.
-- `http`: `HTTPPairwiseJudge` / `OpenAIPairwiseJudge`, an OpenAI-compatible `/chat/completions`
-  client (standard library only).
+- `http`: `HTTPPairwiseJudge`, an OpenAI-compatible `/chat/completions` client (standard library
+  only), and TRL's `OpenAIPairwiseJudge` / `HfPairwiseJudge` on it.
 - `spec`: `judge_from_spec`, a judge from a CLI string; `judge_from_model_name`, a judge LLM by name.
 - `winrate`: `win_rate`, judgements summarised with a Wilson interval.
 
@@ -16,7 +16,12 @@ transformers and llm-blender are imported inside the judges that need them.
 from __future__ import annotations
 
 from posttrain.judges.base import BaseBinaryJudge, BaseJudge, BasePairwiseJudge, BaseRankJudge
-from posttrain.judges.http import DEFAULT_PAIRWISE_SYSTEM_PROMPT, HTTPPairwiseJudge, OpenAIPairwiseJudge
+from posttrain.judges.http import (
+    DEFAULT_PAIRWISE_SYSTEM_PROMPT,
+    HfPairwiseJudge,
+    HTTPPairwiseJudge,
+    OpenAIPairwiseJudge,
+)
 from posttrain.judges.local import (
     AllTrueJudge,
     CallableJudge,
@@ -38,6 +43,7 @@ __all__ = [
     "BaseRankJudge",
     "CallableJudge",
     "HTTPPairwiseJudge",
+    "HfPairwiseJudge",
     "OpenAIPairwiseJudge",
     "PairRMJudge",
     "RandomBinaryJudge",

@@ -3,7 +3,8 @@
 `HTTPPairwiseJudge` sends one request per pair with the standard library only (urllib in a thread
 pool), retries rate limits, server errors and timeouts with backoff, and turns every failure into a
 -1 answer plus one warning line per `judge()` call. `OpenAIPairwiseJudge` is the same client with
-TRL's OpenAI defaults. `DEFAULT_PAIRWISE_SYSTEM_PROMPT` is TRL's pairwise prompt.
+TRL's OpenAI defaults, `HfPairwiseJudge` with TRL's Hugging Face defaults (Inference Providers' router).
+`DEFAULT_PAIRWISE_SYSTEM_PROMPT` is TRL's pairwise prompt.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ from posttrain.judges.base import BasePairwiseJudge, _as_text
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_PAIRWISE_SYSTEM_PROMPT", "HTTPPairwiseJudge", "OpenAIPairwiseJudge"]
+__all__ = [
+    "DEFAULT_PAIRWISE_SYSTEM_PROMPT",
+    "HF_ROUTER_URL",
+    "HTTPPairwiseJudge",
+    "HfPairwiseJudge",
+    "OpenAIPairwiseJudge",
+]
 
 # The pairwise prompt TRL's API judges use (itself adapted from AlpacaEval's leaderboard prompt), so
 # win rates stay comparable with published TRL numbers. Literal braces are doubled for str.format.
@@ -68,6 +75,10 @@ no spaces, no new lines, ...).
 
 OPENAI_BASE_URL = "https://api.openai.com/v1"
 OPENAI_DEFAULT_MODEL = "gpt-4o-mini"
+# Hugging Face Inference Providers' OpenAI-compatible endpoint for hosted models
+# (https://huggingface.co/docs/inference-providers), and the judge TRL's HfPairwiseJudge asks by default.
+HF_ROUTER_URL = "https://router.huggingface.co/v1"
+HF_DEFAULT_MODEL = "meta-llama/Meta-Llama-3-70B-Instruct"
 
 
 class _Secret:
@@ -286,7 +297,7 @@ class HTTPPairwiseJudge(BasePairwiseJudge):
                 err.close()
                 reason = f"HTTP {code}"
                 if code == 401:
-                    reason += f" (check the key in ${self.api_key_env})" if self.api_key_env else " (no API key sent)"
+                    reason += self._key_hint()
                 retryable = code == 429 or code >= 500
             except urllib.error.URLError as err:
                 timed_out = isinstance(err.reason, TimeoutError)
@@ -323,6 +334,10 @@ class HTTPPairwiseJudge(BasePairwiseJudge):
         # Jitter in [delay/2, delay] keeps concurrent workers from retrying in lockstep.
         return delay * (0.5 + 0.5 * self._jitter.random())
 
+    def _key_hint(self) -> str:
+        """What an HTTP 401 reply suggests checking."""
+        return f" (check the key in ${self.api_key_env})" if self.api_key_env else " (no API key sent)"
+
     def _redact(self, text: str) -> str:
         key = self._api_key.reveal()
         return text.replace(key, "<hidden>") if key else text
@@ -351,3 +366,45 @@ class OpenAIPairwiseJudge(HTTPPairwiseJudge):
         super().__init__(
             base_url, model, api_key_env=api_key_env, system_prompt=system_prompt, max_requests=max_requests, **kwargs
         )
+
+
+class HfPairwiseJudge(HTTPPairwiseJudge):
+    """`HTTPPairwiseJudge` on a model hosted by Hugging Face Inference Providers, through their
+    OpenAI-compatible router (`HF_ROUTER_URL`): TRL's `HfPairwiseJudge(model, token, system_prompt)`.
+
+    The token is `token`, else the one huggingface_hub finds ($HF_TOKEN, or the one `hf auth login`
+    saved); ValueError if there is none, since the router rejects keyless requests. A pickled judge
+    (sent to another process) leaves the token behind and finds it there the same way. Every other
+    `HTTPPairwiseJudge` option (max_requests, timeout, retries, concurrency, ...) is accepted by keyword.
+    """
+
+    def __init__(
+        self,
+        model: str = HF_DEFAULT_MODEL,
+        token: str | None = None,
+        system_prompt: str | None = None,
+        *,
+        base_url: str = HF_ROUTER_URL,
+        **kwargs: Any,
+    ):
+        super().__init__(base_url, model, api_key_env=None, system_prompt=system_prompt, **kwargs)
+        self._api_key = _Secret(token or _hub_token())
+        if not self._api_key:
+            raise ValueError(
+                f"HfPairwiseJudge needs a Hugging Face token for {base_url}: pass token=..., set $HF_TOKEN or run "
+                "`hf auth login`"
+            )
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._api_key = _Secret(_hub_token())
+
+    def _key_hint(self) -> str:
+        return " (check the Hugging Face token: token=..., $HF_TOKEN or `hf auth login`)"
+
+
+def _hub_token() -> str | None:
+    """The token huggingface_hub would send: $HF_TOKEN, else the one saved by `hf auth login`."""
+    from huggingface_hub import get_token
+
+    return get_token()

@@ -4,17 +4,13 @@ from a judge LLM's name (`--judge_model`, as TRL's judge_tldr.py takes it)."""
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
 from posttrain.judges.base import BaseJudge
-from posttrain.judges.http import HTTPPairwiseJudge, OpenAIPairwiseJudge
+from posttrain.judges.http import HF_ROUTER_URL, HfPairwiseJudge, HTTPPairwiseJudge, OpenAIPairwiseJudge
 from posttrain.judges.local import CallableJudge, PairRMJudge, RandomPairwiseJudge, RewardModelJudge
 
 __all__ = ["HF_ROUTER_URL", "is_http_spec", "judge_from_model_name", "judge_from_spec"]
-
-# Hugging Face's OpenAI-compatible chat-completions endpoint for hosted models (key: $HF_TOKEN).
-HF_ROUTER_URL = "https://router.huggingface.co/v1"
 
 _SPEC_HELP = (
     "judge specs: 'pair_rm', 'openai' or 'openai:<model>', 'http:<base_url>#<model>', "
@@ -99,16 +95,11 @@ def is_http_spec(spec: str) -> bool:
 def judge_from_model_name(name: str, **kwargs: Any) -> HTTPPairwiseJudge:
     """A judge LLM by name, as TRL's `examples/scripts/evals/judge_tldr.py --judge_model` picks it: a
     name containing "gpt" is an OpenAI model (`OpenAIPairwiseJudge`, key from $OPENAI_API_KEY); any
-    other name is a model hosted by Hugging Face, where TRL's `HfPairwiseJudge` sends it, asked here
-    through Hugging Face's OpenAI-compatible endpoint `HF_ROUTER_URL` with the key from $HF_TOKEN.
+    other name is a model hosted by Hugging Face (`HfPairwiseJudge`, as in TRL), asked through Inference
+    Providers' OpenAI-compatible endpoint `HF_ROUTER_URL` with the token from $HF_TOKEN or `hf auth login`.
     `kwargs` go to the judge's constructor (timeout, max_retries, max_concurrency, seed, ...)."""
     if not name:
         raise ValueError("judge_model is empty; name a judge model, e.g. gpt-4o-mini")
     if "gpt" in name:
         return OpenAIPairwiseJudge(name, **kwargs)
-    if not os.environ.get("HF_TOKEN"):
-        raise ValueError(
-            f"judge_model {name!r} is asked through Hugging Face's inference endpoint ({HF_ROUTER_URL}), which "
-            "reads the key from $HF_TOKEN, which is not set"
-        )
-    return HTTPPairwiseJudge(HF_ROUTER_URL, name, api_key_env="HF_TOKEN", **kwargs)
+    return HfPairwiseJudge(name, **kwargs)
