@@ -14,7 +14,7 @@ FLOOR_STAMP := $(FLOOR_VENV)/.installed
 PYTEST := -m pytest -n $(or $(TEST_WORKERS),2)
 TEST_ENV := OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-.PHONY: demo test test-floor lint install bench clean
+.PHONY: demo test test-floor lint install bench clean trl-tests
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -47,6 +47,10 @@ test-floor: $(FLOOR_STAMP)
 	PATH=$(abspath $(FLOOR_BIN)):$$PATH $(TEST_ENV) $(FLOOR_BIN)/python $(PYTEST) tests
 	rm -rf outputs/demo-floor
 	$(TEST_ENV) $(FLOOR_BIN)/posttrain demo --quick --output_dir outputs/demo-floor
+
+# TRL 0.19.1's own tests of the trainers posttrain replaces, with `trl` renamed (downloads TRL's sdist).
+trl-tests: $(STAMP)
+	$(TEST_ENV) $(BIN)/python tools/trl_suite.py
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) outputs build *.egg-info src/*.egg-info

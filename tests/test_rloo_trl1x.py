@@ -177,3 +177,12 @@ def test_old_and_new_argument_names_together_are_an_error(tiny_tokenizer):
         RLOOTrainer("some/model", letter_fraction, reward_model=letter_fraction)
     with pytest.raises(ConfigError, match="args must be an RLOOConfig"):
         RLOOTrainer(model="some/model", reward_funcs=letter_fraction, args=object())
+
+
+def test_a_missing_train_dataset_is_refused_in_trls_words(tmp_path):
+    """TRL's message (its test suite matches "`train_dataset` is required"), raised before a model loads:
+    the model name here does not exist."""
+    cfg = RLOOConfig(output_dir=str(tmp_path / "out"), report_to="none")
+    with pytest.raises(ValueError, match="`train_dataset` is required: pass a prompt dataset"):
+        RLOOTrainer(model="no/such-model", reward_funcs=letter_fraction, args=cfg)
+    assert not (tmp_path / "out").exists()

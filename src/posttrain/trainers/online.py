@@ -182,6 +182,10 @@ def warn_no_test_split(config: OnPolicyConfig) -> None:
     )
 
 
+# TRL's words (its tests match them), then the fix
+MISSING_TRAIN_DATASET = "`train_dataset` is required: pass a prompt dataset (or --dataset_name on the command line)."
+
+
 def load_parts(
     config: OnPolicyConfig,
     *,
@@ -236,7 +240,9 @@ def load_parts(
             eval_dataset = load_split(config, config.dataset_test_split, required=False)
             if eval_dataset is None and config.num_sample_generations > 0:
                 warn_no_test_split(config)
-    # A wrong dataset or an impossible batch arithmetic is refused before any model loads.
+    # A missing or wrong dataset, or an impossible batch arithmetic, is refused before any model loads.
+    if train_dataset is None:
+        raise ConfigError(MISSING_TRAIN_DATASET)
     check_prompt_columns(train_dataset, source="train_dataset")
     check_sizes_early(config, train_dataset)
     common = model_init_kwargs(config)
@@ -468,9 +474,7 @@ class OnlineRun:
         self.device = dist.device(self.accelerator)
         self.is_main = dist.is_main(self.accelerator)
         if train_dataset is None:
-            raise ConfigError(
-                "train_dataset is required: pass a prompt dataset (or --dataset_name on the command line)."
-            )
+            raise ConfigError(MISSING_TRAIN_DATASET)
         if is_streaming(train_dataset):
             raise ConfigError(
                 "train_dataset is a streaming datasets.IterableDataset (load_dataset(..., streaming=True)), which "

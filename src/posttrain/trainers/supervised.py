@@ -856,7 +856,7 @@ def begin_supervised(
         name = name or type(model).__name__
         args = config_cls(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-{suffix}")
     if train_dataset is None:
-        raise ConfigError("train_dataset is required (or --dataset_name on the command line).")
+        raise ConfigError("`train_dataset` is required (or --dataset_name on the command line).")
     check_output_dir(args)
     accelerator = accelerator or dist.accelerator_for(args)
     model, tokenizer = resolve_model_and_tokenizer(

@@ -1,0 +1,147 @@
+"""TRL's own tests for the trainers posttrain replaces, run on posttrain with `trl` renamed.
+
+Downloads TRL's source distribution from the package index (its tests ship in it), copies the test
+files of RLOO, PPO, XPO, Online DPO and the judges, renames `trl` to `posttrain` in them, builds
+offline stand-ins for the hub repos they load (tiny Qwen2 / Llama models on a tokenizer trained here,
+and the `trl-internal-testing/zen` prompt dataset in its two prompt-only configurations), and runs
+them with pytest. Needs the package index (TRL's sdist, and `parameterized`, which TRL's tests
+import); no Hugging Face hub access. Tests that need llm-blender, a GPU or a hub API key skip, as in
+TRL's own CI without them.
+
+    python tools/trl_suite.py                      # TRL 0.19.1, in a temporary folder
+    python tools/trl_suite.py --keep /tmp/trl-suite -- -x -k rloo   # keep the folder; pytest options
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+TESTS = ["test_rloo_trainer", "test_ppo_trainer", "test_xpo_trainer", "test_online_dpo_trainer", "test_judges"]
+ZEN_PROMPTS = [
+    "The sun is",
+    "Beautiful is better than",
+    "Explicit is",
+    "Simple is better than",
+    "Complex is better",
+    "Flat is better than",
+    "Sparse is",
+    "Readability",
+    "Special cases aren't",
+    "Although practicality",
+    "Errors should never",
+    "In the face of ambiguity",
+    "There should be one",
+    "Although that way",
+    "Now is better",
+    "If the implementation",
+    "Namespaces are",
+]
+ZEN_README = """---
+configs:
+{configs}---
+"""
+
+
+def pip(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "-q", *args], check=True)
+
+
+def fetch_tests(version: str, work: Path) -> Path:
+    """TRL's test files from its sdist, with `trl` renamed to `posttrain`, in work/tests."""
+    pip("download", f"trl=={version}", "--no-deps", "--no-binary", ":all:", "-d", str(work / "sdist"))
+    (archive,) = (work / "sdist").glob("trl-*.tar.gz")
+    out = work / "tests"
+    out.mkdir()
+    (out / "__init__.py").write_text("")
+    with tarfile.open(archive) as tar:
+        for name in [*TESTS, "testing_utils"]:
+            member = tar.getmember(f"trl-{version}/tests/{name}.py")
+            text = tar.extractfile(member).read().decode()
+            text = re.sub(r"\bfrom trl\b", "from posttrain", text)
+            text = re.sub(r"\bimport trl\b", "import posttrain", text)
+            (out / f"{name}.py").write_text(re.sub(r"\btrl\.", "posttrain.", text))
+    return out
+
+
+def build_fixtures(root: Path) -> None:
+    """The hub repos the tests load, as local folders under root (from_pretrained and load_dataset
+    take a relative folder before the hub)."""
+    from datasets import Dataset
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen2ForSequenceClassification,
+    )
+
+    from posttrain.testing import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer(vocab_size=512)
+    tokenizer.padding_side = "right"  # as the hub tokenizers; the tests set left padding where they need it
+    # a Qwen-style template: the tests apply it to conversational prompts
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    base = root / "trl-internal-testing"
+    # room above the tokenizer's ids: the tests add a [PAD] token
+    shape = dict(vocab_size=len(tokenizer) + 64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4)
+    shape.update(num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+    shape.update(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    models = {
+        "tiny-Qwen2ForCausalLM-2.5": Qwen2ForCausalLM(Qwen2Config(hidden_size=16, **shape)),
+        "small-Qwen2ForCausalLM-2.5": Qwen2ForCausalLM(Qwen2Config(hidden_size=32, **shape)),
+        "tiny-Qwen2ForSequenceClassification-2.5": Qwen2ForSequenceClassification(
+            Qwen2Config(hidden_size=16, num_labels=1, pad_token_id=tokenizer.pad_token_id, **shape)
+        ),
+        "tiny-LlamaForCausalLM-3.2": LlamaForCausalLM(LlamaConfig(hidden_size=16, **shape)),
+    }
+    for name, model in models.items():
+        model.save_pretrained(base / name)
+        tokenizer.save_pretrained(base / name)
+    zen, configs = base / "zen", ""
+    columns = {
+        "standard_prompt_only": ZEN_PROMPTS,
+        "conversational_prompt_only": [[{"role": "user", "content": p}] for p in ZEN_PROMPTS],
+    }
+    for config, prompts in columns.items():
+        configs += f"- config_name: {config}\n  data_files:\n"
+        for split, rows in (("train", prompts[:15]), ("test", prompts[15:])):
+            Dataset.from_dict({"prompt": rows}).to_parquet(str(zen / config / f"{split}.parquet"))
+            configs += f"  - split: {split}\n    path: {config}/{split}.parquet\n"
+    (zen / "README.md").write_text(ZEN_README.format(configs=configs))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trl-version", default="0.19.1", help="the TRL release whose tests run (default 0.19.1)")
+    parser.add_argument("--keep", type=Path, help="build and run in this (new) folder and keep it")
+    parser.add_argument("pytest_args", nargs="*", help="passed to pytest, after --")
+    args = parser.parse_args()
+    if args.keep is not None:
+        args.keep.mkdir(parents=True)
+        work = args.keep
+    else:
+        work = Path(tempfile.mkdtemp(prefix="trl-suite-"))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if importlib.util.find_spec("parameterized") is None:
+        pip("install", "--target", str(work / "site"), "parameterized")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(work / "site"), env.get("PYTHONPATH")]))
+    fetch_tests(args.trl_version, work)
+    build_fixtures(work)
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", "tests", *args.pytest_args]
+    print(f"TRL {args.trl_version}'s tests on posttrain in {work}:", " ".join(command), flush=True)
+    return subprocess.run(command, cwd=work, env=env).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
