@@ -111,6 +111,17 @@ def test_generation_kwargs_override_the_sampling_fields(config_cls):
     assert config_cls(pad_to_multiple_of="8").pad_to_multiple_of == 8
 
 
+@pytest.mark.parametrize("config_cls", CONFIGS)
+def test_beam_search_kwargs_without_beams_are_accepted_with_a_warning(config_cls):
+    """TRL's GRPO test passes length_penalty with sampling; transformers' generate ignores it without beams,
+    and so does posttrain's engine, saying so. num_beams=1 is the default; more beams is refused (above)."""
+    with pytest.warns(UserWarning, match=r"length_penalty=-0.1 has no effect: it applies to beam search"):
+        c = config_cls(generation_kwargs={"do_sample": True, "top_k": 50, "length_penalty": -0.1, "num_beams": 1})
+    assert c.top_k == 50
+    with pytest.warns(UserWarning, match=r"early_stopping=True has no effect"):
+        config_cls(generation_kwargs={"early_stopping": True})
+
+
 def test_options_on_the_command_line():
     argv = [
         "--steps_per_generation", "2", "--generation_kwargs", '{"top_p": 0.9}', "--min_p", "0.05",

@@ -924,6 +924,8 @@ class OnPolicyConfig(TrainingConfig):
 
 # generation_kwargs keys the rollout engine honours: each sets the config field of the same name.
 GENERATION_KWARGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample")
+# beam-search settings, which transformers' generate ignores without beams (num_beams 1): accepted with a warning
+BEAM_ONLY_KWARGS = ("length_penalty", "early_stopping")
 
 
 def launch_world_size() -> int:
@@ -1022,6 +1024,14 @@ def check_group_rollout_options(config: Any, *, kl_field: str, kl_coef: float) -
     config.generation_kwargs = parse_json_field("generation_kwargs", config.generation_kwargs)
     config.chat_template_kwargs = parse_json_field("chat_template_kwargs", config.chat_template_kwargs)
     for key, value in (config.generation_kwargs or {}).items():
+        if key in BEAM_ONLY_KWARGS or (key == "num_beams" and value == 1):
+            if key != "num_beams":
+                warnings.warn(
+                    f"generation_kwargs {key}={value!r} has no effect: it applies to beam search, and completions "
+                    "are sampled without beams (transformers' generate ignores it too with num_beams=1).",
+                    stacklevel=4,
+                )
+            continue
         if key not in GENERATION_KWARGS:
             raise ConfigError(
                 f"generation_kwargs has {key!r}, which posttrain's rollout engine cannot honour; it takes "

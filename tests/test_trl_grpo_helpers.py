@@ -1,0 +1,51 @@
+"""`posttrain.trainer.grpo_trainer`: TRL's GRPO batch helpers under TRL's module path (TRL's tests and
+scripts import them from trl.trainer.grpo_trainer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain.trainer.grpo_trainer import (
+    GRPOTrainer,
+    RepeatRandomSampler,
+    RepeatSampler,
+    shuffle_tensor_dict,
+    split_tensor_dict,
+)
+from posttrain.trainers.grpo import GRPOTrainer as Trainer
+
+
+def test_repeat_sampler_in_order_by_hand():
+    # batches of 3 distinct indices (the 7th item does not fill one and is dropped), each index twice in a
+    # row, each batch twice in a row
+    sampler = RepeatSampler(list("abcdefg"), mini_repeat_count=2, batch_size=3, repeat_count=2, shuffle=False)
+    expected = [0, 0, 1, 1, 2, 2, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 3, 3, 4, 4, 5, 5]
+    assert list(sampler) == expected and len(sampler) == 24
+    assert list(RepeatSampler(range(3), mini_repeat_count=1, shuffle=False)) == [0, 1, 2]
+
+
+def test_repeat_sampler_shuffles_with_its_own_seeded_generator():
+    a = list(RepeatSampler(range(8), mini_repeat_count=2, batch_size=2, repeat_count=3, seed=7))
+    torch.manual_seed(0)  # the global generator plays no part
+    b = list(RepeatSampler(range(8), mini_repeat_count=2, batch_size=2, repeat_count=3, seed=7))
+    assert a == b and len(a) == 8 * 2 * 3 and sorted(set(a)) == list(range(8))
+    for start in range(0, len(a), 12):  # one batch: 2 indices x 2, repeated 3 times
+        block = a[start : start + 12]
+        assert block[:4] * 3 == block and block[0] == block[1] and block[2] == block[3] != block[0]
+    assert RepeatRandomSampler is RepeatSampler and GRPOTrainer is Trainer
+    with pytest.raises(ValueError, match="mini_repeat_count must be >= 1"):
+        RepeatSampler(range(3), mini_repeat_count=0)
+
+
+def test_split_and_shuffle_tensor_dicts_keep_rows_together():
+    x, y = torch.arange(12).reshape(6, 2), torch.arange(6)
+    chunks = split_tensor_dict({"x": x, "y": y, "none": None}, 3)
+    assert [c["y"].tolist() for c in chunks] == [[0, 1], [2, 3], [4, 5]]
+    assert torch.equal(chunks[2]["x"], torch.tensor([[8, 9], [10, 11]])) and chunks[1]["none"] is None
+    with pytest.raises(ValueError, match="cannot split 6 rows into 4 equal chunks"):
+        split_tensor_dict({"x": x}, 4)
+    torch.manual_seed(3)
+    shuffled = shuffle_tensor_dict({"x": x, "y": y, "none": None})
+    assert shuffled["none"] is None and sorted(shuffled["y"].tolist()) == list(range(6))
+    assert torch.equal(shuffled["x"], x[shuffled["y"]])  # row i of x still goes with row i of y
