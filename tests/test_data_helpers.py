@@ -411,8 +411,8 @@ def test_pack_dataset_drops_empty_rows():
 
 
 def test_pack_dataset_rejects_bad_input():
-    with pytest.raises(ValueError, match="packing strategy 'ffd'"):
-        pack_dataset(Dataset.from_dict(ROWS), seq_length=4, strategy="ffd")
+    with pytest.raises(ValueError, match="packing strategy 'ffd_split'"):  # ffd is TRL 0.19's (test_packing.py)
+        pack_dataset(Dataset.from_dict(ROWS), seq_length=4, strategy="ffd_split")
     with pytest.raises(TypeError, match="column 'text' holds string"):
         pack_dataset(Dataset.from_dict({"input_ids": [[1]], "text": ["a"]}), seq_length=4)
     with pytest.raises(ValueError, match="column 'labels' has rows of other lengths"):
@@ -475,3 +475,32 @@ def test_helpers_are_exported_from_posttrain_without_heavy_imports():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""
+
+
+def test_trl_module_paths_data_utils_and_core():
+    """`trl.data_utils` and `trl.core`'s masked statistics under posttrain's name, as TRL's tests and
+    scripts import them; `posttrain.core` imports torch only when a masked statistic is asked for."""
+    import posttrain.core
+    import posttrain.data_utils
+    from posttrain.data import helpers
+
+    assert set(posttrain.data_utils.__all__) >= {"maybe_apply_chat_template", "pack_dataset", "truncate_dataset"}
+    assert all(getattr(posttrain.data_utils, name) is getattr(helpers, name) for name in posttrain.data_utils.__all__)
+    from posttrain.data_utils import is_conversational_from_value
+
+    sharegpt = {"conversations": [{"from": "user", "value": "Hi"}, {"from": "assistant", "value": "Hello"}]}
+    assert is_conversational_from_value(sharegpt)
+    assert not is_conversational_from_value({"messages": [{"role": "user", "content": "Hi"}]})
+    assert not is_conversational_from_value({"conversations": [{"role": "user", "content": "Hi"}]})
+    assert not is_conversational_from_value({"text": "Hi"})
+
+    import torch
+
+    from posttrain.core import masked_mean, masked_var, masked_whiten
+
+    values, mask = torch.tensor([1.0, 2.0, 3.0, 100.0]), torch.tensor([1, 1, 1, 0])
+    assert masked_mean(values, mask).item() == 2.0  # (1 + 2 + 3) / 3
+    assert masked_var(values, mask).item() == 1.0  # unbiased: (1 + 0 + 1) / (3 - 1)
+    assert torch.allclose(masked_whiten(values, mask)[:3], torch.tensor([-1.0, 0.0, 1.0]), atol=1e-6)
+    with pytest.raises(AttributeError, match="no attribute 'masked_median'"):
+        posttrain.core.masked_median  # noqa: B018

@@ -12,7 +12,8 @@ import torch
 from datasets import Dataset
 
 from helpers import SENTENCES, sft_trainer
-from posttrain.data import SFTCollator, best_fit_decreasing, prepare_sft_dataset
+from posttrain.data import SFTCollator, best_fit_decreasing, pack_dataset, prepare_sft_dataset, truncate_dataset
+from posttrain.data.packing import first_fit_decreasing
 from posttrain.testing import build_tiny_causal_lm
 from posttrain.trainers.sft import num_trained_tokens, packed_attention_inputs
 
@@ -77,6 +78,49 @@ def test_best_fit_decreasing_at_scale_places_everything_and_fills_bins():
     assert all(sum(lengths[i] for i in b) <= capacity for b in bins)
     lower_bound = -(-sum(lengths) // capacity)
     assert len(bins) <= 1.01 * lower_bound  # uniform lengths pack almost perfectly
+
+
+def test_first_fit_decreasing_hand_example_and_reference():
+    # the hand example above: the 1 goes to the first bin with room (bin 0), not the fullest (bin 1)
+    assert first_fit_decreasing([1, 7, 5, 4], 10) == [[1, 0], [2, 3]]
+    # capacity 10, [7, 4, 4, 2]: 7 -> bin 0 (free 3); 4 -> bin 1 (free 6); 4 -> bin 1 (free 2);
+    # 2 -> bin 0 (free 3, the first with room), where best fit takes bin 1 (free 2)
+    assert first_fit_decreasing([7, 4, 4, 2], 10) == [[0, 3], [1, 2]]
+    assert best_fit_decreasing([7, 4, 4, 2], 10) == [[0], [1, 2, 3]]
+    assert first_fit_decreasing([], 4) == []
+    with pytest.raises(ValueError, match="capacity"):
+        first_fit_decreasing([5], 4)
+    rng = random.Random(2)
+    for _ in range(300):  # against scanning the bins in order
+        capacity = rng.randint(1, 16)
+        lengths = [rng.randint(1, capacity) for _ in range(rng.randint(0, 30))]
+        bins, free = [], []
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            b = next((b for b, room in enumerate(free) if room >= lengths[i]), len(bins))
+            if b == len(bins):
+                bins.append([])
+                free.append(capacity)
+            bins[b].append(i)
+            free[b] -= lengths[i]
+        assert first_fit_decreasing(lengths, capacity) == bins, (lengths, capacity)
+
+
+def test_pack_dataset_ffd_is_trl_019s_strategy_and_streams():
+    """TRL 0.19's pack_dataset(strategy="ffd"): first-fit decreasing, truncation, position ids; also
+    on a streaming dataset (as truncate_dataset)."""
+    rows = {"input_ids": [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11], [12]], "mask": [[1] * 5, [1] * 2, [1] * 4, [1]]}
+    expected = {
+        "input_ids": [[1, 2, 3, 4], [8, 9, 10, 11], [6, 7, 12]],
+        "mask": [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1]],
+        "position_ids": [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 0]],
+    }
+    assert pack_dataset(Dataset.from_dict(rows), 4, strategy="ffd").to_dict() == expected
+    streamed = pack_dataset(Dataset.from_dict(rows).to_iterable_dataset(), 4, strategy="ffd")
+    assert next(iter(streamed.batch(batch_size=4))) == expected
+    truncated = truncate_dataset(Dataset.from_dict(rows).to_iterable_dataset(), 2)
+    assert next(iter(truncated.batch(batch_size=4)))["input_ids"] == [[1, 2], [6, 7], [8, 9], [12]]
+    with pytest.raises(ValueError, match="Invalid packing strategy 'first'"):
+        pack_dataset(Dataset.from_dict(rows), 4, strategy="first")
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """TRL's own tests for the trainers posttrain replaces, run on posttrain with `trl` renamed.
 
 Downloads TRL's source distribution from the package index (its tests ship in it), copies the test
-files of RLOO, PPO, XPO, Online DPO, GRPO and the judges, renames `trl` to `posttrain` in them, builds
+files of RLOO, PPO, XPO, Online DPO, GRPO, the judges and `trl.core`, renames `trl` to `posttrain` in them, builds
 offline stand-ins for the hub repos they load (tiny Qwen2 / Llama models on a tokenizer trained here,
 and the `trl-internal-testing/zen` prompt dataset in its two prompt-only configurations), and runs
 them with pytest. Needs the package index (TRL's sdist, and `parameterized`, which TRL's tests
@@ -31,6 +31,7 @@ TESTS = [
     "test_online_dpo_trainer",
     "test_grpo_trainer",
     "test_judges",
+    "test_core",
 ]
 # Tests that check what posttrain does differently on purpose (README, "Coming from TRL"): not run, each
 # printed with its reason.

@@ -70,6 +70,7 @@ _EXPORTS = {
     "extract_prompt": "posttrain.data.helpers",
     "maybe_extract_prompt": "posttrain.data.helpers",
     "is_conversational": "posttrain.data.helpers",
+    "is_conversational_from_value": "posttrain.data.helpers",
     "unpair_preference_dataset": "posttrain.data.helpers",
     "maybe_unpair_preference_dataset": "posttrain.data.helpers",
     "maybe_convert_to_chatml": "posttrain.data.helpers",

@@ -1,12 +1,13 @@
 """`posttrain.core`: the classic helpers TRL scripts import from `trl.core`.
 
 The gpt2-sentiment notebook and TRL's classic examples write `from trl.core import LengthSampler`
-(or `respond_to_batch`, `set_seed`); with trl renamed to posttrain those imports work unchanged.
+(or `respond_to_batch`, `set_seed`, `masked_mean` / `masked_var` / `masked_whiten`); with trl renamed to
+posttrain those imports work unchanged.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from posttrain.length_sampler import LengthSampler
 
@@ -14,7 +15,16 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["LengthSampler", "respond_to_batch", "set_seed"]
+_OPS = ("masked_mean", "masked_var", "masked_whiten")  # posttrain.ops, imported on first use (torch)
+__all__ = ["LengthSampler", "respond_to_batch", "set_seed", *_OPS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _OPS:
+        from posttrain import ops
+
+        return getattr(ops, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def set_seed(seed: int) -> None:

@@ -4,7 +4,7 @@ by changing the import:
     from posttrain import maybe_apply_chat_template
     dataset = dataset.map(maybe_apply_chat_template, fn_kwargs={"tokenizer": tokenizer})
 
-Row helpers (for `Dataset.map`): `is_conversational`, `apply_chat_template`,
+Row helpers (for `Dataset.map`): `is_conversational`, `is_conversational_from_value`, `apply_chat_template`,
 `maybe_apply_chat_template`, `extract_prompt`, `maybe_extract_prompt`, `maybe_convert_to_chatml`.
 Dataset helpers: `unpair_preference_dataset`, `maybe_unpair_preference_dataset`, `pack_dataset`,
 `truncate_dataset`; `pack_examples` is TRL's deprecated batch-level wrapped packing.
@@ -28,6 +28,21 @@ from posttrain.data.packing import PACKING_STRATEGIES, pack_bfd_table, pack_wrap
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+__all__ = [
+    "apply_chat_template",
+    "extract_prompt",
+    "is_conversational",
+    "is_conversational_from_value",
+    "maybe_apply_chat_template",
+    "maybe_convert_to_chatml",
+    "maybe_extract_prompt",
+    "maybe_unpair_preference_dataset",
+    "pack_dataset",
+    "pack_examples",
+    "truncate_dataset",
+    "unpair_preference_dataset",
+]
 
 _MESSAGE_KEYS = ("prompt", "chosen", "rejected", "completion", "messages")
 # The example layouts apply_chat_template accepts (TRL's dataset types), by their keys.
@@ -212,6 +227,17 @@ def maybe_extract_prompt(example: dict[str, Any]) -> dict[str, Any]:
     return extract_prompt({"chosen": example["chosen"], "rejected": example["rejected"]})
 
 
+def is_conversational_from_value(example: dict[str, Any]) -> bool:
+    """True when the example holds a ShareGPT-style "conversations" list of {"from", "value"} messages
+    (what `maybe_convert_to_chatml` converts), False otherwise."""
+    conversation = example.get("conversations")
+    return (
+        isinstance(conversation, list)
+        and bool(conversation)
+        and all(isinstance(m, dict) and "from" in m and "value" in m for m in conversation)
+    )
+
+
 def maybe_convert_to_chatml(example: dict[str, Any]) -> dict[str, Any]:
     """ShareGPT-style messages ({"from", "value"}) to ChatML ({"role", "content"}), in place; a
     "conversations" column becomes "messages". Other examples are returned unchanged."""
@@ -269,11 +295,15 @@ def maybe_unpair_preference_dataset(dataset: Any, num_proc: int | None = None, d
 
 
 def _dataset_format(dataset: Any) -> dict[str, Any]:
-    """The arguments of `with_format` that restore the dataset's current format."""
-    from datasets import DatasetDict
+    """The arguments of `with_format` that restore the dataset's current format (a streaming dataset:
+    its format type)."""
+    from datasets import DatasetDict, IterableDataset, IterableDatasetDict
 
-    if isinstance(dataset, DatasetDict):
+    if isinstance(dataset, (DatasetDict, IterableDatasetDict)):
         dataset = next(iter(dataset.values()))
+    if isinstance(dataset, IterableDataset):
+        formatting = getattr(dataset, "_formatting", None)
+        return {"type": getattr(formatting, "format_type", None)}
     fmt = dict(dataset.format)
     fmt.update(fmt.pop("format_kwargs", None) or {})
     return fmt
@@ -283,21 +313,30 @@ def pack_dataset(dataset: Any, seq_length: int, strategy: str = "bfd", map_kwarg
     """Pack the rows of a tokenized dataset into rows of at most `seq_length` tokens (TRL's function).
 
     Every column must hold lists of one length per row (`input_ids`, `attention_mask`, ...); each map
-    batch (1000 rows unless `map_kwargs` says otherwise) is packed on its own.
+    batch (1000 rows unless `map_kwargs` says otherwise) is packed on its own. A streaming
+    (`IterableDataset`) dataset is packed as it is read.
     - "bfd": best-fit decreasing; rows longer than `seq_length` keep their first `seq_length`
       tokens; empty rows are dropped. A `seq_lengths` column lists the lengths of the sequences in
       each packed row (from which a collator builds position ids that restart per sequence).
     - "bfd_split": like "bfd", but long rows are split into `seq_length` pieces, so no token is lost.
+    - "ffd": TRL 0.19's strategy: first-fit decreasing, rows longer than `seq_length` truncated, and
+      a `position_ids` column (positions restarting at 0 for every sequence) instead of `seq_lengths`.
     - "wrapped": all tokens concatenated and cut every `seq_length` tokens; no `seq_lengths`.
     The dataset's format (e.g. "torch") is kept.
     """
-    if strategy not in PACKING_STRATEGIES:
-        raise ValueError(f"Invalid packing strategy {strategy!r}; must be one of {PACKING_STRATEGIES}")
+    strategies = (*PACKING_STRATEGIES, "ffd")
+    if strategy not in strategies:
+        raise ValueError(f"Invalid packing strategy {strategy!r}; must be one of {strategies}")
     if seq_length < 1:
         raise ValueError(f"seq_length must be at least 1, got {seq_length}")
     fmt = _dataset_format(dataset)
     if strategy == "wrapped":
         function, fn_kwargs = pack_wrapped_table, {"capacity": seq_length}
+    elif strategy == "ffd":
+        function = pack_bfd_table
+        fn_kwargs = {"capacity": seq_length, "first_fit": True, "position_ids": True, "seq_lengths": False}
+        if fmt.get("columns") is not None:
+            fmt["columns"] = [*fmt["columns"], "position_ids"]
     else:
         split = strategy == "bfd_split"
         function, fn_kwargs = pack_bfd_table, {"capacity": seq_length, "split": split, "fifo_ties": True}

@@ -80,6 +80,44 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int, *, fifo_ties: boo
     return bins
 
 
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Group item indices into bins holding at most `capacity`, first-fit decreasing (TRL 0.19's "ffd").
+
+    Items go longest first (equal lengths keep their order), each into the first bin, in creation
+    order, that still has room for it, else into a new bin; bins are returned in creation order, each
+    listing its items in placement order. A max-tree over the bins' free space finds that bin in
+    log time, where scanning the bins would be quadratic.
+    """
+    import numpy as np
+
+    sizes = np.asarray(lengths, dtype=np.int64)
+    if sizes.size and int(sizes.max()) > capacity:
+        raise ValueError(f"an item of length {int(sizes.max())} exceeds the bin capacity {capacity}")
+    order = np.argsort(-sizes, kind="stable").tolist()
+    sizes_list = sizes.tolist()
+    leaves = 1 << max(0, len(order) - 1).bit_length()
+    tree = [0] * (2 * leaves)  # leaf leaves + b: free space of bin b (0 until it opens); above: max of children
+    bins: list[list[int]] = []
+    for item in order:
+        size = sizes_list[item]
+        if tree[1] >= size:
+            node = 1
+            while node < leaves:
+                node = 2 * node if tree[2 * node] >= size else 2 * node + 1
+            b = node - leaves
+        else:
+            b = len(bins)
+            bins.append([])
+            tree[leaves + b] = capacity
+        bins[b].append(item)
+        node = leaves + b
+        tree[node] -= size
+        while node > 1:
+            node //= 2
+            tree[node] = max(tree[2 * node], tree[2 * node + 1])
+    return bins
+
+
 def _list_columns(table: Any) -> list[Any]:
     """The table's columns as single arrays, checked to be lists with equal lengths per row."""
     import pyarrow as pa
@@ -108,15 +146,23 @@ def _with_offsets(column: Any, offsets: Any, values: Any) -> Any:
 
 
 def pack_bfd_table(
-    table: Any, capacity: int, *, split: bool = False, position_ids: bool = False, fifo_ties: bool = False
+    table: Any,
+    capacity: int,
+    *,
+    split: bool = False,
+    position_ids: bool = False,
+    fifo_ties: bool = False,
+    first_fit: bool = False,
+    seq_lengths: bool = True,
 ) -> Any:
     """One map batch (a pyarrow Table of list columns) -> best-fit-decreasing packed rows.
 
     Empty rows are dropped. Overlong rows keep their first `capacity` tokens, or with `split`
     become ceil(n / capacity) pieces of `capacity` tokens (the last shorter), each its own sequence.
     Every column is packed the same way; `seq_lengths` (the lengths of the sequences of each packed
-    row) is appended, and with `position_ids` also per-token positions restarting at 0 for every
-    sequence. `fifo_ties`: see `best_fit_decreasing`.
+    row) is appended unless `seq_lengths` is False, and with `position_ids` also per-token positions
+    restarting at 0 for every sequence. `fifo_ties`: see `best_fit_decreasing`. `first_fit`: bins by
+    `first_fit_decreasing` instead (TRL 0.19's "ffd").
     """
     import numpy as np
     import pyarrow as pa
@@ -134,7 +180,10 @@ def pack_bfd_table(
         piece_len = np.minimum(capacity, lengths[row] - k * capacity)
     else:
         piece_start, piece_len = starts[rows], np.minimum(lengths[rows], capacity)
-    bins = best_fit_decreasing(piece_len, capacity, fifo_ties=fifo_ties)
+    if first_fit:
+        bins = first_fit_decreasing(piece_len, capacity)
+    else:
+        bins = best_fit_decreasing(piece_len, capacity, fifo_ties=fifo_ties)
     order = np.fromiter((p for b in bins for p in b), dtype=np.int64, count=piece_len.size)
     seq_len = piece_len[order]
     seq_first = np.cumsum(seq_len) - seq_len  # first token of each sequence in the packed stream
@@ -152,9 +201,10 @@ def pack_bfd_table(
         out["position_ids"] = pa.ListArray.from_arrays(
             pa.array(token_offsets, type=pa.int32()), pa.array(within, type=pa.int32())
         )
-    out["seq_lengths"] = pa.ListArray.from_arrays(
-        pa.array(piece_offsets, type=pa.int32()), pa.array(seq_len, type=pa.int32())
-    )
+    if seq_lengths:
+        out["seq_lengths"] = pa.ListArray.from_arrays(
+            pa.array(piece_offsets, type=pa.int32()), pa.array(seq_len, type=pa.int32())
+        )
     return pa.table(out)
 
 
