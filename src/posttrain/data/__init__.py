@@ -23,20 +23,8 @@ import importlib
 from typing import Any
 
 from posttrain.data.formats import FORMATS, SIMPLE_CHAT_TEMPLATE, detect_format, ensure_chat_template, render_chat
-from posttrain.data.helpers import (
-    apply_chat_template,
-    extract_prompt,
-    is_conversational,
-    is_conversational_from_value,
-    maybe_apply_chat_template,
-    maybe_convert_to_chatml,
-    maybe_extract_prompt,
-    maybe_unpair_preference_dataset,
-    pack_dataset,
-    pack_examples,
-    truncate_dataset,
-    unpair_preference_dataset,
-)
+from posttrain.data.helpers import *  # noqa: F403 (the names of helpers.__all__)
+from posttrain.data.helpers import __all__ as _HELPERS
 from posttrain.data.loading import DataError, has_split, load_any_dataset, load_split
 from posttrain.data.packing import PACKING_STRATEGIES, best_fit_decreasing
 from posttrain.data.prepare import (
@@ -68,18 +56,7 @@ __all__ = [
     "PACKING_STRATEGIES",
     "best_fit_decreasing",
     *_COLLATORS,
-    "apply_chat_template",
-    "extract_prompt",
-    "is_conversational",
-    "is_conversational_from_value",
-    "maybe_apply_chat_template",
-    "maybe_convert_to_chatml",
-    "maybe_extract_prompt",
-    "maybe_unpair_preference_dataset",
-    "pack_dataset",
-    "pack_examples",
-    "truncate_dataset",
-    "unpair_preference_dataset",
+    *_HELPERS,
 ]
 
 
