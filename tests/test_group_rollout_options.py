@@ -21,8 +21,10 @@ from posttrain.rollout import Rollout
 from posttrain.testing import build_tiny_causal_lm, build_tiny_tokenizer
 from posttrain.trainers.grpo import GRPOTrainer
 from posttrain.trainers.grpo_config import GRPOConfig
+from posttrain.trainers.online_dpo_config import OnlineDPOConfig
 from posttrain.trainers.rloo import RLOOTrainer
 from posttrain.trainers.rloo_config import RLOOConfig
+from posttrain.trainers.xpo_config import XPOConfig
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -364,3 +366,27 @@ def test_rloo_router_aux_loss_of_a_moe_policy(tmp_path, tiny_tokenizer):
     assert not torch.equal(params[0.0], params[5.0])
     with pytest.raises(ConfigError, match="router_aux_loss_coef=-1 must be >= 0"):
         RLOOConfig(router_aux_loss_coef=-1)
+
+
+ENGINE_CONFIGS = [*CONFIGS, pytest.param(OnlineDPOConfig, id="online_dpo"), pytest.param(XPOConfig, id="xpo")]
+
+
+@pytest.mark.parametrize("config_cls", ENGINE_CONFIGS)
+def test_trl_generation_engine_fields_construct_at_their_defaults_and_are_refused_when_set(config_cls):
+    """A config written for TRL 1.16 names vLLM's settings (at their defaults when vLLM is off): it
+    constructs; asking for vLLM or transformers' paged generation is one clear error naming the field."""
+    defaults = dict(use_vllm=False, vllm_mode="colocate", vllm_server_host="0.0.0.0", vllm_server_port=8000)
+    defaults.update(vllm_tensor_parallel_size=1, use_transformers_paged=False)
+    config_cls(**defaults)
+    for name, value in (("use_vllm", True), ("vllm_mode", "server"), ("vllm_gpu_memory_utilization", 0.9)):
+        with pytest.raises(ConfigError, match=rf"{name}={value!r} is not supported by posttrain .*vLLM is not used"):
+            config_cls(**{name: value})
+    with pytest.raises(ConfigError, match="use_transformers_paged=True is not supported .*paged generation"):
+        config_cls(use_transformers_paged=True)
+
+
+def test_grpo_vllm_importance_sampling_fields_at_trl_defaults():
+    config = GRPOConfig(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="sequence_mask")
+    assert config.vllm_importance_sampling_clip_max == 3.0
+    with pytest.raises(ConfigError, match="vllm_importance_sampling_correction=False is not supported"):
+        GRPOConfig(vllm_importance_sampling_correction=False)

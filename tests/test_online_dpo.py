@@ -486,3 +486,24 @@ def test_training_runs_trls_steps_and_lr_schedule(
     assert trainer.state.global_step == expected == trainer.run.progress.optimizer_steps
     assert trainer.run.progress.episode == expected * 2 * per_device * grad_accum
     assert trainer.lr_scheduler.last_epoch == expected and trainer.lr_scheduler.get_last_lr() == [0.0]
+
+
+@pytest.mark.filterwarnings("ignore:min_p=")
+def test_trl_1x_sampling_options_reach_the_sampler(tmp_path, tiny_tokenizer):
+    """TRL 1.x's OnlineDPOConfig sampling fields (min_p, repetition_penalty, generation_kwargs) are honoured
+    by the rollout engine; generation_kwargs override the fields of the same name."""
+    cfg = make_config(
+        tmp_path, min_p=0.05, repetition_penalty=1.2, top_k=7, generation_kwargs={"top_k": 5, "do_sample": True}
+    )
+    assert (cfg.min_p, cfg.repetition_penalty, cfg.top_k) == (0.05, 1.2, 5)
+    trainer = OnlineDPOTrainer(
+        build_tiny_causal_lm(tiny_tokenizer),
+        judge=CallableJudge(shorter),
+        args=cfg,
+        processing_class=tiny_tokenizer,
+        train_dataset=standard_prompts(),
+    )
+    sampling = trainer.run.sampling
+    assert (sampling.min_p, sampling.repetition_penalty, sampling.top_k) == (0.05, 1.2, 5)
+    with pytest.raises(ConfigError, match="do_sample=False: online training samples"):
+        make_config(tmp_path, generation_kwargs={"do_sample": False})

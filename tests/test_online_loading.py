@@ -136,6 +136,19 @@ def test_a_stop_token_outside_the_vocabulary_is_refused_before_models_load(tmp_p
 
     config = RLOOConfig(output_dir=str(tmp_path / "out"), model_name_or_path=str(tiny_policy_dir), stop_token_id=10**6)
     with pytest.raises(ConfigError, match=r"stop_token_id=1000000 is outside the tokenizer's vocabulary"):
+        load_parts(
+            config,
+            rewards=[lambda prompts, completions, **kw: [0.0] * len(completions)],
+            train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        )
+
+
+def test_a_missing_train_dataset_is_refused_before_models_load(tmp_path, tiny_policy_dir, no_model_loads):
+    from posttrain.configs import ConfigError
+    from posttrain.trainers.online import load_parts
+
+    config = RLOOConfig(output_dir=str(tmp_path / "out"), model_name_or_path=str(tiny_policy_dir))
+    with pytest.raises(ConfigError, match=r"`train_dataset` is required: pass a prompt dataset \(or --dataset_name"):
         load_parts(config, rewards=[lambda prompts, completions, **kw: [0.0] * len(completions)])
 
 

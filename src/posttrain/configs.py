@@ -935,7 +935,57 @@ def launch_world_size() -> int:
 
 
 @dataclass
-class GroupRolloutOptions:
+class SamplingOptions:
+    """TRL 1.x's sampling settings beyond temperature / top_k / top_p (GRPOConfig, RLOOConfig and the
+    experimental OnlineDPOConfig have them, with these defaults), checked by `check_sampling_options`."""
+
+    min_p: float | None = flag(
+        "Sample only tokens whose probability is at least min_p times the most likely token's (0.01-0.2 are "
+        "typical); None or 0: off. Recorded logprobs stay those of the full distribution.",
+        default=None,
+    )
+    repetition_penalty: float = flag(
+        "Penalise tokens already in the prompt or the completion so far (transformers' repetition penalty: "
+        "positive logits divided, negative multiplied); > 1 discourages repeats, 1.0: off.",
+        default=1.0,
+    )
+    generation_kwargs: dict[str, Any] | str | None = flag(
+        "Sampling settings as a dict (JSON on the command line) that override the fields of the same name: "
+        f"{', '.join(GENERATION_KWARGS)} (do_sample must be true). Any other key is refused.",
+        default=None,
+    )
+
+
+VLLM_NOT_USED = "posttrain generates with its own engine (posttrain.rollout); vLLM is not used"
+
+
+@dataclass
+class VLLMOptions:
+    """TRL 1.x's generation-engine settings (names and defaults of TRL 1.16's GRPOConfig / RLOOConfig):
+    accepted so that a config written for TRL constructs, and refused with the reason when set away
+    from the default (`GENERATION_ENGINE_FIELDS`): posttrain samples with its own engine."""
+
+    use_vllm: bool = flag(f"Generate with vLLM (not supported: {VLLM_NOT_USED}).", default=False)
+    vllm_mode: str = flag("vLLM's mode, server or colocate (not supported).", default="colocate")
+    vllm_model_impl: str = flag("vLLM model implementation (not supported).", default="vllm")
+    vllm_enable_sleep_mode: bool = flag("vLLM sleep mode (not supported).", default=False)
+    vllm_structured_outputs_regex: str | None = flag("vLLM structured outputs (not supported).", default=None)
+    vllm_server_base_url: str | None = flag("vLLM server URL (not supported).", default=None)
+    vllm_server_host: str = flag("vLLM server host (not supported).", default="0.0.0.0")
+    vllm_server_port: int = flag("vLLM server port (not supported).", default=8000)
+    vllm_server_timeout: float = flag("vLLM server timeout in seconds (not supported).", default=240.0)
+    vllm_group_port: int = flag("vLLM weight-sync port (not supported).", default=51216)
+    vllm_gpu_memory_utilization: float = flag("vLLM GPU memory fraction (not supported).", default=0.3)
+    vllm_max_model_length: int | None = flag("vLLM context length (not supported).", default=None)
+    vllm_tensor_parallel_size: int = flag("vLLM tensor parallel size (not supported).", default=1)
+    use_transformers_paged: bool = flag(
+        "Generate with transformers' paged attention (not supported: posttrain.rollout is the engine).",
+        default=False,
+    )
+
+
+@dataclass
+class GroupRolloutOptions(SamplingOptions):
     """TRL 1.x settings GRPOConfig and RLOOConfig share (same names, meanings and defaults as TRL
     1.16's GRPOConfig / RLOOConfig), checked by `check_group_rollout_options` before any model loads.
     Mixed into both configs after OnPolicyConfig."""
@@ -950,21 +1000,6 @@ class GroupRolloutOptions:
     generation_batch_size: int | None = flag(
         "TRL 1.x: completions per generation batch over all processes = per_device_train_batch_size × processes "
         "× steps_per_generation (must divide). None: from steps_per_generation. Exclusive with it.",
-        default=None,
-    )
-    min_p: float | None = flag(
-        "Sample only tokens whose probability is at least min_p times the most likely token's (0.01-0.2 are "
-        "typical); None or 0: off. Recorded logprobs stay those of the full distribution.",
-        default=None,
-    )
-    repetition_penalty: float = flag(
-        "Penalise tokens already in the prompt or the completion so far (transformers' repetition penalty: "
-        "positive logits divided, negative multiplied); > 1 discourages repeats, 1.0: off.",
-        default=1.0,
-    )
-    generation_kwargs: dict[str, Any] | str | None = flag(
-        "Sampling settings as a dict (JSON on the command line) that override the fields of the same name: "
-        f"{', '.join(GENERATION_KWARGS)} (do_sample must be true). Any other key is refused.",
         default=None,
     )
     chat_template_kwargs: dict[str, Any] | str | None = flag(
@@ -1016,20 +1051,18 @@ class GroupRolloutOptions:
     )
 
 
-def check_group_rollout_options(config: Any, *, kl_field: str, kl_coef: float) -> None:
-    """Validate and apply the `GroupRolloutOptions` of `config` (call before OnPolicyConfig's own
-    checks): generation_kwargs set the sampling fields, steps_per_generation / generation_batch_size
-    set num_mini_batches. `kl_field` / `kl_coef`: the name the caller gave the KL coefficient and its
-    value (sync_ref_model needs a reference model, which only a coefficient > 0 loads)."""
+def check_sampling_options(config: Any, stacklevel: int = 4) -> None:
+    """Validate and apply `SamplingOptions`: generation_kwargs (a dict, or JSON text from the command
+    line) override the sampling fields of the same name; min_p and repetition_penalty are checked.
+    `stacklevel`: of the warnings, to point at the line that built the config."""
     config.generation_kwargs = parse_json_field("generation_kwargs", config.generation_kwargs)
-    config.chat_template_kwargs = parse_json_field("chat_template_kwargs", config.chat_template_kwargs)
     for key, value in (config.generation_kwargs or {}).items():
         if key in BEAM_ONLY_KWARGS or (key == "num_beams" and value == 1):
             if key != "num_beams":
                 warnings.warn(
                     f"generation_kwargs {key}={value!r} has no effect: it applies to beam search, and completions "
                     "are sampled without beams (transformers' generate ignores it too with num_beams=1).",
-                    stacklevel=4,
+                    stacklevel=stacklevel,
                 )
             continue
         if key not in GENERATION_KWARGS:
@@ -1055,8 +1088,17 @@ def check_group_rollout_options(config: Any, *, kl_field: str, kl_coef: float) -
             f"min_p={config.min_p} / repetition_penalty={config.repetition_penalty}: completions are sampled from a "
             "reshaped distribution while logprobs, ratios and KL use the full softmax of the raw logits (as in TRL), "
             "so updates are slightly off-policy.",
-            stacklevel=4,
+            stacklevel=stacklevel,
         )
+
+
+def check_group_rollout_options(config: Any, *, kl_field: str, kl_coef: float) -> None:
+    """Validate and apply the `GroupRolloutOptions` of `config` (call before OnPolicyConfig's own
+    checks): generation_kwargs set the sampling fields, steps_per_generation / generation_batch_size
+    set num_mini_batches. `kl_field` / `kl_coef`: the name the caller gave the KL coefficient and its
+    value (sync_ref_model needs a reference model, which only a coefficient > 0 loads)."""
+    check_sampling_options(config, stacklevel=5)
+    config.chat_template_kwargs = parse_json_field("chat_template_kwargs", config.chat_template_kwargs)
     pad = config.pad_to_multiple_of
     if isinstance(pad, str):
         text = pad.strip().lower()
@@ -1213,7 +1255,17 @@ DERIVED_SIZES = frozenset(
 )
 
 # Fields that apply to SFT and reward training but not to the online trainers.
+# VLLMOptions' fields, and GRPO's importance-sampling correction of vLLM's sampling
+GENERATION_ENGINE_FIELDS: dict[str, str] = {
+    **{f.name: VLLM_NOT_USED for f in dataclasses.fields(VLLMOptions) if f.name.startswith(("use_vllm", "vllm_"))},
+    **{
+        f"vllm_importance_sampling_{name}": VLLM_NOT_USED
+        for name in ("correction", "mode", "clip_max", "clip_min", "cap")
+    },
+    "use_transformers_paged": "posttrain.rollout is the generation engine; transformers' paged generation is not used",
+}
 ONLINE_UNSUPPORTED_FIELDS: dict[str, str] = {
+    **GENERATION_ENGINE_FIELDS,
     "load_best_model_at_end": "online trainers have no held-out loss to pick a checkpoint by",
     "neftune_noise_alpha": "NEFTune applies to supervised fine-tuning only",
     "include_tokens_per_second": "online trainers report throughput as eps (episodes per second)",

@@ -28,8 +28,9 @@ Deliberate differences, each for a reason:
 - `max_new_tokens` and `response_length` (the OnPolicyConfig name) are aliases; giving both with
   different values is an error rather than a silent choice.
 - `gradient_checkpointing` and `bf16` default to off (CPU-first); TRL's base config turns both on.
-- generation options TRL has that posttrain's rollout engine does not (vLLM, min_p,
-  repetition_penalty) are absent.
+- vLLM and transformers' paged generation (TRL's `use_vllm`, `vllm_*`, `use_transformers_paged`) are
+  accepted at their defaults and refused otherwise: posttrain samples with its own engine. TRL 1.x's
+  `min_p`, `repetition_penalty` and `generation_kwargs` are honoured (configs.SamplingOptions).
 """
 
 from __future__ import annotations
@@ -37,16 +38,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from posttrain.configs import ConfigError, OnPolicyConfig, flag, refuse_unsupported
+from posttrain.configs import (
+    VLLM_NOT_USED,
+    ConfigError,
+    OnPolicyConfig,
+    SamplingOptions,
+    VLLMOptions,
+    check_sampling_options,
+    flag,
+    refuse_unsupported,
+)
 
 DEFAULT_MAX_NEW_TOKENS = 64
 
 
-VLLM_FIELDS = {
-    "use_vllm": "posttrain generates with its own engine (posttrain.rollout); vLLM is not used",
-    "vllm_model_impl": "vLLM is not used",
-    "gpu_memory_utilization": "vLLM is not used",
-}
+# TRL 0.19's name of vllm_gpu_memory_utilization (the other vLLM fields: configs.VLLMOptions)
+VLLM_FIELDS = {"gpu_memory_utilization": VLLM_NOT_USED}
 
 
 def resolve_schedule(name: str, value: object) -> list[float]:
@@ -62,7 +69,7 @@ def resolve_schedule(name: str, value: object) -> list[float]:
 
 
 @dataclass
-class OnlineDPOConfig(OnPolicyConfig):
+class OnlineDPOConfig(SamplingOptions, VLLMOptions, OnPolicyConfig):
     """Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback")."""
 
     learning_rate: float = flag("Initial AdamW learning rate.", default=5e-7)
@@ -92,14 +99,12 @@ class OnlineDPOConfig(OnPolicyConfig):
     reward_weights: list[float] | None = flag(
         "Weights of the rewards (reward model first, then each reward function); default 1 each.", default=None
     )
-    use_vllm: bool = flag(
-        "Generate with vLLM (not supported: posttrain.rollout is the generation engine).", default=False
-    )
-    vllm_model_impl: str = flag("vLLM model implementation (not supported).", default="vllm")
     gpu_memory_utilization: float | None = flag("vLLM GPU memory fraction (not supported).", default=0.55)
+    vllm_gpu_memory_utilization: float = flag("vLLM GPU memory fraction (not supported).", default=0.55)
 
     def __post_init__(self) -> None:
         refuse_unsupported(self, VLLM_FIELDS)
+        check_sampling_options(self)
         # The alias must be settled before OnPolicyConfig validates response_length.
         if (
             self.max_new_tokens is not None

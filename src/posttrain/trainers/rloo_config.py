@@ -54,6 +54,7 @@ from posttrain.configs import (
     ConfigError,
     GroupRolloutOptions,
     OnPolicyConfig,
+    VLLMOptions,
     _field_default,
     check_group_rollout_options,
     check_reward_weights,
@@ -72,7 +73,7 @@ TRL_1X_NAMES = {
 
 
 @dataclass
-class RLOOConfig(GroupRolloutOptions, OnPolicyConfig):
+class RLOOConfig(GroupRolloutOptions, VLLMOptions, OnPolicyConfig):
     """REINFORCE leave-one-out: rloo_k completions per prompt, each baselined by the mean reward of
     the other k − 1; sequence-level PPO-clip updates (REINFORCE/A2C when num_ppo_epochs = 1 and
     num_mini_batches = 1)."""

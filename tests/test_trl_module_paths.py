@@ -1,5 +1,6 @@
-"""`posttrain.trainer.grpo_trainer`: TRL's GRPO batch helpers under TRL's module path (TRL's tests and
-scripts import them from trl.trainer.grpo_trainer)."""
+"""TRL's helpers under TRL's module paths, where TRL's tests and scripts import them:
+`posttrain.trainer.grpo_trainer` (trl.trainer.grpo_trainer's batch helpers) and
+`posttrain.experimental.ppo.ppo_trainer.batch_generation`."""
 
 from __future__ import annotations
 
@@ -49,3 +50,28 @@ def test_split_and_shuffle_tensor_dicts_keep_rows_together():
     shuffled = shuffle_tensor_dict({"x": x, "y": y, "none": None})
     assert shuffled["none"] is None and sorted(shuffled["y"].tolist()) == list(range(6))
     assert torch.equal(shuffled["x"], x[shuffled["y"]])  # row i of x still goes with row i of y
+
+
+def test_batch_generation_returns_queries_with_responses_and_their_scores(tiny_tokenizer):
+    from transformers import GenerationConfig
+
+    from posttrain.experimental.ppo.ppo_trainer import batch_generation
+    from posttrain.testing import build_tiny_causal_lm
+
+    model = build_tiny_causal_lm(tiny_tokenizer).eval()
+    pad = tiny_tokenizer.pad_token_id
+    queries = tiny_tokenizer(["Hello world", "Good morning to you", "Yes"], padding=True, return_tensors="pt")
+    queries = queries["input_ids"]
+    eos = tiny_tokenizer.eos_token_id
+    config = GenerationConfig(max_new_tokens=5, do_sample=False, pad_token_id=pad, eos_token_id=eos)
+    query_responses, logits = batch_generation(model, queries, 2, pad, config)  # batches of 2 rows, then 1
+    assert query_responses.shape == (3, queries.size(1) + 5)
+    assert logits.shape == (3, 5, model.config.vocab_size)
+    assert torch.equal(query_responses[:, : queries.size(1)], queries)
+    # greedy: each generated token up to the row's EOS is the argmax of the scores returned for its
+    # position; generate() pads a row after its EOS
+    responses, greedy = query_responses[:, queries.size(1) :], logits.argmax(-1)
+    for response, best in zip(responses, greedy):
+        ends = (response == eos).nonzero()
+        n = int(ends[0]) + 1 if len(ends) else response.numel()
+        assert torch.equal(response[:n], best[:n]) and bool((response[n:] == pad).all())
