@@ -498,9 +498,17 @@ def test_peft_adapter_with_value_head_saves_and_loads(tmp_path):
     assert trainable and all("lora_" in n or n.startswith("v_head.") for n in trainable)
     model.save_pretrained(tmp_path / "adapter")
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
-    assert set(safetensors_keys(tmp_path / "adapter")) >= {"v_head.summary.weight", "v_head.summary.bias"}
+    # TRL's layout: the head alone in pytorch_model.bin beside the adapter
+    head = torch.load(tmp_path / "adapter" / "pytorch_model.bin", weights_only=True)
+    assert set(head) == {"v_head.summary.weight", "v_head.summary.bias"}
     loaded = AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path / "adapter")).eval()
     assert loaded.is_peft_model and same_head(loaded, model)
+    # a folder an earlier version wrote, with v_head.safetensors, loads the same head
+    from safetensors.torch import save_file
+
+    (tmp_path / "adapter" / "pytorch_model.bin").unlink()
+    save_file(head, tmp_path / "adapter" / "v_head.safetensors")
+    assert same_head(AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path / "adapter")), model)
     with torch.no_grad():
         expected, got = model(IDS), loaded(IDS)
     torch.testing.assert_close(got[0], expected[0])

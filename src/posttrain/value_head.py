@@ -53,7 +53,7 @@ _CHECKPOINT_FILES = (
     ("model.safetensors.index.json", True),
     ("pytorch_model.bin", False),
     ("pytorch_model.bin.index.json", True),
-    ("v_head.safetensors", False),  # beside a PEFT adapter (save_pretrained of a PEFT model)
+    ("v_head.safetensors", False),  # beside a PEFT adapter, as posttrain < 2026-11-27 saved it
 )
 # `from_pretrained` keywords that say where and how to fetch files (passed on to the head's lookup).
 _HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
@@ -407,14 +407,14 @@ class PreTrainedModelWrapper(WrapsPretrainedModel):
         in one state dict, so TRL and transformers both read the folder). Takes the LM's
         `save_pretrained` keywords (`max_shard_size`, `safe_serialization`, ...).
 
-        For a PEFT model the adapter is saved by peft and the head beside it in `v_head.safetensors`.
+        For a PEFT model the adapter is saved by peft and the head beside it in `pytorch_model.bin`, a
+        state dict of the `v_head.*` tensors only: TRL's layout, so TRL loads the folder too (earlier
+        posttrain versions wrote `v_head.safetensors`, which loading still reads).
         """
         if self.is_peft_model:
-            from safetensors.torch import save_file
-
             out = self.pretrained_model.save_pretrained(save_directory, *args, **kwargs)
             head = {V_HEAD_PREFIX + k: v.detach().cpu().contiguous() for k, v in self.v_head.state_dict().items()}
-            save_file(head, os.path.join(os.fspath(save_directory), "v_head.safetensors"))
+            torch.save(head, os.path.join(os.fspath(save_directory), "pytorch_model.bin"))
             return out
         if kwargs.get("state_dict") is None:
             kwargs["state_dict"] = self.state_dict()
