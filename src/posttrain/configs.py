@@ -978,6 +978,16 @@ class VLLMOptions:
     vllm_gpu_memory_utilization: float = flag("vLLM GPU memory fraction (not supported).", default=0.3)
     vllm_max_model_length: int | None = flag("vLLM context length (not supported).", default=None)
     vllm_tensor_parallel_size: int = flag("vLLM tensor parallel size (not supported).", default=1)
+    # GRPO's correction of vLLM's sampling in TRL (harmless in the other configs: it is never set)
+    vllm_importance_sampling_correction: bool = flag(
+        "vLLM importance-sampling correction (not supported).", default=True
+    )
+    vllm_importance_sampling_mode: str = flag("vLLM importance-sampling mode (unused).", default="sequence_mask")
+    vllm_importance_sampling_clip_max: float = flag("vLLM importance-sampling clip (unused).", default=3.0)
+    vllm_importance_sampling_clip_min: float | None = flag(
+        "vLLM importance-sampling clip (not supported).", default=None
+    )
+    vllm_importance_sampling_cap: float | None = flag("vLLM importance-sampling cap (unused).", default=None)
     use_transformers_paged: bool = flag(
         "Generate with transformers' paged attention (not supported: posttrain.rollout is the engine).",
         default=False,
@@ -1254,16 +1264,13 @@ DERIVED_SIZES = frozenset(
     }
 )
 
-# Fields that apply to SFT and reward training but not to the online trainers.
-# VLLMOptions' fields, and GRPO's importance-sampling correction of vLLM's sampling
+# VLLMOptions' fields, and Online DPO's TRL 0.19 name of vllm_gpu_memory_utilization
 GENERATION_ENGINE_FIELDS: dict[str, str] = {
-    **{f.name: VLLM_NOT_USED for f in dataclasses.fields(VLLMOptions) if f.name.startswith(("use_vllm", "vllm_"))},
-    **{
-        f"vllm_importance_sampling_{name}": VLLM_NOT_USED
-        for name in ("correction", "mode", "clip_max", "clip_min", "cap")
-    },
+    **{f.name: VLLM_NOT_USED for f in dataclasses.fields(VLLMOptions)},
     "use_transformers_paged": "posttrain.rollout is the generation engine; transformers' paged generation is not used",
+    "gpu_memory_utilization": VLLM_NOT_USED,
 }
+# Fields that apply to SFT and reward training but not to the online trainers.
 ONLINE_UNSUPPORTED_FIELDS: dict[str, str] = {
     **GENERATION_ENGINE_FIELDS,
     "load_best_model_at_end": "online trainers have no held-out loss to pick a checkpoint by",

@@ -42,11 +42,10 @@ class RepeatSampler(Sampler[int]):
         shuffle: bool = True,
         seed: int | None = None,
     ) -> None:
-        for name, value in (("mini_repeat_count", mini_repeat_count), ("batch_size", batch_size)):
+        counts = (("mini_repeat_count", mini_repeat_count), ("batch_size", batch_size), ("repeat_count", repeat_count))
+        for name, value in counts:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if repeat_count < 1:
-            raise ValueError(f"repeat_count must be >= 1, got {repeat_count}")
         self.data_source = data_source
         self.mini_repeat_count, self.batch_size, self.repeat_count = mini_repeat_count, batch_size, repeat_count
         self.num_samples = len(data_source)

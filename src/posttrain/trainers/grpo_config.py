@@ -64,12 +64,6 @@ class GRPOConfig(GroupRolloutOptions, VLLMOptions, OnPolicyConfig):
     advantages, and the loss selected by loss_type (TRL 1.16's GRPO family)."""
 
     exp_name: str = flag("Experiment name.", default="grpo_config")
-    # TRL's correction of vLLM's sampling (with use_vllm only; refused when set: configs.GENERATION_ENGINE_FIELDS)
-    vllm_importance_sampling_correction: bool = flag("vLLM importance-sampling correction (unused).", default=True)
-    vllm_importance_sampling_mode: str = flag("vLLM importance-sampling mode (unused).", default="sequence_mask")
-    vllm_importance_sampling_clip_max: float = flag("vLLM importance-sampling clip (unused).", default=3.0)
-    vllm_importance_sampling_clip_min: float | None = flag("vLLM importance-sampling clip (unused).", default=None)
-    vllm_importance_sampling_cap: float | None = flag("vLLM importance-sampling cap (unused).", default=None)
     learning_rate: float = flag("Initial AdamW learning rate (TRL GRPO's default).", default=1e-6)
     temperature: float = flag("Sampling temperature; also divides logits when scoring logprobs.", default=1.0)
     num_generations: int = flag(

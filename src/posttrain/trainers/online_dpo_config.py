@@ -39,21 +39,15 @@ import math
 from dataclasses import dataclass
 
 from posttrain.configs import (
-    VLLM_NOT_USED,
     ConfigError,
     OnPolicyConfig,
     SamplingOptions,
     VLLMOptions,
     check_sampling_options,
     flag,
-    refuse_unsupported,
 )
 
 DEFAULT_MAX_NEW_TOKENS = 64
-
-
-# TRL 0.19's name of vllm_gpu_memory_utilization (the other vLLM fields: configs.VLLMOptions)
-VLLM_FIELDS = {"gpu_memory_utilization": VLLM_NOT_USED}
 
 
 def resolve_schedule(name: str, value: object) -> list[float]:
@@ -103,7 +97,6 @@ class OnlineDPOConfig(SamplingOptions, VLLMOptions, OnPolicyConfig):
     vllm_gpu_memory_utilization: float = flag("vLLM GPU memory fraction (not supported).", default=0.55)
 
     def __post_init__(self) -> None:
-        refuse_unsupported(self, VLLM_FIELDS)
         check_sampling_options(self)
         # The alias must be settled before OnPolicyConfig validates response_length.
         if (
