@@ -3,7 +3,8 @@
 The knobs and artifacts are those of ../shared/bench/common.py (the TRL reference harness), read from
 the same environment variables, so a posttrain run and a TRL run with the same environment do the
 same work: SIZE [14m] EPISODES [512] BATCH [16 completions per step] K [2] RESP_LEN [53]
-PPO_EPOCHS [1] LR [3e-6] SEED [42] TEMP [1.0] BF16 [0] THREADS [2] ART RUNS.
+PPO_EPOCHS [1] LR [3e-6] SEED [42] TEMP [1.0] BF16 [0] THREADS [2] ART RUNS; and one knob of posttrain's
+own, GC [0]: 1 turns on gradient checkpointing (benchmarks/README.md, "Trading speed for memory").
 Each script prints "RESULT_DIR <dir>" and writes <dir>/result.json; run_ours.sh adds peak RSS.
 """
 
@@ -40,6 +41,7 @@ LR = float(os.environ.get("LR", 3e-6))
 SEED = int(os.environ.get("SEED", 42))
 TEMP = float(os.environ.get("TEMP", 1.0))
 BF16 = os.environ.get("BF16", "0") == "1"
+GC = os.environ.get("GC", "0") == "1"
 THREADS = int(os.environ.get("THREADS", 2))
 POLICY, REWARD = f"{ART}/policy-{SIZE}", f"{ART}/reward-{SIZE}"
 
@@ -68,6 +70,7 @@ def common_config(out: str) -> dict[str, Any]:
         report_to="none",
         bf16=BF16,
         temperature=TEMP,
+        gradient_checkpointing=GC,
     )
 
 
@@ -134,6 +137,7 @@ def timed(
         seed=SEED,
         episodes=EPISODES,
         bf16=BF16,
+        gradient_checkpointing=GC,
         steps=optimizer_steps(),
         train_wall_s=round(wall, 2),
         eps_wall=round(EPISODES / wall, 2),

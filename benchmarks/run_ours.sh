@@ -6,7 +6,8 @@
 #            online_dpo | xpo            -> benchmarks/bench_online_dpo_xpo.py (TRAINER exported for the script)
 #            path/to/script.py           -> that script
 #   SIZE: 14m (default) | 70m. Knobs by environment as in shared/bench/common.py: EPISODES BATCH K RESP_LEN
-#   PPO_EPOCHS LR SEED TEMP BF16 THREADS ART RUNS; PYTHON picks the interpreter (default: the project venv).
+#   PPO_EPOCHS LR SEED TEMP BF16 THREADS ART RUNS, and GC=1 (gradient checkpointing, posttrain only); PYTHON picks
+#   the interpreter (default: the project venv).
 # The script must print "RESULT_DIR <dir>" and write <dir>/result.json; peak RSS and process wall time are added.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
