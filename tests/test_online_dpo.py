@@ -45,6 +45,17 @@ def make_config(tmp_path, **overrides) -> OnlineDPOConfig:
     return pair_config(OnlineDPOConfig, tmp_path, **overrides)
 
 
+def judged_trainer(tiny_tokenizer, cfg: OnlineDPOConfig, model=None, prompts=None) -> OnlineDPOTrainer:
+    """An Online DPO trainer ranking with the `shorter` judge on the standard prompts."""
+    return OnlineDPOTrainer(
+        model if model is not None else build_tiny_causal_lm(tiny_tokenizer),
+        judge=CallableJudge(shorter),
+        args=cfg,
+        processing_class=tiny_tokenizer,
+        train_dataset=prompts if prompts is not None else standard_prompts(),
+    )
+
+
 def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -72,13 +83,7 @@ def test_config_aliases_schedules_and_errors():
 def test_per_device_train_batch_size_counts_prompts(tmp_path, tiny_tokenizer):
     """An odd per_device_train_batch_size is fine: it counts prompts (TRL), each sampled twice."""
     cfg = make_config(tmp_path, per_device_train_batch_size=3, gradient_accumulation_steps=2, total_episodes=12)
-    trainer = OnlineDPOTrainer(
-        build_tiny_causal_lm(tiny_tokenizer),
-        judge=CallableJudge(shorter),
-        args=cfg,
-        processing_class=tiny_tokenizer,
-        train_dataset=standard_prompts(),
-    )
+    trainer = judged_trainer(tiny_tokenizer, cfg)
     # 3 prompts x GA 2 = 6 prompts = 12 completions per rollout batch; total_episodes=12 -> 1 batch.
     assert (cfg.local_mini_batch_size, cfg.batch_size, cfg.num_total_batches) == (12, 12, 1)
     assert trainer.run.prompts.batch_size == 6
@@ -147,13 +152,7 @@ def test_pair_loss_selection_and_dropped_pairs():
 # trainer runs
 # --------------------------------------------------------------------------------------------
 def test_padding_never_enters_reference_sums(tmp_path, tiny_tokenizer):
-    trainer = OnlineDPOTrainer(
-        build_tiny_causal_lm(tiny_tokenizer),
-        judge=CallableJudge(shorter),
-        args=make_config(tmp_path),
-        processing_class=tiny_tokenizer,
-        train_dataset=standard_prompts(),
-    )
+    trainer = judged_trainer(tiny_tokenizer, make_config(tmp_path))
     prompt = torch.tensor([[5, 6, 7], [1, 8, 9]])
     lengths = torch.tensor([4, 2])
     completion = torch.tensor([[10, 11, 12, 13, 1, 1], [14, 15, 1, 1, 1, 1]])
@@ -376,13 +375,7 @@ def test_cli_online_dpo(tmp_path, tiny_policy_dir):
 def test_non_finite_loss_skips_the_step(tmp_path, tiny_tokenizer):
     model = build_tiny_causal_lm(tiny_tokenizer)
     cfg = make_config(tmp_path, total_episodes=16, per_device_train_batch_size=4, gradient_accumulation_steps=1)
-    trainer = OnlineDPOTrainer(
-        model,
-        judge=CallableJudge(shorter),
-        args=cfg,
-        processing_class=tiny_tokenizer,
-        train_dataset=standard_prompts(8),
-    )
+    trainer = judged_trainer(tiny_tokenizer, cfg, model, standard_prompts(8))
     with torch.no_grad():
         trainer.model.lm_head.weight[:, 0] = float("nan")  # every log-softmax, hence every loss, is NaN
     before = params(trainer.model)
@@ -496,13 +489,7 @@ def test_trl_1x_sampling_options_reach_the_sampler(tmp_path, tiny_tokenizer):
         tmp_path, min_p=0.05, repetition_penalty=1.2, top_k=7, generation_kwargs={"top_k": 5, "do_sample": True}
     )
     assert (cfg.min_p, cfg.repetition_penalty, cfg.top_k) == (0.05, 1.2, 5)
-    trainer = OnlineDPOTrainer(
-        build_tiny_causal_lm(tiny_tokenizer),
-        judge=CallableJudge(shorter),
-        args=cfg,
-        processing_class=tiny_tokenizer,
-        train_dataset=standard_prompts(),
-    )
+    trainer = judged_trainer(tiny_tokenizer, cfg)
     sampling = trainer.run.sampling
     assert (sampling.min_p, sampling.repetition_penalty, sampling.top_k) == (0.05, 1.2, 5)
     with pytest.raises(ConfigError, match="do_sample=False: online training samples"):

@@ -55,8 +55,10 @@ class RepeatSampler(Sampler[int]):
             self.generator.manual_seed(seed)
 
     def __iter__(self) -> Iterator[int]:
-        order = torch.randperm(self.num_samples, generator=self.generator) if self.shuffle else None
-        indices = order.tolist() if order is not None else list(range(self.num_samples))
+        if self.shuffle:
+            indices = torch.randperm(self.num_samples, generator=self.generator).tolist()
+        else:
+            indices = list(range(self.num_samples))
         whole = self.num_samples // self.batch_size * self.batch_size
         for start in range(0, whole, self.batch_size):
             batch = indices[start : start + self.batch_size]
