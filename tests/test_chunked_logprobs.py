@@ -96,7 +96,9 @@ def test_chunked_logprobs_entropy_and_gradients_equal_full_logits(entropy_grad):
     lp_full, ent_full, g_full = run(full=True)
     lp, ent, g = run(full=False)
     torch.testing.assert_close(lp, lp_full, rtol=0, atol=1e-6)
-    torch.testing.assert_close(ent, ent_full, rtol=0, atol=1e-6)
+    # An entropy sums V terms; the chunk's and the whole block's reductions may vectorize differently (AVX2
+    # against AVX-512), a few float32 ulps of a value near log V.
+    torch.testing.assert_close(ent, ent_full, rtol=1e-6, atol=1e-6)
     assert_same_grads(g, g_full)
     # 0 off the completion mask, real values (log-probs < 0, entropy > 0) on it.
     assert bool((lp[~rollout.completion_mask] == 0).all()) and bool((lp[rollout.completion_mask] < 0).all())

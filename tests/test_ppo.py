@@ -403,7 +403,10 @@ def test_two_processes_equal_one_process(tmp_path):
     # A clean launch environment (helpers.child_env): no accelerate settings left behind by in-process tests.
     one, two = one_and_two_processes(tmp_path, MULTIPROC_SCRIPT, timeout=120)
     assert two["kl"] == pytest.approx(one["kl"], rel=1e-5)
-    torch.testing.assert_close(two["params"], one["params"], rtol=0, atol=2e-6)
+    # All-reduced gradients are summed in another order than one process's, and AdamW's first steps
+    # normalize each gradient entry, so that rounding can reach ~1e-3 of a step (lr 1e-3): atol 1e-5.
+    # Rows split or whitened wrongly across ranks move parameters by a sizeable part of a step.
+    torch.testing.assert_close(two["params"], one["params"], rtol=0, atol=1e-5)
 
 
 def test_resume_equals_uninterrupted(tmp_path, tiny_tokenizer, tiny_reward_model):
