@@ -10,8 +10,9 @@ STAMP := $(VENV)/.installed
 FLOOR_VENV ?= .venv-floor
 FLOOR_BIN := $(FLOOR_VENV)/bin
 FLOOR_STAMP := $(FLOOR_VENV)/.installed
-# The suite runs on two pytest-xdist workers (tests/conftest.py gives each its own torchrun port).
-PYTEST := -m pytest -n $(or $(TEST_WORKERS),2)
+# The suite runs on two pytest-xdist workers (tests/conftest.py gives each its own torchrun port) and
+# ends with its 20 slowest tests, to keep an eye on the suite's time.
+PYTEST := -m pytest -n $(or $(TEST_WORKERS),2) --durations=20
 TEST_ENV := OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 .PHONY: demo test test-floor lint install bench clean trl-tests
