@@ -204,6 +204,19 @@ def test_rloo_token_level_kl_scatter():
     torch.testing.assert_close(non_score_full, torch.full((2,), -kl_coef * length))
 
 
+def test_rloo_advantages_leave_out_unscored_completions():
+    """TRL 1.x: a completion no reward scored is out of its siblings' baseline and gets advantage 0."""
+    # k = 3 samples (rows) of 2 prompts (columns); sample 1 of prompt 0 and samples 0, 2 of prompt 1 unscored
+    rewards = torch.tensor([[1.0, 4.0], [0.0, 2.0], [5.0, 0.0]])
+    scorable = torch.tensor([[True, False], [False, True], [True, False]])
+    out = rloo_advantages(rewards, scorable)
+    # prompt 0: scored 1 and 5, each baselined by the other alone: 1 - 5 = -4, 5 - 1 = 4; the unscored one 0.
+    # prompt 1: the one scored sample has no scored sibling: 0, and so do the two unscored ones.
+    assert out.tolist() == [[-4.0, 0.0], [0.0, 0.0], [4.0, 0.0]]
+    all_scored = torch.ones(3, 2, dtype=torch.bool)
+    torch.testing.assert_close(rloo_advantages(rewards, all_scored), rloo_advantages(rewards))
+
+
 def test_rloo_advantages_errors():
     with pytest.raises(ValueError, match="k=1"):
         rloo_advantages(torch.ones(1, 3))

@@ -119,6 +119,11 @@ def test_log_metric_and_log_extra(tmp_path, tiny_tokenizer):
     # log_completions: the training rollouts' table (logged at step 2) carries the column too
     table = [r for r in lines if r.get("table") == "rollout_completions"]
     assert len(table) == 4 and all(r["echo"] == r["completion"] for r in table)
+    # TRL's `trainer._logs`: the last rollout batch (the 4 completions of step 2), with the logged column
+    logs = trainer._logs
+    assert len(logs["prompt"]) == len(logs["completion"]) == len(logs["advantages"]) == 4
+    assert logs["extra"]["echo"] == logs["completion"] and set(logs["rewards"]) == {"graded", "named"}
+    assert logs["rewards"]["named"] == [0.0] * 4
 
 
 def test_log_metric_and_log_extra_errors_name_the_function(tmp_path, tiny_tokenizer):

@@ -105,6 +105,28 @@ def test_reward_weights_train_as_the_weighted_sum(tmp_path, tiny_tokenizer):
     assert pair.state.log_history[-2]["reward"] == pytest.approx(single.state.log_history[-2]["reward"])
 
 
+def e_count_or_constant(completions, number, **kwargs):
+    """e_count_on_even, with 7.0 where that returns None."""
+    return [float(c.count("e")) if n % 2 == 0 else 7.0 for c, n in zip(completions, number)]
+
+
+def test_completions_no_reward_scores_train_with_trls_warning(tmp_path, tiny_tokenizer, caplog):
+    """Odd prompts' completions get None from the only reward: TRL's warning, and (TRL 1.x) they are left out
+    of the baseline with advantage 0, so the run trains as one where both completions of an odd prompt
+    score the same (no advantage between them) and even prompts' completions are scored alike."""
+    with caplog.at_level("WARNING"):
+        unscored = rloo(tmp_path, tiny_tokenizer, "unscored", e_count_on_even, beta=0.0)
+        last = train_and_last_log(unscored)
+    warnings = [r.getMessage() for r in caplog.records if "All reward functions returned None" in r.getMessage()]
+    assert len(warnings) == 2  # one per rollout batch: rows 2 and 4 of each get no reward
+    assert "2 of 4 completions" in warnings[0] and "'number': 1" in warnings[0]
+    constant = rloo(tmp_path, tiny_tokenizer, "constant", e_count_or_constant, beta=0.0)
+    constant.train()
+    assert torch.allclose(flat(unscored.policy), flat(constant.policy), atol=1e-6)
+    assert not torch.equal(flat(unscored.policy), flat(build_tiny_causal_lm(tiny_tokenizer)))
+    assert last["rewards/e_count_on_even/mean"] == pytest.approx(last["rewards/e_count_on_even/mean"])  # not NaN
+
+
 def test_reward_weights_must_match_the_rewards(tmp_path, tiny_tokenizer):
     with pytest.raises(ConfigError, match="reward_weights is empty"):
         RLOOConfig(reward_weights=[])
@@ -114,7 +136,7 @@ def test_reward_weights_must_match_the_rewards(tmp_path, tiny_tokenizer):
         rloo(tmp_path, tiny_tokenizer, "bad", [number, even_only], reward_weights=[1.0, 1.0, 1.0])
 
 
-def test_none_rewards_in_the_reward_function_matrix():
+def test_none_rewards_in_the_reward_function_matrix(caplog):
     def first(prompts, completions, **kwargs):
         return [1.0, None, None][: len(completions)]
 
@@ -122,12 +144,21 @@ def test_none_rewards_in_the_reward_function_matrix():
         return [None, 2.0, None][: len(completions)]
 
     prompts, completions = ["p", "q", "r"], ["a", "b", "c"]
-    matrix = reward_function_matrix([first, second], prompts, completions, scored_elsewhere=True)
+    with caplog.at_level("WARNING"):
+        matrix = reward_function_matrix([first, second], prompts, completions, scored_elsewhere=True)
     assert torch.isnan(matrix).tolist() == [[False, True], [True, False], [True, True]]
-    # a row no function scores: an error naming the row, every function and the fix
-    with pytest.raises(RewardFunctionError, match="row 3 of 3") as err:
-        reward_function_scores([first, second], prompts, completions)
-    assert "'first', 'second'" in str(err.value) and "return a number" in str(err.value)
+    assert not caplog.records  # a reward model scores the third row
+    # a row no function scores: TRL's warning, naming the row and every function; its reward is 0 (nansum)
+    with caplog.at_level("WARNING"):
+        out = reward_function_scores([first, second], prompts, completions, columns={"topic": ["x", "y", "z"]})
+    assert out.tolist() == [1.0, 2.0, 0.0]
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert message.startswith("All reward functions returned None for the following kwargs:")
+    assert "'topic': 'z'" in message and "'completion': 'c'" in message and "'first', 'second'" in message
+    assert "1 of 3 completions" in message
+    with pytest.raises(RewardFunctionError, match="returned 'x' at row 1 of 1"):  # a non-number is still an error
+        reward_function_scores([lambda prompts, completions, **kw: ["x"]], ["p"], ["a"])
     # the weighted sum skips a function's None (TRL's nansum)
     out = reward_function_scores([first, second], prompts[:2], completions[:2], weights=[0.5, 3.0])
     assert out.tolist() == [0.5, 6.0]

@@ -161,7 +161,6 @@ def test_reward_function_scores_weights_and_columns():
     "bad, message",
     [
         ([1.0], "returned 1 values for 2"),
-        ([1.0, None], "None at row 2 of 2"),
         ([math.nan, 1.0], "nan at row 1 of 2"),
         ([1.0, math.inf], "inf at row 2 of 2"),
         ([1.0, "x"], "'x' at row 2 of 2"),
@@ -174,6 +173,18 @@ def test_reward_function_validation_names_function_and_row(bad, message):
     with pytest.raises(ValueError, match="my_reward") as err:
         reward_function_scores(my_reward, ["p", "q"], ["a", "b"])
     assert message in str(err.value)
+
+
+def test_reward_function_none_everywhere_in_a_row_warns_and_scores_zero(caplog):
+    """A completion that gets None from the only reward function: TRL's warning naming the row, reward 0."""
+
+    def my_reward(prompts, completions, **kw):
+        return [1.0, None]
+
+    with caplog.at_level("WARNING"):
+        assert reward_function_scores(my_reward, ["p", "q"], ["a", "b"]).tolist() == [1.0, 0.0]
+    (record,) = caplog.records
+    assert "'completion': 'b'" in record.getMessage() and "('my_reward')" in record.getMessage()
 
 
 def test_reward_function_argument_errors():

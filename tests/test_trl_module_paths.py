@@ -75,3 +75,23 @@ def test_batch_generation_returns_queries_with_responses_and_their_scores(tiny_t
         ends = (response == eos).nonzero()
         n = int(ends[0]) + 1 if len(ends) else response.numel()
         assert torch.equal(response[:n], best[:n]) and bool((response[n:] == pad).all())
+
+
+def test_base_config_is_every_configs_base(monkeypatch, tmp_path):
+    """TRL >= 1.0's `trl.trainer.base_config._BaseConfig`: its conftest forces use_cpu on every config by
+    patching this class's __post_init__, which must reach each trainer's config."""
+    from posttrain import GRPOConfig, OnlineDPOConfig, PPOConfig, RLOOConfig, SFTConfig, XPOConfig
+    from posttrain.trainer.base_config import _BaseConfig
+
+    original = _BaseConfig.__post_init__
+    seen = []
+
+    def forced(self):
+        seen.append(type(self).__name__)
+        self.use_cpu = True
+        original(self)
+
+    monkeypatch.setattr(_BaseConfig, "__post_init__", forced)
+    for cls in (RLOOConfig, GRPOConfig, PPOConfig, OnlineDPOConfig, XPOConfig, SFTConfig):
+        assert cls(output_dir=str(tmp_path)).use_cpu is True
+    assert seen == ["RLOOConfig", "GRPOConfig", "PPOConfig", "OnlineDPOConfig", "XPOConfig", "SFTConfig"]

@@ -414,7 +414,7 @@ class AdaptiveKLController:
 # --------------------------------------------------------------------------------------------
 
 
-def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+def rloo_advantages(rewards: torch.Tensor, scorable: torch.Tensor | None = None) -> torch.Tensor:
     """REINFORCE leave-one-out advantages. rewards: (k, num_prompts) -> advantages (k, num_prompts).
 
     Row i is the i-th sample of every prompt (TRL 0.19 layout: `rlhf_reward.reshape(rloo_k, −1)`).
@@ -422,14 +422,24 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     A_i = r_i − baseline_i. Source: Ahmadian et al. 2024 "Back to Basics"; TRL 0.19
     `RLOOTrainer` and `test_rloo_reward`. Rollouts laid out prompt-major (rollout.generate with
     num_samples = k) are `rewards.view(num_prompts, k).T`.
+
+    scorable (k, num_prompts) bool, optional: False for a completion that no reward scored (every reward
+    function returned None). As TRL 1.x's RLOO, such a completion is left out of its siblings' baseline
+    (the mean of the other scorable samples) and gets advantage 0, as does a scorable one with no
+    scorable sibling.
     """
     if rewards.dim() != 2:
         raise ValueError(f"rloo_advantages expects rewards shaped (k, num_prompts), got shape {tuple(rewards.shape)}.")
     k = rewards.size(0)
     if k < 2:
         raise ValueError(f"RLOO needs at least 2 samples per prompt for a leave-one-out baseline, got k={k}.")
-    baseline = (rewards.sum(dim=0, keepdim=True) - rewards) / (k - 1)
-    return rewards - baseline
+    if scorable is None or bool(scorable.all()):
+        baseline = (rewards.sum(dim=0, keepdim=True) - rewards) / (k - 1)
+        return rewards - baseline
+    kept = torch.where(scorable, rewards, torch.zeros_like(rewards))
+    others = scorable.sum(dim=0, keepdim=True) - 1  # scorable siblings of a scorable sample
+    baseline = (kept.sum(dim=0, keepdim=True) - kept) / others.clamp(min=1)
+    return torch.where(scorable & (others > 0), rewards - baseline, torch.zeros_like(rewards))
 
 
 def group_advantages(rewards: torch.Tensor, scale_std: bool = True, eps: float = 1e-4) -> torch.Tensor:

@@ -758,8 +758,9 @@ def reward_function_matrix(
     Every function gets the prompts, the completions and the dataset columns and must return B
     finite real numbers or None (TRL's multi-task rewards: the function does not apply to that row;
     NaN in its column, which the weighted sums skip). Anything else (wrong length, NaN, inf,
-    non-number) raises ValueError naming the function and the first bad row, and so does a row where
-    every function returned None, unless `scored_elsewhere` (a reward model also scores every row).
+    non-number) raises ValueError naming the function and the first bad row. A row where every function
+    returned None gets TRL's warning ("All reward functions returned None ...", naming the row) unless
+    `scored_elsewhere` (a reward model also scores every row); its weighted sum is 0, as TRL's nansum.
     An exception raised inside a function becomes
     RewardFunctionRaised (chained from it). TRL's new PPO accepted only nn.Module reward models
     (TRL#2518). Functions written for TRL's GRPO (`def f(completions, **kwargs)`, prompts passed as a
@@ -821,18 +822,19 @@ def reward_function_matrix(
             out[i, j] = float(value)
     unscored = torch.isnan(out).all(dim=1).nonzero()
     if len(unscored) and not scored_elsewhere:
+        # TRL's behaviour: a warning naming the first such row, and the row's weighted sum is 0 (nansum)
         i = int(unscored[0])
-        where = f"at row {i + 1} of {B} (completion {str(completions[i])[:80]!r})"
-        if len(funcs) == 1:
-            raise RewardFunctionError(
-                f"reward function {reward_function_name(funcs[0])!r} returned None {where}; None means the reward "
-                "does not apply, and it is the only reward, so that completion has none. Return a number for every "
-                "completion, or add a reward that scores the rows this one skips."
-            )
+        row = {key: values[i] for key, values in columns.items()}
+        row.update(prompt=prompts[i], completion=completions[i])
         names = ", ".join(repr(reward_function_name(f)) for f in funcs)
-        raise RewardFunctionError(
-            f"every reward function ({names}) returned None {where}, so that completion has no reward (TRL warns "
-            "and trains on NaN; posttrain refuses it). Make at least one function return a number for every completion."
+        logger.warning(
+            "All reward functions returned None for the following kwargs:\n%s\n"
+            "Please ensure that at least one reward function returns a valid reward. (%d of %d completions got "
+            "None from every reward function (%s); their reward is 0.)",
+            row,
+            len(unscored),
+            B,
+            names,
         )
     return out
 

@@ -964,14 +964,16 @@ def log_reward_metrics(run: OnlineRun, reward: RewardSource, rewards: torch.Tens
 def log_completions_table(
     trainer: OnlineTrainer, update: int, rollout: Rollout, rewards: torch.Tensor, advantages: torch.Tensor
 ) -> None:
-    """log_completions (TRL 1.x GRPO / RLOO): at a logging step, the rollout batch of every process as a
-    table of prompt, completion, each reward (its own, unweighted; None where it does not apply) and
-    advantage, the first num_completions_to_print rows (None: all), printed with rich on the main
-    process and written to samples.jsonl (table "rollout_completions"; also a wandb table), with the
-    columns reward functions passed to `log_extra` for these rows.
+    """log_completions (TRL 1.x GRPO / RLOO): the rollout batch of every process, as prompt, completion,
+    each reward (its own, unweighted; None where it does not apply), advantage and the columns reward
+    functions passed to `log_extra` for these rows, kept in `trainer._logs` after every rollout batch
+    (TRL's attribute and layout: lists "prompt", "completion", "advantages", and dicts "rewards" and
+    "extra" of one list per name) and, at a logging step, shown as a table of the first
+    num_completions_to_print rows (None: all), printed with rich on the main process and written to
+    samples.jsonl (table "rollout_completions"; also a wandb table).
     `rewards` (B, F) as `score_rewards` (extra columns past the rewards' are left out), `advantages` (B,)."""
     config, run = trainer.args, trainer.run
-    if not config.log_completions or not run.should_log(update):
+    if not config.log_completions:
         return
     acc = run.accelerator
     prompts = dist.gather_object(decode_prompts(run.tokenizer, rollout), acc)
@@ -985,11 +987,22 @@ def log_completions_table(
         for column, values in part.items():
             extra.setdefault(column, []).extend(values)
     extra = {column: values for column, values in extra.items() if len(values) == len(prompts)}
+    per_reward = {name: [None if row[j] != row[j] else row[j] for row in scores] for j, name in enumerate(names)}
+    trainer._logs = {
+        "prompt": prompts,
+        "completion": completions,
+        "rewards": per_reward,
+        "advantages": advantage,
+        "extra": extra,
+        "images": [],
+    }
+    if not run.should_log(update):
+        return
     shown = len(prompts) if config.num_completions_to_print is None else config.num_completions_to_print
     rows = []
-    for i, (prompt, completion, row_scores, a) in enumerate(list(zip(prompts, completions, scores, advantage))[:shown]):
+    for i, (prompt, completion, a) in enumerate(list(zip(prompts, completions, advantage))[:shown]):
         row = {"prompt": prompt, "completion": completion}
-        row.update({name: None if value != value else value for name, value in zip(names, row_scores)})
+        row.update({name: values[i] for name, values in per_reward.items()})
         row.update({column: values[i] for column, values in extra.items()})
         rows.append({**row, "advantage": a})
     run.tracker.log_table("rollout_completions", rows, step=update + 1)
@@ -1311,6 +1324,8 @@ class OnlineTrainer(hub.PushToHub):
 
         self.args = config
         self.processing_class = ensure_pad_token(tokenizer)
+        # log_completions (GRPO, RLOO): the last rollout batch's rows, in TRL's layout (log_completions_table)
+        self._logs = {"prompt": [], "completion": [], "rewards": {}, "advantages": [], "extra": {}, "images": []}
         critic = getattr(model, "critic", None)  # PPO's separate value model
         limits = [*position_limits, *positions.limits_of([("value model", critic, None)])]
         self.run = OnlineRun(

@@ -11,8 +11,9 @@ One rollout batch (`update`), per rank, with P = prompts_per_rollout prompts and
    from lengths (rollout.py).
 2. Score. s = Σ_f w_f·r_f over the rewards r_f (reward models scored at the last real token, reward
    functions f(prompt, completion)), w = reward_weights (default 1); a function's None (it does not
-   apply to that row) is left out of the sum, as TRL's nansum, and a row no reward scores is an error
-   (a TRL >= 0.21-style call passes conversational prompts and completions as messages, as TRL 1.x);
+   apply to that row) is left out of the sum, as TRL's nansum; a row no reward scores gets TRL's warning
+   and is left out of step 4's baseline with advantage 0, as TRL 1.x (a TRL >= 0.21-style call
+   passes conversational prompts and completions as messages, as TRL 1.x);
    s −= missing_eos_penalty where no stop token was produced (scoring.RewardSource).
    normalize_reward: s ← clip((s − mean)/(std + 1e-8), ±reward_clip_range) over the global batch.
 3. KL-shaped reward, one number per sequence. kl_t = log π(y_t) − log π_ref(y_t) (k1 on the
@@ -298,7 +299,10 @@ class RLOOTrainer(OnlineTrainer):
                     everywhere = torch.ones_like(rlhf_reward, dtype=torch.bool)
                     rlhf_reward = adv.whiten_rewards(rlhf_reward, everywhere, moments=run.batch_moments(rlhf_reward))
                 # 4. leave-one-out baseline over the explicit (k, num_prompts) grid
-                advantages = adv.rloo_advantages(rlhf_reward.view(k, exp.num_prompts)).flatten()  # (B,)
+                # a completion no reward scored (every reward function returned None) is left out (TRL 1.x)
+                scorable = ~torch.isnan(exp.rewards[:, : len(self.reward.names)]).all(-1)
+                grid = (k, exp.num_prompts)
+                advantages = adv.rloo_advantages(rlhf_reward.view(grid), scorable.view(grid)).flatten()  # (B,)
                 if config.normalize_advantage:
                     advantages = adv.normalize_advantages(advantages, moments=run.batch_moments(advantages))
                 online.log_completions_table(self, update, exp.rollout, exp.rewards, advantages)
