@@ -390,3 +390,39 @@ def test_grpo_vllm_importance_sampling_fields_at_trl_defaults():
     assert config.vllm_importance_sampling_clip_max == 3.0
     with pytest.raises(ConfigError, match="vllm_importance_sampling_correction=False is not supported"):
         GRPOConfig(vllm_importance_sampling_correction=False)
+
+
+def test_moe_policy_whose_forward_has_no_aux_loss_trains_with_a_warning(tmp_path, tiny_tokenizer):
+    """GLM-4 MoE's config has output_router_logits, but its forward returns aux_loss=None: TRL's rule
+    enables the loss, and training goes on without it (one warning) instead of failing."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Glm4MoeConfig"):
+        pytest.skip("this transformers has no GLM-4 MoE")
+    config = transformers.Glm4MoeConfig(
+        vocab_size=len(tiny_tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=256,
+        bos_token_id=tiny_tokenizer.bos_token_id,
+        eos_token_id=tiny_tokenizer.eos_token_id,
+        pad_token_id=tiny_tokenizer.pad_token_id,
+    )
+    policy = transformers.AutoModelForCausalLM.from_config(config)
+    before = flat(policy).clone()
+    cfg = grpo_config(tmp_path, name="glm", total_episodes=4)
+    trainer = GRPOTrainer(policy, length_reward, cfg, prompt_dataset(8), processing_class=tiny_tokenizer)
+    assert trainer.aux_loss_enabled
+    with pytest.warns(UserWarning, match="has no aux_loss even with output_router_logits=True"):
+        trainer.train()
+    assert "aux_loss" not in trainer.state.log_history[-1]
+    assert not torch.equal(before, flat(policy))

@@ -303,10 +303,12 @@ def _router_aux_loss(out: Any, asked: bool) -> torch.Tensor | None:
     if not asked:
         return None
     aux = getattr(out, "aux_loss", None)
-    if aux is None:
-        raise ValueError(
-            "router_aux_loss_coef: the model was asked for its router logits (output_router_logits=True) but "
-            "returned no aux_loss; set router_aux_loss_coef=0 for this model."
+    if aux is None:  # e.g. GLM-4 MoE: its config has output_router_logits, its forward computes no aux_loss
+        warnings.warn(
+            f"router_aux_loss_coef: {type(out).__name__} of this model has no aux_loss even with "
+            "output_router_logits=True, so no router load-balancing loss is added; set router_aux_loss_coef=0 "
+            "to silence this.",
+            stacklevel=2,
         )
     return aux
 
