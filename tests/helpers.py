@@ -381,11 +381,11 @@ def online_trainer(
     policy = build_tiny_causal_lm(tokenizer)
     common = dict(train_dataset=dataset, eval_dataset=eval_dataset, callbacks=callbacks, peft_config=peft_config)
     if algo == "rloo":
-        args = RLOOConfig(rloo_k=2, response_length=4, **values)
+        args = RLOOConfig(**{"rloo_k": 2, "response_length": 4, **values})
         return RLOOTrainer(args, tokenizer, policy, None, reward, **common)
     if algo == "grpo":
         # beta > 0: a KL term and a reference (TRL 1.16's default beta is 0.0, no reference)
-        args = GRPOConfig(num_generations=2, response_length=4, beta=0.05, **values)
+        args = GRPOConfig(**{"num_generations": 2, "response_length": 4, "beta": 0.05, **values})
         return GRPOTrainer(policy, reward, args, processing_class=tokenizer, **common)
     if algo == "ppo":
         args = PPOConfig(response_length=4, value_model_init="policy", **values)

@@ -520,7 +520,13 @@ def test_online_trainer_log_evaluate_and_the_callback_list(tmp_path, tiny_tokeni
     removed = add_pop_and_remove(trainer, recorder)
 
     metrics = log_and_evaluate(trainer, recorder)
-    assert set(metrics) == {"eval_objective/scores", "eval_completions/mean_length", "eval_val/num_eos_tokens"}
+    assert set(metrics) == {
+        "eval_objective/scores",
+        "eval_completions/mean_length",
+        "eval_val/num_eos_tokens",
+        "eval_loss",  # RLOO's loss on sampled groups (TRL's name)
+    }
+    assert metrics["eval_loss"] == pytest.approx(0.0, abs=1e-6)  # each prompt's leave-one-out advantages sum to 0
     # Each score is 2.0, less missing_eos_penalty for the completions of the 4 prompts that did not end.
     eos = metrics["eval_val/num_eos_tokens"]
     assert 0 <= eos <= 4 and metrics["eval_objective/scores"] == pytest.approx(2.0 - (4 - eos) / 4)

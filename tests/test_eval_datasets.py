@@ -3,9 +3,10 @@ object given, a dict of named sets is evaluated set by set with `eval_{name}_` m
 into memory, and `evaluate(eval_dataset=..., metric_key_prefix=...)` evaluates a set given to it."""
 
 import pytest
+import torch
 from datasets import Dataset, DatasetDict, IterableDatasetDict
 
-from helpers import build_tiny_causal_lm, online_trainer
+from helpers import build_tiny_causal_lm, flat, online_trainer
 from posttrain.configs import ConfigError
 from posttrain.trainers.rloo import RLOOTrainer
 from posttrain.trainers.rloo_config import RLOOConfig
@@ -24,8 +25,10 @@ def prompts(n: int, value: float, word: str = "Hello") -> Dataset:
     return Dataset.from_dict({"prompt": [f"{word} {i}" for i in range(n)], "value": [value] * n})
 
 
-def keys(*prefixes: str) -> set[str]:
-    return {f"{prefix}_{metric}" for prefix in prefixes for metric in METRICS}
+def keys(*prefixes: str, algo: str = "") -> set[str]:
+    """The metrics of an evaluation under each prefix; GRPO and RLOO add TRL's loss (`eval_loss`)."""
+    metrics = (*METRICS, "loss") if algo in ("grpo", "rloo") else METRICS
+    return {f"{prefix}_{metric}" for prefix in prefixes for metric in metrics}
 
 
 @pytest.mark.parametrize("algo", ONLINE)
@@ -42,11 +45,12 @@ def test_named_eval_sets_are_kept_as_given_and_each_evaluated_under_its_name(tmp
     assert trainer.train_dataset.column_names == ["prompt"] and "input_ids" in trainer.run.train_dataset.column_names
 
     metrics = trainer.evaluate()
-    assert set(metrics) == keys("eval_a", "eval_b")
+    assert set(metrics) == keys("eval_a", "eval_b", algo=algo)
     assert metrics["eval_a_objective/scores"] == 1.0 and metrics["eval_b_objective/scores"] == 3.0
     # one log entry per set, as transformers logs each named set's evaluation
     entries = [e for e in trainer.state.log_history if any(k.startswith("eval_") for k in e)]
-    assert [sorted(e.keys() - {"step", "epoch"}) for e in entries] == [sorted(keys("eval_a")), sorted(keys("eval_b"))]
+    expected = [sorted(keys("eval_a", algo=algo)), sorted(keys("eval_b", algo=algo))]
+    assert [sorted(e.keys() - {"step", "epoch"}) for e in entries] == expected
     # the sample tables draw from the first set
     rows = trainer.sample_completions(5)
     assert [r["prompt"] for r in rows] == ["Hello 0", "Hello 1"] and [r["score"] for r in rows] == [1.0, 1.0]
@@ -63,17 +67,17 @@ def test_evaluate_takes_a_set_or_named_sets_in_place_of_the_trainers(tmp_path, t
 
     streamed = prompts(3, 2.0).to_iterable_dataset()
     metrics = trainer.evaluate(eval_dataset=streamed)
-    assert set(metrics) == keys("eval") and metrics["eval_objective/scores"] == 2.0
+    assert set(metrics) == keys("eval", algo="rloo") and metrics["eval_objective/scores"] == 2.0
 
     named = DatasetDict({"x": prompts(2, 1.0), "y": prompts(2, 5.0)})
     metrics = trainer.evaluate(eval_dataset=named, ignore_keys=["past_key_values"], metric_key_prefix="test")
-    assert set(metrics) == keys("test_x", "test_y")
+    assert set(metrics) == keys("test_x", "test_y", algo="rloo")
     assert (metrics["test_x_objective/scores"], metrics["test_y_objective/scores"]) == (1.0, 5.0)
 
     streams = IterableDatasetDict({"z": prompts(1, 4.0).to_iterable_dataset()})
     from_stream = trainer.evaluate(eval_dataset=streams)
     assert from_stream == trainer.evaluate(eval_dataset={"z": prompts(1, 4.0)})
-    assert set(from_stream) == keys("eval_z") and from_stream["eval_z_objective/scores"] == 4.0
+    assert set(from_stream) == keys("eval_z", algo="rloo") and from_stream["eval_z_objective/scores"] == 4.0
     assert trainer.eval_dataset is None  # a set given to evaluate() is not kept
 
     # assigning the trainer's eval set prepares it; a name picks one of the trainer's named sets
@@ -139,3 +143,58 @@ def test_a_streaming_train_set_is_refused_with_the_fix(tmp_path, tiny_tokenizer)
             value_reward,
             train_dataset=prompts(4, 1.0).to_iterable_dataset(),
         )
+
+
+def token_count(completions, completion_ids, **kwargs):
+    """Each completion's length in tokens (its stop token included)."""
+    return [float(len(ids)) for ids in completion_ids]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rloo"])
+def test_eval_loss_is_the_training_loss_on_sampled_groups(tmp_path, tiny_tokenizer, monkeypatch, algo):
+    """TRL's eval_loss: the trainer's loss at ratio 1 on groups sampled from each eval prompt, from a stream of
+    its own: evaluating twice gives the same number, and evaluating does not move training's samples."""
+    from posttrain.trainers import grpo as grpo_module
+    from posttrain.trainers import online
+
+    common = dict(reward=token_count, eval_dataset=prompts(3, 0.0), per_device_eval_batch_size=2)
+    if algo == "grpo":
+        # dapo weighs each completion's advantage by its length; stop id 155 ends some completions early
+        # (the first eval batch's first group gets lengths 2 and 8), so the loss is not 0
+        common.update(loss_type="dapo", beta=0.0, response_length=8, stop_token_id=155)
+    trainer = online_trainer(algo, tmp_path / "a", tiny_tokenizer, **common)
+    seen = []
+    module = grpo_module if algo == "grpo" else online
+
+    def recording(*args, **kwargs):
+        rollout = sample(*args, **kwargs)
+        seen.append(rollout)
+        return rollout
+
+    sample = module.sample
+    monkeypatch.setattr(module, "sample", recording)
+    first = trainer.evaluate()
+    monkeypatch.setattr(module, "sample", sample)
+    loss = first["eval_loss"]
+    assert trainer.evaluate()["eval_loss"] == loss
+    # by hand, from the sampled lengths: batches of 2 and 1 prompts, weighted by their prompts
+    group = 2
+    expected = []
+    # the sampled groups of each batch (RLOO's module also draws each batch's greedy completions first)
+    for rollout in seen if algo == "grpo" else seen[1::2]:
+        lengths = rollout.completion_lengths.float()
+        if algo == "grpo":  # prompt-major groups; A = (r - mean) / (unbiased std + 1e-4); dapo: token sum / tokens
+            grid = lengths.view(-1, group)
+            std = grid.std(dim=1, keepdim=True) if group > 1 else torch.zeros_like(grid[:, :1])
+            advantages = ((grid - grid.mean(dim=1, keepdim=True)) / (std + 1e-4)).flatten()
+            expected.append(float(-(advantages * lengths).sum() / lengths.sum()))
+        else:  # RLOO: the leave-one-out advantages of each prompt sum to 0, so the sequence mean is 0
+            expected.append(0.0)
+    assert len(expected) == 2
+    assert loss == pytest.approx((2 * expected[0] + expected[1]) / 3, abs=1e-6)
+
+    # evaluating before training leaves training's samples (and so the trained weights) as they were
+    trainer.train()
+    plain = online_trainer(algo, tmp_path / "b", tiny_tokenizer, **{**common, "eval_dataset": None})
+    plain.train()
+    assert torch.equal(flat(trainer.model), flat(plain.model))

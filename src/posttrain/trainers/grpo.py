@@ -314,6 +314,55 @@ class GRPOTrainer(OnlineTrainer):
         return torch.tensor(weights, dtype=rewards.dtype, device=rewards.device)
 
     @torch.no_grad()
+    def eval_loss(self, batch: dict, generator: torch.Generator) -> torch.Tensor:
+        """TRL's eval_loss: step 4's loss (without the entropy bonus and the MoE router loss) on
+        num_generations completions of each prompt of `batch`, sampled with `generator` and scored
+        and advantaged as in training, at the policy that sampled them (ratio 1)."""
+        config, run = self.args, self.run
+        group = config.num_generations
+        rows = torch.arange(batch["input_ids"].size(0), device=batch["input_ids"].device).repeat_interleave(group)
+        ids, mask = batch["input_ids"][rows], batch["attention_mask"][rows]
+        rollout = sample(run, self.wrapped, ids, mask, generator=generator, return_logprobs=True)
+        prompts, completions, columns = [""] * len(rollout), [""] * len(rollout), {}
+        if self.reward.needs_texts:
+            prompts, completions, columns = online.rows_texts(run, batch, rollout, rows.tolist(), messages=True)
+        with run.autocast():
+            rewards = self.reward.per_reward(rollout, prompts, completions, columns)
+        self.reward.check_finite(rewards)
+        if config.missing_eos_penalty is not None:
+            missing = -config.missing_eos_penalty * (~rollout.ended.to(rewards.device, torch.bool)).to(rewards.dtype)
+            rewards = torch.cat([rewards, missing[:, None]], dim=1)
+        advantages, _ = grpo_advantages(
+            rewards.view(-1, group, rewards.size(1)),
+            reward_weights=self.reward_weights(rewards),
+            scale_rewards=config.scale_rewards,
+            multi_objective_aggregation=config.multi_objective_aggregation,
+        )
+        loss_mask = rollout.completion_mask
+        if config.mask_truncated_completions:
+            loss_mask = truncation_loss_mask(loss_mask, rollout.ended)
+        ref_logprobs = reference_logprobs(run, self.wrapped, self.ref_model, rollout) if self.use_reference else None
+        logprobs = rollout.logprobs
+        loss, _ = grpo_policy_loss(
+            logprobs,
+            logprobs,
+            advantages.reshape(-1),
+            loss_mask,
+            loss_type=config.loss_type,
+            importance_sampling_level=config.importance_sampling_level,
+            epsilon=config.epsilon,
+            epsilon_high=config.epsilon_high,
+            delta=config.delta,
+            sapo_temperature_pos=config.sapo_temperature_pos,
+            sapo_temperature_neg=config.sapo_temperature_neg,
+            beta=config.beta,
+            ref_logprobs=ref_logprobs,
+            use_bias_correction_kl=config.use_bias_correction_kl,
+            max_completion_length=config.response_length,
+        )
+        return loss
+
+    @torch.no_grad()
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """Advantages (L,) of this rank's rows, from the rewards of ALL ranks on the (P, G, F) grid."""
         config, run = self.args, self.run

@@ -902,28 +902,39 @@ def sample_and_score(
     k: int,
     *,
     with_reference: bool,
+    generator: torch.Generator | None = None,
+    log_metrics: bool = True,
 ) -> Experience:
     """k completions per prompt, their scores and (with a reference) reference log-probs and k1 KL.
 
     Prompts are repeated as k blocks (TRL's `queries.repeat(rloo_k, 1)`), so `scores.view(k, P)` is
     the (sample, prompt) grid. with_reference: take reference log-probs from `ref_policy`, or with
     `ref_policy` None from the PEFT policy with its adapter disabled. Logs objective/scores, objective/entropy,
-    objective/kl, val/num_eos_tokens and completions/mean_length.
+    objective/kl, val/num_eos_tokens and completions/mean_length (unless `log_metrics` is False: an
+    evaluation); `generator`: the sampling stream (default the run's).
     """
     from posttrain.advantages import kl_penalty
 
     num_prompts = batch["input_ids"].size(0)
     rollout = sample(
-        run, policy, batch["input_ids"].repeat(k, 1), batch["attention_mask"].repeat(k, 1), return_logprobs=True
+        run,
+        policy,
+        batch["input_ids"].repeat(k, 1),
+        batch["attention_mask"].repeat(k, 1),
+        generator=generator,
+        return_logprobs=True,
     )
     rewards = score_rewards(run, reward, rollout, batch, k)
     scores = reward.weighted_sum(rewards, rollout.ended)
     mask = rollout.completion_mask
     ref_logprobs = kl = None
-    m = run.metrics
     if with_reference:
         ref_logprobs = reference_logprobs(run, policy, ref_policy, rollout)
         kl = kl_penalty(rollout.logprobs, ref_logprobs, "k1", mask)
+    if not log_metrics:
+        return Experience(rollout, scores, ref_logprobs, kl, num_prompts, k, rewards)
+    m = run.metrics
+    if kl is not None:
         m.add_mean("objective/kl", kl.sum(-1))
     m.add_mean("objective/scores", scores)
     m.add_mean("objective/entropy", -(rollout.logprobs * mask).sum(-1))
@@ -1558,12 +1569,16 @@ class OnlineTrainer(hub.PushToHub):
             )
         return metrics
 
+    # GRPO, RLOO: the training loss of a prompt batch, on completions sampled with the given generator
+    # (`{prefix}_loss` of evaluate, TRL's eval_loss); None where the trainer has none.
+    eval_loss: Callable[[dict, torch.Generator], torch.Tensor] | None = None
+
     @torch.no_grad()
     def _evaluate_set(self, data: Any, metric_key_prefix: str) -> dict[str, float]:
         """`evaluate` of one prepared eval set: its metrics, logged and passed to on_evaluate."""
         run = self.run
         n, size = len(data), self.args.per_device_eval_batch_size
-        scores, lengths, ended = [], [], 0
+        scores, lengths, ended, losses = [], [], 0, []
         logged: dict[str, list[float]] = {}  # reward functions' log_metric: each batch's mean
         for start in range(0, n, size):
             batch = run.to_device(run.collate([data[i] for i in range(start, min(start + size, n))]))
@@ -1574,7 +1589,14 @@ class OnlineTrainer(hub.PushToHub):
                 scores.extend(batch_scores.float().tolist())
             for name, values in self.take_function_logs()[0].items():
                 logged.setdefault(name, []).append(sum(values) / len(values))
+            if self.eval_loss is not None:
+                seed = self.args.seed + start  # its own stream: evaluating never moves training's samples
+                loss = self.eval_loss(batch, torch.Generator(device=run.device).manual_seed(seed))
+                losses.append((float(loss) * len(batch["input_ids"]), len(batch["input_ids"])))
+                self.take_function_logs()  # metrics are the greedy completions' (above)
         metrics = {}
+        if losses:
+            metrics[f"{metric_key_prefix}_loss"] = sum(x for x, _ in losses) / sum(n for _, n in losses)
         if scores:
             metrics[f"{metric_key_prefix}_objective/scores"] = sum(scores) / len(scores)
         metrics[f"{metric_key_prefix}_completions/mean_length"] = sum(lengths) / len(lengths)

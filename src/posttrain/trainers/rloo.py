@@ -283,28 +283,8 @@ class RLOOTrainer(OnlineTrainer):
                     with_reference=self.use_reference,
                 )
                 online.log_reward_metrics(run, self.reward, exp.rewards, total=True)
-                mask = exp.rollout.completion_mask
-                scores = exp.scores
-                if isinstance(config.reward_clip_range, tuple):  # TRL >= 0.21: clip the raw rewards
-                    scores = scores.clamp(*config.reward_clip_range)
-                elif config.normalize_reward:
-                    scores = adv.normalize_rewards(scores, config.reward_clip_range, moments=run.batch_moments(scores))
-                # 3. KL-shaped reward, one number per sequence
-                kl = exp.kl if exp.kl is not None else torch.zeros_like(exp.rollout.logprobs)
-                shape = adv.token_level_kl_rewards if config.token_level_kl else adv.sequence_kl_rewards
-                rlhf_reward, non_score_reward = shape(scores, kl, mask, config.kl_coef)  # (B,), (B,)
-                metrics.add_mean("objective/non_score_reward", non_score_reward)
-                metrics.add_mean("objective/rlhf_reward", rlhf_reward)
-                if config.whiten_rewards:
-                    everywhere = torch.ones_like(rlhf_reward, dtype=torch.bool)
-                    rlhf_reward = adv.whiten_rewards(rlhf_reward, everywhere, moments=run.batch_moments(rlhf_reward))
-                # 4. leave-one-out baseline over the explicit (k, num_prompts) grid
-                # a completion no reward scored (every reward function returned None) is left out (TRL 1.x)
-                scorable = ~torch.isnan(exp.rewards[:, : len(self.reward.names)]).all(-1)
-                grid = (k, exp.num_prompts)
-                advantages = adv.rloo_advantages(rlhf_reward.view(grid), scorable.view(grid)).flatten()  # (B,)
-                if config.normalize_advantage:
-                    advantages = adv.normalize_advantages(advantages, moments=run.batch_moments(advantages))
+                # 2-4. scores, KL-shaped reward, leave-one-out advantages
+                advantages = self.advantages(exp)
                 online.log_completions_table(self, update, exp.rollout, exp.rewards, advantages)
 
                 # 5. sequence-level PPO-clip updates
@@ -351,6 +331,64 @@ class RLOOTrainer(OnlineTrainer):
                 )
                 self.end_of_update(update, {"val/clipfrac_avg": 0.0})
         return self.train_output
+
+    @torch.no_grad()
+    def advantages(self, exp: online.Experience, *, training: bool = True) -> torch.Tensor:
+        """Steps 2 (clipping or normalizing the scores) to 4 of one rollout batch: its advantages (B,).
+        training: statistics over the rows of all ranks, objective/non_score_reward and
+        objective/rlhf_reward logged; False (an evaluation): this rank's rows, nothing logged."""
+        config, run, k = self.args, self.run, self.args.rloo_k
+        moments = run.batch_moments if training else (lambda values: None)
+        mask = exp.rollout.completion_mask
+        scores = exp.scores
+        if isinstance(config.reward_clip_range, tuple):  # TRL >= 0.21: clip the raw rewards
+            scores = scores.clamp(*config.reward_clip_range)
+        elif config.normalize_reward:
+            scores = adv.normalize_rewards(scores, config.reward_clip_range, moments=moments(scores))
+        # 3. KL-shaped reward, one number per sequence
+        kl = exp.kl if exp.kl is not None else torch.zeros_like(exp.rollout.logprobs)
+        shape = adv.token_level_kl_rewards if config.token_level_kl else adv.sequence_kl_rewards
+        rlhf_reward, non_score_reward = shape(scores, kl, mask, config.kl_coef)  # (B,), (B,)
+        if training:
+            run.metrics.add_mean("objective/non_score_reward", non_score_reward)
+            run.metrics.add_mean("objective/rlhf_reward", rlhf_reward)
+        if config.whiten_rewards:
+            everywhere = torch.ones_like(rlhf_reward, dtype=torch.bool)
+            rlhf_reward = adv.whiten_rewards(rlhf_reward, everywhere, moments=moments(rlhf_reward))
+        # 4. leave-one-out baseline over the explicit (k, num_prompts) grid; a completion no reward
+        # scored (every reward function returned None) is left out of it (TRL 1.x)
+        scorable = ~torch.isnan(exp.rewards[:, : len(self.reward.names)]).all(-1)
+        grid = (k, exp.num_prompts)
+        advantages = adv.rloo_advantages(rlhf_reward.view(grid), scorable.view(grid)).flatten()  # (B,)
+        if config.normalize_advantage:
+            advantages = adv.normalize_advantages(advantages, moments=moments(advantages))
+        return advantages
+
+    @torch.no_grad()
+    def eval_loss(self, batch: dict, generator: torch.Generator) -> torch.Tensor:
+        """TRL's eval_loss: step 5's loss (without the MoE router loss) on rloo_k completions of each
+        prompt of `batch`, sampled with `generator` and scored and advantaged as in training (this
+        batch's statistics), at the policy that sampled them (ratio 1)."""
+        config = self.args
+        exp = sample_and_score(
+            self.run,
+            self.wrapped,
+            self.ref_model,
+            self.reward,
+            batch,
+            config.rloo_k,
+            with_reference=self.use_reference,
+            generator=generator,
+            log_metrics=False,
+        )
+        mask = exp.rollout.completion_mask
+        if config.mask_truncated_completions:
+            mask = truncation_loss_mask(mask, exp.rollout.ended)
+        logprobs = exp.rollout.logprobs
+        loss, _ = ppo_policy_loss(
+            logprobs, logprobs, self.advantages(exp, training=False), mask, config.cliprange, level="sequence"
+        )
+        return loss
 
     def reward_source(self, rewards: list[Any], reward_tokenizers: list[Any]) -> RewardSource:
         """The reward models (in eval mode on the run's device) and functions, TRL RLOO's one-argument
