@@ -344,10 +344,14 @@ class GRPOTrainer(OnlineTrainer):
         ref_logprobs = reference_logprobs(run, self.wrapped, self.ref_model, rollout) if self.use_reference else None
         logprobs = rollout.logprobs
         loss, _ = grpo_policy_loss(
-            logprobs,
-            logprobs,
-            advantages.reshape(-1),
-            loss_mask,
+            logprobs, logprobs, advantages.reshape(-1), loss_mask, ref_logprobs=ref_logprobs, **self.loss_options()
+        )
+        return loss
+
+    def loss_options(self) -> dict[str, Any]:
+        """The keywords of `grpo_policy_loss` that come from the config: the loss variant and its constants."""
+        config = self.args
+        return dict(
             loss_type=config.loss_type,
             importance_sampling_level=config.importance_sampling_level,
             epsilon=config.epsilon,
@@ -356,11 +360,9 @@ class GRPOTrainer(OnlineTrainer):
             sapo_temperature_pos=config.sapo_temperature_pos,
             sapo_temperature_neg=config.sapo_temperature_neg,
             beta=config.beta,
-            ref_logprobs=ref_logprobs,
             use_bias_correction_kl=config.use_bias_correction_kl,
             max_completion_length=config.response_length,
         )
-        return loss
 
     @torch.no_grad()
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
@@ -429,21 +431,12 @@ class GRPOTrainer(OnlineTrainer):
                 old,
                 advantages[rows],
                 mask,
-                loss_type=config.loss_type,
-                importance_sampling_level=config.importance_sampling_level,
-                epsilon=config.epsilon,
-                epsilon_high=config.epsilon_high,
-                delta=config.delta,
-                sapo_temperature_pos=config.sapo_temperature_pos,
-                sapo_temperature_neg=config.sapo_temperature_neg,
-                beta=config.beta,
                 ref_logprobs=ref_logprobs[rows] if ref_logprobs is not None else None,
-                use_bias_correction_kl=config.use_bias_correction_kl,
                 entropy_mask=entropy_mask,
                 off_policy_mask=off_policy,
                 normalizer=normalizer,
-                max_completion_length=config.response_length,
                 accumulation_steps=accumulation,
+                **self.loss_options(),
             )
             if control.enabled:
                 # the bonus acts on the tokens the policy term trains (the top-entropy ones, if selected)
