@@ -10,6 +10,12 @@ TRL's own CI without them.
 
     python tools/trl_suite.py                      # TRL 0.19.1, in a temporary folder
     python tools/trl_suite.py --keep /tmp/trl-suite -- -x -k rloo   # keep the folder; pytest options
+    python tools/trl_suite.py --checkout ~/src/trl  # the RLOO and GRPO tests of a TRL git checkout (1.x)
+
+TRL 1.x's releases ship no tests, so `--checkout` takes them from a clone of the TRL repository
+(tests/test_rloo_trainer.py and tests/test_grpo_trainer.py, with its conftest.py and testing_utils.py),
+and builds stand-ins for the extra causal LMs they train (Qwen3, Qwen3-MoE, Cohere2, GPT-OSS,
+GLM-4-MoE, Gemma 2, Nemotron-H); its vision-language models are not built (posttrain trains text models).
 """
 
 from __future__ import annotations
@@ -91,11 +97,64 @@ def fetch_tests(version: str, work: Path) -> Path:
     with tarfile.open(archive) as tar:
         for name in [*TESTS, "testing_utils"]:
             member = tar.getmember(f"trl-{version}/tests/{name}.py")
-            text = tar.extractfile(member).read().decode()
-            text = re.sub(r"\bfrom trl\b", "from posttrain", text)
-            text = re.sub(r"\bimport trl\b", "import posttrain", text)
-            (out / f"{name}.py").write_text(re.sub(r"\btrl\.", "posttrain.", text))
+            (out / f"{name}.py").write_text(renamed(tar.extractfile(member).read().decode()))
     return out
+
+
+CHECKOUT_TESTS = ["test_rloo_trainer", "test_grpo_trainer", "testing_utils", "conftest"]
+
+
+def renamed(text: str) -> str:
+    """A TRL test file with `trl` renamed to `posttrain`."""
+    text = re.sub(r"\bfrom trl\b", "from posttrain", text)
+    text = re.sub(r"\bimport trl\b", "import posttrain", text)
+    return re.sub(r"\btrl\.", "posttrain.", text)
+
+
+def copy_checkout_tests(checkout: Path, work: Path) -> None:
+    """The RLOO and GRPO tests of a TRL git checkout, renamed, in work/tests."""
+    out = work / "tests"
+    out.mkdir()
+    (out / "__init__.py").write_text("")
+    for name in CHECKOUT_TESTS:
+        (out / f"{name}.py").write_text(renamed((checkout / "tests" / f"{name}.py").read_text()))
+
+
+def build_checkout_fixtures(root: Path) -> None:
+    """The extra text models of TRL 1.x's RLOO / GRPO tests, tiny, on the fixtures' tokenizer."""
+    import transformers
+
+    base = root / "trl-internal-testing"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base / "tiny-Qwen2ForCausalLM-2.5")
+    shape = dict(vocab_size=len(tokenizer) + 64, hidden_size=16, intermediate_size=32, num_hidden_layers=2)
+    shape.update(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    shape.update(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    shape.update(pad_token_id=tokenizer.pad_token_id)
+    moe = dict(num_experts_per_tok=2, moe_intermediate_size=16)
+    specs = {
+        "tiny-Qwen3ForCausalLM": ("Qwen3", dict(head_dim=8)),
+        "tiny-Qwen3MoeForCausalLM": ("Qwen3Moe", dict(head_dim=8, num_experts=4, **moe)),
+        "tiny-Cohere2ForCausalLM": ("Cohere2", {}),
+        "tiny-GptOssForCausalLM": ("GptOss", dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2)),
+        "tiny-Glm4MoeForCausalLM": (
+            "Glm4Moe",
+            dict(head_dim=8, n_routed_experts=4, first_k_dense_replace=1, n_group=1, topk_group=1, **moe),
+        ),
+        "tiny-Gemma2ForCausalLM": ("Gemma2", dict(head_dim=8)),
+        "tiny-NemotronHForCausalLM-nano": (
+            "NemotronH",
+            dict(head_dim=8, num_hidden_layers=4, hybrid_override_pattern="M*M-", mamba_num_heads=4, mamba_head_dim=8)
+            | dict(ssm_state_size=8, n_groups=1, mamba_n_groups=1),
+        ),
+    }
+    for name, (family, extra) in specs.items():
+        config_cls = getattr(transformers, f"{family}Config", None)
+        if config_cls is None:  # an architecture this transformers does not have: its tests fail to load it
+            print(f"not built: {name} (transformers {transformers.__version__} has no {family})")
+            continue
+        model = getattr(transformers, f"{family}ForCausalLM")(config_cls(**{**shape, **extra}))
+        model.save_pretrained(base / name)
+        tokenizer.save_pretrained(base / name)
 
 
 def build_fixtures(root: Path) -> None:
@@ -156,6 +215,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trl-version", default="0.19.1", help="the TRL release whose tests run (default 0.19.1)")
     parser.add_argument("--keep", type=Path, help="build and run in this (new) folder and keep it")
+    parser.add_argument(
+        "--checkout", type=Path, help="a TRL git checkout: run its RLOO and GRPO tests instead of a release's"
+    )
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest, after --")
     args = parser.parse_args()
     if args.keep is not None:
@@ -167,14 +229,21 @@ def main() -> int:
     if importlib.util.find_spec("parameterized") is None:
         pip("install", "--target", str(work / "site"), "parameterized")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(work / "site"), env.get("PYTHONPATH")]))
-    fetch_tests(args.trl_version, work)
+    if args.checkout is not None:
+        copy_checkout_tests(args.checkout, work)
+    else:
+        fetch_tests(args.trl_version, work)
     build_fixtures(work)
+    if args.checkout is not None:
+        build_checkout_fixtures(work)
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", "tests", *args.pytest_args]
-    for test, reason in DIFFERENCES.items():
-        print(f"not run: {test}: {reason}")
-    # exact node ids (pytest's --deselect also drops every test whose id starts with the one given)
-    (work / "conftest.py").write_text(DESELECT_CONFTEST.format(ids=sorted(DIFFERENCES)))
-    print(f"TRL {args.trl_version}'s tests on posttrain in {work}:", " ".join(command), flush=True)
+    if args.checkout is None:
+        for test, reason in DIFFERENCES.items():
+            print(f"not run: {test}: {reason}")
+        # exact node ids (pytest's --deselect also drops every test whose id starts with the one given)
+        (work / "conftest.py").write_text(DESELECT_CONFTEST.format(ids=sorted(DIFFERENCES)))
+    source = f"the checkout {args.checkout}" if args.checkout is not None else f"TRL {args.trl_version}"
+    print(f"{source}'s tests on posttrain in {work}:", " ".join(command), flush=True)
     return subprocess.run(command, cwd=work, env=env).returncode
 
 
