@@ -3,6 +3,8 @@ switched only where eligible, restored on exit, and used by the online trainers'
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -241,3 +243,80 @@ def test_reward_training_runs_through_onednn_layers(tmp_path, tiny_tokenizer, mo
     trainer.train()
     assert True in calls
     assert not any("forward" in m.__dict__ for m in trainer.model.modules())
+
+
+@pytest.mark.skipif(not cpu_linear.can_pack(), reason="this torch build cannot pack oneDNN weights")
+def test_bf16_autocast_decode_calls_run_on_packed_bf16_weights_and_nothing_else_changes(monkeypatch):
+    """Inside autocast_packed_weights under CPU bf16 autocast, a plain float32 layer's small calls without
+    gradients cast their input to bf16 and run on a bf16 copy of its weight packed once: bf16 results
+    within bf16 rounding of autocast's F.linear (the same bf16 operands). Larger calls and calls with
+    gradients are autocast's F.linear itself. Outside bf16 autocast, and with POSTTRAIN_CPU_LINEAR=off,
+    no layer is switched; forwards and copies are dropped on exit, also after an error."""
+    monkeypatch.setattr(cpu_linear, "bf16_pack_calls", lambda *shape: 0.0)
+    torch.manual_seed(0)
+    layer, unbiased, other = nn.Linear(48, 40), nn.Linear(40, 24, bias=False), _Subclass(24, 8)
+    model = nn.Sequential(layer, unbiased, other)
+    small, large = torch.randn(3, 5, 48), torch.randn(cpu_linear.SMALL_ROWS + 1, 48)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = {"small": model(small), "large": model(large)}
+        with torch.no_grad(), cpu_linear.autocast_packed_weights(model, calls=53) as switched:
+            assert switched == [layer, unbiased]  # plain nn.Linear only
+            assert cpu_linear.packed_in_module_order(model) == [
+                layer.__dict__[cpu_linear.PACKED],
+                layer.__dict__[cpu_linear.PACKED_BIAS],
+                unbiased.__dict__[cpu_linear.PACKED],
+            ]
+            assert layer.__dict__[cpu_linear.PACKED_BIAS].dtype == torch.bfloat16
+            out = model(small)
+            assert out.dtype == torch.bfloat16 and out.shape == (3, 5, 8)
+            torch.testing.assert_close(out.float(), expected["small"].float(), rtol=2e-2, atol=2e-2)
+            assert torch.equal(model(large), expected["large"])  # > SMALL_ROWS rows: F.linear
+            routed = []
+            real = cpu_linear._onednn
+            monkeypatch.setattr(cpu_linear, "_onednn", lambda *a: routed.append(a[0].shape) or real(*a))
+            with torch.enable_grad():
+                assert torch.equal(model(small), expected["small"])  # with gradients: F.linear
+            assert routed == []
+            model(small)
+            assert routed == [(15, 48), (15, 40)]
+        assert not any(name in layer.__dict__ for name in ("forward", cpu_linear.PACKED, cpu_linear.PACKED_BIAS))
+        with pytest.raises(RuntimeError, match="boom"), cpu_linear.autocast_packed_weights(model, calls=53):
+            raise RuntimeError("boom")
+        assert "forward" not in layer.__dict__
+        monkeypatch.setenv(cpu_linear.ENV, "off")
+        with cpu_linear.autocast_packed_weights(model, calls=53) as switched:
+            assert switched == []
+    monkeypatch.delenv(cpu_linear.ENV)
+    with cpu_linear.autocast_packed_weights(model, calls=53) as switched:
+        assert switched == []  # float32: cpu_linear.packed_weights' business
+    with torch.autocast("cpu", dtype=torch.float16), cpu_linear.autocast_packed_weights(model, calls=53) as switched:
+        assert switched == []
+
+
+@pytest.mark.skipif(not cpu_linear.can_pack(), reason="this torch build cannot pack oneDNN weights")
+def test_a_bf16_weight_is_packed_only_where_it_pays_within_the_rollout(monkeypatch):
+    """bf16_pack_calls times autocast's kernel and the packed one once per shape: with plain 1.0, packed
+    0.5 and packing 10.0, the copy pays after 10.0 / (1.0 - 0.5) = 20 calls, so a rollout of 19 decode
+    steps keeps F.linear and one of 20 packs; a packed call not below 0.85 of the plain one never packs."""
+    times = {}
+
+    def timed(fn, *args, repeats=5):
+        if fn is cpu_linear.F.linear:
+            return times["plain"]
+        return times["packed"] if fn is cpu_linear._onednn else times["pack"]
+
+    monkeypatch.setattr(cpu_linear, "_best_time", timed)
+    for plain, packed, pack, expected in [(1.0, 0.5, 10.0, 20.0), (1.0, 0.9, 1.0, math.inf)]:
+        times.update(plain=plain, packed=packed, pack=pack)
+        cpu_linear._BF16_PACK_CALLS.clear()
+        assert cpu_linear.bf16_pack_calls(12, 16, True) == pytest.approx(expected)
+        times.update(plain=0.0)  # decided once per shape: not timed again
+        assert cpu_linear.bf16_pack_calls(12, 16, True) == pytest.approx(expected)
+    times.update(plain=1.0, packed=0.5, pack=10.0)
+    cpu_linear._BF16_PACK_CALLS.clear()
+    model = nn.Sequential(nn.Linear(16, 12))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for calls, switched_layers in [(19, 0), (20, 1)]:
+            with cpu_linear.autocast_packed_weights(model, calls=calls) as switched:
+                assert len(switched) == switched_layers
+    cpu_linear._BF16_PACK_CALLS.clear()

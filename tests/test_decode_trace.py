@@ -50,6 +50,13 @@ def assert_same(a, b) -> None:
     assert torch.equal(next_a, next_b)  # the generator ends in the same state
 
 
+def step_in_place(model) -> None:
+    """What an optimizer step does to the weights: changes them in place."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+
+
 def traces(model) -> dict:
     return decode_trace._TRACES[model][1]
 
@@ -97,9 +104,7 @@ def test_weight_updates_reach_the_trace_and_new_parameters_retrace():
     model = tiny_neox()
     sample(model)
     (key, step), *_ = traces(model).items()
-    with torch.no_grad():  # an optimizer step: in place
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    step_in_place(model)
     assert_same(sample(model), sample(model, trace=False))
     assert traces(model)[key] is step  # the same trace, new values
     # a new Parameter object (what a stale trace would not see): the model is traced again
@@ -109,7 +114,7 @@ def test_weight_updates_reach_the_trace_and_new_parameters_retrace():
     assert traces(model)[key] is not step
 
 
-def test_trace_is_not_used_with_hooks_train_mode_autocast_or_when_switched_off(monkeypatch, tmp_path):
+def test_trace_is_not_used_with_hooks_train_mode_fp16_autocast_or_when_switched_off(monkeypatch, tmp_path):
     model = tiny_neox()
     assert decode_trace.traceable(model)
     handle = model.gpt_neox.layers[0].register_forward_hook(lambda module, args, out: None)
@@ -122,8 +127,10 @@ def test_trace_is_not_used_with_hooks_train_mode_autocast_or_when_switched_off(m
 
     lora = get_peft_model(tiny_neox(), LoraConfig(r=2, target_modules=["query_key_value"]))
     assert not decode_trace.traceable(lora.get_base_model())  # adapters can be switched off: never frozen
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.float16):
         assert not decode_trace.traceable(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert decode_trace.traceable(model)  # bf16 autocast: traced where no weight is cast (tests below)
     monkeypatch.setenv(decode_trace.ENV, "off")
     assert not decode_trace.traceable(model)
     sample(model)
@@ -243,9 +250,7 @@ def test_packed_decode_weights_follow_the_weights_from_one_rollout_to_the_next(m
         assert len(packs) == len(switched) > 0  # every switched layer packed, once per rollout
         (key, step), *_ = ((k, s) for k, s in traces(model).items() if s is not None)
         assert len(key[-1]) == len(switched)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
+        step_in_place(model)
         traced = sample(model)
         assert traces(model)[key] is step  # the same trace, replayed on the new packed weights
         assert_same(traced, sample(model, trace=False))
@@ -277,3 +282,51 @@ def test_a_trace_is_only_replayed_with_the_layers_it_packed(monkeypatch):
             assert_same(sample(model), sample(model, trace=False))
             packed = [key[-1] for key, step in traces(model).items() if step is not None]
             assert packed and all(len(layers) == model.config.num_hidden_layers for layers in packed)
+
+
+def bf16_sample(model, **options):
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        return sample(model, **options)
+
+
+@pytest.mark.skipif(not cpu_linear.can_pack(), reason="this torch build cannot pack oneDNN weights")
+@pytest.mark.parametrize("builder", [tiny_neox, tiny_llama])
+def test_bf16_autocast_steps_are_traced_on_packed_bf16_weights(builder, monkeypatch):
+    """Under CPU bf16 autocast (--bf16 on CPU) every linear layer decodes on bf16 weights packed for the
+    rollout (cpu_linear.autocast_packed_weights), so the decode step casts no weight and is traced: it
+    samples the eager step's tokens, log-probabilities and entropies bitwise, after an in-place weight
+    update too (the packed copies are trace inputs, made anew for each rollout, never constants)."""
+    monkeypatch.setattr(cpu_linear, "bf16_pack_calls", lambda *shape: 0.0)  # pack every layer
+    model = builder()
+    eager = bf16_sample(model, trace=False)
+    calls = count_forwards(model, monkeypatch)
+    traced = bf16_sample(model)
+    assert_same(traced, eager)
+    assert traced[0].logprobs.dtype == torch.float32 and 0 < traced[0].ended.sum() < len(traced[0])
+    assert calls[0] < 20 - 5  # the trace replaced most of the 19 decode forwards
+    (key, step), *_ = ((k, s) for k, s in traces(model).items() if s is not None and k[-2])
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    # every linear layer fed its packed bf16 weight, and its bf16 bias where it has one
+    assert len(set(key[-1])) == len(linears)
+    assert len(key[-1]) == len(linears) + sum(m.bias is not None for m in linears)
+    step_in_place(model)
+    updated = bf16_sample(model)
+    assert traces(model)[key] is step  # the same trace, replayed on the new packed weights
+    assert_same(updated, bf16_sample(model, trace=False))
+    assert not torch.equal(updated[0].logprobs, traced[0].logprobs)
+    assert all(cpu_linear.PACKED not in m.__dict__ and "forward" not in m.__dict__ for m in linears)
+    # a trace made under autocast is never replayed without it: float32 decoding is traced anew
+    assert_same(sample(model), sample(model, trace=False))
+    assert [k[-2] for k, s in traces(model).items() if s is not None] == [False]
+
+
+def test_a_bf16_autocast_step_that_casts_weights_keeps_the_eager_forward(monkeypatch):
+    """Without packed weights (POSTTRAIN_CPU_LINEAR=off) a bf16 autocast step casts every linear weight to
+    bf16: eager, autocast casts each weight once per rollout from its cache; a trace would replay the casts
+    at every step, or, had the cache been on while tracing, freeze the casts of the first rollout's
+    weights into it. Such a trace is refused, and the eager forward samples as without tracing."""
+    monkeypatch.setenv(cpu_linear.ENV, "off")
+    model = tiny_neox()
+    traced = bf16_sample(model)
+    assert model in decode_trace._TRACES and all(step is None for step in traces(model).values())
+    assert_same(traced, bf16_sample(model, trace=False))

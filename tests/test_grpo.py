@@ -4,6 +4,7 @@ global token-mean loss (micro-batching invariance), truncated-completion masking
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import textwrap
@@ -260,6 +261,46 @@ def test_static_cache_implementation_selects_the_compiled_static_engine(tmp_path
     assert abs(last["val/ratio"] - 1.0) < 1e-4  # static-cache rollout logprobs = the update's recomputation
     with pytest.raises(ValueError, match="cache_implementation='hybrid' is not supported"):
         GRPOConfig(cache_implementation="hybrid")
+
+
+def test_bf16_on_cpu_decodes_traced_on_packed_bf16_weights_and_trains(tmp_path, tiny_tokenizer, monkeypatch):
+    """bf16=True on CPU: rollouts run under bf16 autocast with the policy's linear layers on bf16 weights
+    packed for each rollout (cpu_linear.autocast_packed_weights) and the decode step traced
+    (decode_trace); the update recomputes the rollout's log-probabilities under the same autocast (ratio 1
+    within bf16 rounding) and the weights, float32 masters, move."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from posttrain import cpu_linear, decode_trace
+
+    def fresh_accelerate_state() -> None:  # a process-wide singleton: other tests' runs built it in float32
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+    fresh_accelerate_state()
+    monkeypatch.setattr(cpu_linear, "bf16_pack_calls", lambda *shape: 0.0)  # pack on any CPU
+    switched = []
+    original = cpu_linear.autocast_packed_weights
+
+    def spy(model, calls):
+        with original(model, calls) as layers:
+            switched.append(len(layers))
+            yield layers
+
+    monkeypatch.setattr(cpu_linear, "autocast_packed_weights", contextlib.contextmanager(spy))
+    cfg = config(tmp_path, bf16=True, total_episodes=16, response_length=8)
+    try:
+        trainer = letter_trainer(cfg, tiny_tokenizer)
+        before = flat(trainer.model).clone()
+        last = train_and_last_log(trainer)
+    finally:
+        fresh_accelerate_state()
+    linears = sum(isinstance(m, torch.nn.Linear) for m in trainer.model.modules())
+    assert switched == [linears, linears]  # both rollout batches, every linear layer
+    steps = decode_trace._TRACES[trainer.model][1]
+    assert any(autocast and step is not None for (*_, autocast, _), step in steps.items())
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert not torch.equal(before, flat(trainer.model))
+    assert math.isfinite(last["loss"]) and abs(last["val/ratio"] - 1.0) < 2e-2
 
 
 def test_config_checks():

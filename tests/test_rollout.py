@@ -413,6 +413,36 @@ def test_every_engine_variant_samples_the_legacy_tokens(engine, num_samples, bat
     assert torch.equal(new_next, old_next)
 
 
+@pytest.mark.parametrize("engine", [e for e in ENGINES[1:] if "static" not in e.id])
+@pytest.mark.parametrize("builder", [tiny_llama, tiny_neox])
+def test_every_engine_variant_under_bf16_autocast_samples_the_legacy_tokens(engine, builder, monkeypatch):
+    """bf16=True on CPU: the dynamic engines decode under autocast on packed bf16 linear weights with a
+    traced step (cpu_linear.autocast_packed_weights, decode_trace). With pad == eos and four stop ids,
+    rows stop mid-batch; every variant samples the tokens of the legacy engine (one prefill per row, no
+    compaction, eager) under the same autocast, with masks from the same lengths."""
+    from posttrain import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "bf16_pack_calls", lambda *shape: 0.0)
+    model = builder()
+    ids, mask = left_pad([[5, 6, 7, 8, 9], [11, 12], [20, 21, 22], [30], [40, 41, 42, 43]], pad=2)
+    cfg = SamplingConfig(max_new_tokens=20, stop_token_ids=(2, 3, 5, 7))
+
+    def run(**options):
+        g = torch.Generator().manual_seed(11)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            r = generate(model, ids, mask, cfg, pad_token_id=2, num_samples=2, generator=g, **options)
+        return r, torch.rand(1, generator=g)
+
+    (old, old_next), (new, new_next) = run(**LEGACY, trace=False), run(**engine)
+    assert 0 < old.ended.sum() < len(old)
+    assert torch.equal(new.completion_ids, old.completion_ids)
+    assert torch.equal(new.completion_lengths, old.completion_lengths) and torch.equal(new.ended, old.ended)
+    positions = torch.arange(new.completion_ids.size(1))
+    assert torch.equal(new.completion_mask, positions[None] < new.completion_lengths[:, None])
+    assert new.logprobs.dtype == torch.float32 and torch.allclose(new.logprobs, old.logprobs, atol=1e-2)
+    assert torch.equal(new_next, old_next)
+
+
 def test_shared_prefill_runs_each_prompt_once_and_compaction_shrinks_the_batch():
     model = tiny_llama()
     sizes = record_batch_sizes(model)

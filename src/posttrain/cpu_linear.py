@@ -19,6 +19,14 @@ change, so the rollout engine reorders each switched layer's weight once and its
 copy: on the 2-core EPYC above, the linear layers of a 70m decode step took 6.4 ms against 10.1 ms
 (benchmarks/README.md, "Packed decode weights"). The copy is dropped when the rollout ends.
 
+bf16 autocast decoding (`autocast_packed_weights`): under CPU bf16 autocast, each decode-size call of an
+`nn.Linear` casts its input to bf16 and runs oneDNN's bf16 kernel on the autocast-cached bf16 weight, which
+oneDNN again reorders at every call. Within a rollout under bf16 autocast, each plain float32 layer whose
+bf16 calls measure faster on a packed copy gets one, made once from its weight cast to bf16: the same
+input cast, the same bf16 arithmetic in a layout made ahead of time, the same bf16 output as autocast's
+`F.linear` (on a 2-core Xeon with AMX, a 70m decode step's MLP layer took 95 µs against 161 µs;
+benchmarks/README.md, "bf16 autocast decoding on a CPU with AMX").
+
 Control: the environment variable POSTTRAIN_CPU_LINEAR — `auto` (default: measure, use where
 faster), `onednn` (every eligible layer), `off` (torch's default path). The trainers' configs check
 it when they are built (`posttrain.configs.cpu_linear_mode`), before any model loads.
@@ -70,12 +78,17 @@ class Decision(NamedTuple):
         return self.small or self.large or self.pack_calls < math.inf
 
 
-# A switched layer's Decision and, inside `packed_weights`, its packed weight, in the module's __dict__.
+# A switched layer's Decision and, inside `packed_weights`, its packed weight, in the module's __dict__;
+# inside `autocast_packed_weights`, the packed bf16 weight (under PACKED) and the bias cast to bf16.
 KERNELS = "_posttrain_linear_kernels"
 PACKED = "_posttrain_packed_weight"
+PACKED_BIAS = "_posttrain_packed_bias"
 
 
 _DECISIONS: dict[tuple[int, int, bool, int], Decision] = {}
+# (out_features, in_features, bias, threads) -> after how many small bf16 calls a packed bf16 weight has
+# paid for its making (inf: never).
+_BF16_PACK_CALLS: dict[tuple[int, int, bool, int], float] = {}
 
 
 def available() -> bool:
@@ -299,3 +312,94 @@ def packed_weights(model: nn.Module, calls: int) -> Iterator[list[torch.Tensor]]
     finally:
         for module in layers:
             module.__dict__.pop(PACKED, None)
+
+
+def autocast_bf16() -> bool:
+    """Whether CPU autocast is on with bfloat16 (the mixed precision of `--bf16` on CPU)."""
+    if not torch.is_autocast_enabled("cpu"):
+        return False
+    get_dtype = getattr(torch, "get_autocast_dtype", None)
+    dtype = get_dtype("cpu") if get_dtype is not None else torch.get_autocast_cpu_dtype()
+    return dtype == torch.bfloat16
+
+
+def bf16_pack_calls(out_features: int, in_features: int, bias: bool) -> float:
+    """After how many decode-size calls a packed bf16 copy of this weight shape pays for its making under
+    bf16 autocast (inf: never): autocast's kernel (F.linear on bf16 input and weight) and oneDNN's on the
+    packed copy timed at PACK_ROWS rows, on the weight's first outputs up to MAX_CALIBRATED_ELEMENTS;
+    the packed call must take ≤ FASTER of autocast's. Once per shape and thread count per process."""
+    key = (out_features, in_features, bias, torch.get_num_threads())
+    if key not in _BF16_PACK_CALLS:
+        timed_out = min(out_features, max(1, MAX_CALIBRATED_ELEMENTS // in_features))
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            w = torch.randn(timed_out, in_features).to(torch.bfloat16)
+            b = torch.randn(timed_out).to(torch.bfloat16) if bias else None
+            x = torch.randn(PACK_ROWS, in_features).to(torch.bfloat16)
+            packed = _pack(w)
+            F.linear(x, w, b), _onednn(x, packed, b)  # warm both
+            plain, with_packed = _best_time(F.linear, x, w, b), _best_time(_onednn, x, packed, b)
+            calls = math.inf
+            if with_packed <= FASTER * plain:
+                calls = _best_time(lambda: _pack(w.float().to(torch.bfloat16)), repeats=3) / (plain - with_packed)
+        _BF16_PACK_CALLS[key] = calls
+    return _BF16_PACK_CALLS[key]
+
+
+def _autocast_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    """A layer's forward inside `autocast_packed_weights`: small calls without gradients under bf16 autocast
+    on its packed bf16 weight (input cast to bf16, as autocast casts it); every other call: F.linear."""
+    if (
+        input.numel() <= SMALL_ROWS * self.in_features
+        and input.dim() >= 2
+        and input.numel() > 0
+        and input.dtype in (torch.float32, torch.bfloat16)
+        and not torch.is_grad_enabled()
+        and autocast_bf16()
+    ):
+        x2 = input.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        return _onednn(x2, self.__dict__[PACKED], self.__dict__[PACKED_BIAS]).view(*input.shape[:-1], self.out_features)
+    return F.linear(input, self.weight, self.bias)
+
+
+@contextlib.contextmanager
+def autocast_packed_weights(model: nn.Module, calls: int) -> Iterator[list[nn.Linear]]:
+    """Within the block, under CPU bf16 autocast, each plain float32 `nn.Linear` of `model` (`eligible`)
+    whose packed bf16 weight pays for itself within `calls` small calls (`bf16_pack_calls`) runs its small
+    calls without gradients on a bf16 copy of its weight in oneDNN's blocked layout, and its bias cast to
+    bf16, both made here once; the values are those of autocast's F.linear up to the kernels' rounding
+    (the same bf16 inputs, weights and bias). Outside bf16 autocast, with POSTTRAIN_CPU_LINEAR=off, or
+    without oneDNN's packing, nothing changes. Yields the layers switched; the copies
+    (`packed_in_module_order`, the decode trace's inputs) and the layers' forwards are dropped on exit.
+    The weights must not change inside the block."""
+    layers: list[nn.Module] = []
+    try:
+        if mode_from_env() != "off" and can_pack() and autocast_bf16():
+            with torch.no_grad(), torch.autocast("cpu", enabled=False):
+                for module in model.modules():
+                    if not eligible(module) or PACKED in module.__dict__:
+                        continue
+                    if bf16_pack_calls(module.out_features, module.in_features, module.bias is not None) > calls:
+                        continue
+                    bias = None if module.bias is None else module.bias.detach().to(torch.bfloat16)
+                    module.__dict__[PACKED] = _pack(module.weight.detach().to(torch.bfloat16))
+                    module.__dict__[PACKED_BIAS] = bias
+                    module.forward = types.MethodType(_autocast_forward, module)
+                    layers.append(module)
+        yield layers
+    finally:
+        for module in layers:
+            for name in ("forward", PACKED, PACKED_BIAS):
+                module.__dict__.pop(name, None)
+
+
+def packed_in_module_order(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors that `packed_weights` and `autocast_packed_weights` made for `model`'s layers, in
+    module order, each layer's packed weight followed by its bf16 bias where it has one: what the decode
+    trace takes as inputs (a tensor a layer reads that is not an input would be frozen into the trace)."""
+    tensors = []
+    for module in model.modules():
+        if PACKED in module.__dict__:
+            tensors.append(module.__dict__[PACKED])
+            if module.__dict__.get(PACKED_BIAS) is not None:
+                tensors.append(module.__dict__[PACKED_BIAS])
+    return tensors

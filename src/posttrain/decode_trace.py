@@ -13,7 +13,7 @@ used only where every decision is the same at every decode step of the engine's 
 - a CPU model in eval mode (as `generation_mode` puts it; a trace would freeze dropout out) of torch's
   own tensors (no DTensor or DeepSpeed-partitioned parameters), with no module hooks (accelerate's
   offload hooks, ZeRO-3, FSDP, PEFT adapters that can be switched off: none of their Python runs in a
-  trace) and no autocast;
+  trace) and no autocast but CPU bf16 autocast (`--bf16` on CPU; see below);
 - a transformers DynamicCache of plain layers, fed with the prepared (rows, 1, 1, keys) bool mask or no
   mask (`compat.takes_prepared_decode_mask`: plain causal attention through SDPA);
 - no rotary embedding whose frequencies depend on the sequence length reached (transformers' "dynamic"
@@ -30,6 +30,15 @@ packed weights, which every replay takes as inputs: they are made anew for each 
 when the model's parameters, buffers or layer forwards are not the ones traced (a deep copy, a replaced
 Parameter, posttrain's oneDNN linear layers switched on or off or their kernels decided otherwise);
 in-place updates (optimizer steps, `load_state_dict`) reach the trace, which holds the same tensors.
+
+Under CPU bf16 autocast the tracer records the casts autocast makes, so a trace is made with autocast's
+cast cache off (a weight's bf16 copy from the cache would otherwise be frozen into the trace as a
+constant, stale after the next optimizer step) and kept only where it casts no parameter or buffer to
+bf16: the linear layers then run on the rollout's packed bf16 weights (cpu_linear.autocast_packed_weights),
+inputs of every replay, and only activations are cast, as in the eager step. A trace that would cast a
+weight at every step (a layer left on F.linear, a model multiplying by its weights in its own code) is
+not used: the eager step casts each weight once per rollout from the cache. Traces made under autocast and
+without it are kept apart.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from torch import nn
 from posttrain import compat
 from posttrain.configs import TRACE_DECODE_ENV as ENV  # noqa: F401 (re-exported: the variable's name)
 from posttrain.configs import trace_decode_mode as mode_from_env
-from posttrain.cpu_linear import KERNELS, PACKED, SMALL_ROWS
+from posttrain.cpu_linear import KERNELS, PACKED, PACKED_BIAS, SMALL_ROWS, autocast_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +75,9 @@ def traceable(model: nn.Module) -> bool:
     """Whether `model`'s decode forward may be traced (the module-level rules, before any cache is seen)."""
     if mode_from_env() == "off" or not hasattr(torch.jit, "trace") or torch.jit.is_tracing():
         return False
-    if torch.is_autocast_enabled("cpu") or getattr(model, "_compiled_call_impl", None) is not None:
+    if torch.is_autocast_enabled("cpu") and not autocast_bf16():
+        return False
+    if getattr(model, "_compiled_call_impl", None) is not None:
         return False
     module_hooks = torch.nn.modules.module
     if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
@@ -126,8 +137,8 @@ class _DecodeForward(nn.Module):
         return (out.logits, *(t for pair in pairs for t in pair))
 
 
-# model -> (fingerprint, {(masked, cache_name, keep_kwargs, rows <= SMALL_ROWS, layers on packed weights): traced
-# step, or None where it is not used})
+# model -> (fingerprint, {(masked, cache_name, keep_kwargs, rows <= SMALL_ROWS, bf16 autocast, layers on packed
+# weights): traced step, or None where it is not used})
 _TRACES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, dict]] = weakref.WeakKeyDictionary()
 
 
@@ -147,15 +158,49 @@ def _smaller(args: tuple, masked: bool, packed: int) -> tuple:
     return (input_ids, position_ids, *(rest[:1] if masked else []), *kv, *weights)
 
 
+# Operators through which a value is still a parameter's or buffer's data (its dtype unchanged).
+_VIEWS = frozenset(
+    f"aten::{name}"
+    for name in ("t", "transpose", "permute", "view", "reshape", "slice", "select", "expand", "contiguous", "detach")
+)
+_CASTS = frozenset(("aten::to", "aten::_to_copy", "aten::type_as"))
+_REDUCED = frozenset(("BFloat16", "Half"))
+
+
+def _casts_parameters(traced: Any) -> bool:
+    """Whether the trace casts a parameter or buffer (a `prim::GetAttr` of the traced module, or a view of
+    one) to bf16 or fp16: under autocast that cast would run again at every replay."""
+    for node in traced.inlined_graph.nodes():
+        if node.kind() not in _CASTS:
+            continue
+        dtype = getattr(node.output().type(), "scalarType", lambda: None)()
+        if dtype not in _REDUCED:
+            continue
+        source = node.inputsAt(0).node()
+        while source.kind() in _VIEWS:
+            source = source.inputsAt(0).node()
+        if source.kind() == "prim::GetAttr":
+            return True
+    return False
+
+
 def _trace(model: nn.Module, key: tuple, args: tuple) -> Any:
     """A checked trace of the decode forward for `args`, or None (the eager forward is used instead)."""
-    masked, cache_name, keep, _, packed_layers = key
+    masked, cache_name, keep, _, autocast, packed_layers = key
     packed = len(packed_layers)
     eager = _DecodeForward(model, cache_name, dict(keep), masked, packed)
+    cache_enabled = torch.is_autocast_cache_enabled()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TracerWarnings, and torch's deprecation notice of jit.trace
-            traced = torch.jit.trace(eager, args, check_trace=False)
+            torch.set_autocast_cache_enabled(False)  # every cast autocast makes is recorded, none cached
+            try:
+                traced = torch.jit.trace(eager, args, check_trace=False)
+            finally:
+                torch.set_autocast_cache_enabled(cache_enabled)
+            if autocast and _casts_parameters(traced):
+                logger.info("decode step of %s not traced under autocast: it casts weights", type(model).__name__)
+                return None
             for check in (args, _smaller(args, masked, packed)):
                 if not _same(traced(*check), eager(*check)):
                     logger.info(
@@ -178,8 +223,14 @@ class TracedDecode:
     ) -> None:
         self.model, self.cache_name, self.keep = model, cache_name, tuple(sorted(keep_kwargs.items()))
         self.packed = tuple(packed)
-        # which layers run on them (a trace feeds each input to the layer it was traced with)
-        self.packed_layers = tuple(i for i, module in enumerate(model.modules()) if PACKED in module.__dict__)
+        # which layer reads each of them (a trace feeds each input to the layer it was traced with): a
+        # layer's packed weight, then, under bf16 autocast, its bf16 bias (cpu_linear.packed_in_module_order)
+        self.packed_layers = tuple(
+            i
+            for i, module in enumerate(model.modules())
+            if PACKED in module.__dict__
+            for _ in range(1 + (module.__dict__.get(PACKED_BIAS) is not None))
+        )
         fingerprint = _fingerprint(model)
         entry = _TRACES.get(model)
         if entry is None or entry[0] != fingerprint:
@@ -197,7 +248,14 @@ class TracedDecode:
             return None  # a cache too short for the check (one-token prompts) decodes eagerly
         # posttrain's oneDNN linear layers pick their kernel by row count (cpu_linear.SMALL_ROWS), a
         # decision the trace records: steps on either side of it are traced apart.
-        key = (mask is not None, self.cache_name, self.keep, input_ids.size(0) <= SMALL_ROWS, self.packed_layers)
+        key = (
+            mask is not None,
+            self.cache_name,
+            self.keep,
+            input_ids.size(0) <= SMALL_ROWS,
+            autocast_bf16(),
+            self.packed_layers,
+        )
         args = (input_ids, position_ids, *([mask] if mask is not None else []), *(t for pair in pairs for t in pair))
         args += self.packed
         if key not in self.steps:

@@ -795,8 +795,13 @@ def generate(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     chunks = []
     # Layers that posttrain.cpu_linear switched to oneDNN decode on weights packed once for this call,
-    # where that pays within its max_new_tokens steps (the weights do not change during the call).
-    with cpu_linear.packed_weights(bare_module(model), sampling.max_new_tokens) as packed:
+    # where that pays within its max_new_tokens steps (the weights do not change during the call); under
+    # CPU bf16 autocast, the layers' bf16 decode calls on bf16 weights packed once for this call.
+    with (
+        cpu_linear.packed_weights(bare_module(model), sampling.max_new_tokens),
+        cpu_linear.autocast_packed_weights(bare_module(model), sampling.max_new_tokens),
+    ):
+        packed = cpu_linear.packed_in_module_order(bare_module(model))
         traced = None
         if trace and not static and device.type == "cpu" and bare_module(model) is model:
             from posttrain import decode_trace
