@@ -15,7 +15,11 @@ CPU time are reported: with one thread, CPU time is less disturbed by other jobs
 Each variant's tokens are checked equal to the baseline's for the same seed.
 Built from a config, so nothing touches the network.
 
-    PYTHONPATH=src python benchmarks/bench_rollout.py [--threads 1] [--repeats 7] [--bf16] [--compile]
+--autocast runs every engine (and model.generate()) under CPU bf16 autocast over float32 weights, as the
+trainers' --bf16 does, and adds the default engine with autocast's own F.linear (POSTTRAIN_CPU_LINEAR=off:
+no packed bf16 weights, so no traced step either); --bf16 instead casts the weights to bf16.
+
+    PYTHONPATH=src python benchmarks/bench_rollout.py [--threads 1] [--repeats 7] [--bf16 | --autocast] [--compile]
     PYTHONPATH=src python benchmarks/bench_rollout.py --model ARTIFACTS/policy-70m --prompts ARTIFACTS/prompts \
         --batch 32 --k 1 --compile
 """
@@ -23,7 +27,9 @@ Built from a config, so nothing touches the network.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import os
 import random
 import statistics
 import subprocess
@@ -46,6 +52,8 @@ VARIANTS = {
     "static cache": {"cache_implementation": "static"},
     "static no-compaction": {"cache_implementation": "static", "compact": False},
 }
+# --autocast adds this one.
+AUTOCAST = {"default, autocast's F.linear": {"env": {"POSTTRAIN_CPU_LINEAR": "off"}}}
 # --compile adds these (the first call, which compiles, is timed separately).
 COMPILED = {
     "static + compiled step": {"compile_mode": "default"},
@@ -114,7 +122,10 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a saved causal LM folder (default: a random pythia-14m shape)")
     parser.add_argument("--prompts", default=None, help="with --model: a save_to_disk prompt dataset")
     parser.add_argument("--variants", default=None, help="comma-separated engine names to time (default: all)")
-    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--bf16", action="store_true", help="bf16 weights")
+    parser.add_argument(
+        "--autocast", action="store_true", help="float32 weights under CPU bf16 autocast (--bf16 of the trainers)"
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--k", type=int, default=2, help="completions per prompt (num_samples)")
@@ -141,7 +152,8 @@ def main() -> None:
     c = model.config
     print(
         f"model {args.model or 'random'} hidden={c.hidden_size} layers={c.num_hidden_layers} vocab={c.vocab_size} "
-        f"{'bf16' if args.bf16 else 'fp32'}, prompt length {ids.size(1)} (padded), "
+        f"{'bf16' if args.bf16 else 'fp32 under bf16 autocast' if args.autocast else 'fp32'}, "
+        f"prompt length {ids.size(1)} (padded), "
         f"batch={args.batch} prompts x k={args.k}, prompt~{args.prompt_len}, new={args.new_tokens}, "
         f"threads={args.threads}, repeats={args.repeats} (interleaved, medians)"
     )
@@ -154,9 +166,28 @@ def bench_setting(args, setting, model, ids, mask, baseline) -> None:
     stop_ids = tuple(range(2, 2 + int(args.stop_frac * vocab))) if setting == "stop" else ()
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0, stop_token_ids=stop_ids)
 
+    def precision():
+        return torch.autocast("cpu", dtype=torch.bfloat16) if args.autocast else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def environment(values):
+        saved = {name: os.environ.get(name) for name in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name)
+                else:
+                    os.environ[name] = value
+
     def ours(fn, options, m=model):
+        options = dict(options)
+        env = options.pop("env", {})
+
         def run():
-            with generation_mode(m):
+            with generation_mode(m), precision(), environment(env):
                 return fn(
                     m,
                     ids,
@@ -171,7 +202,7 @@ def bench_setting(args, setting, model, ids, mask, baseline) -> None:
         return run
 
     def hf(**extra):
-        with torch.no_grad():
+        with torch.no_grad(), precision():
             return model.generate(
                 **extra,
                 input_ids=ids,
@@ -189,6 +220,8 @@ def bench_setting(args, setting, model, ids, mask, baseline) -> None:
 
     engines = {"baseline": ours(baseline.generate, {})}
     engines.update({name: ours(generate, options) for name, options in VARIANTS.items()})
+    if args.autocast:
+        engines.update({name: ours(generate, options) for name, options in AUTOCAST.items()})
     if args.compile:
         # The compilation happens in its first call (the token check below), timed separately.
         engines.update({name: ours(generate, options) for name, options in COMPILED.items()})
