@@ -315,9 +315,12 @@ def test_bf16_autocast_steps_are_traced_on_packed_bf16_weights(builder, monkeypa
     assert_same(updated, bf16_sample(model, trace=False))
     assert not torch.equal(updated[0].logprobs, traced[0].logprobs)
     assert all(cpu_linear.PACKED not in m.__dict__ and "forward" not in m.__dict__ for m in linears)
-    # a trace made under autocast is never replayed without it: float32 decoding is traced anew
+    # a trace made under autocast is never replayed without it: float32 decoding is traced anew, and
+    # the bf16 trace is kept for the next bf16 rollout (a float32 evaluation between bf16 rollouts)
     assert_same(sample(model), sample(model, trace=False))
-    assert [k[-2] for k, s in traces(model).items() if s is not None] == [False]
+    assert sorted(k[-2] for k, s in traces(model).items() if s is not None) == [False, True]
+    assert_same(bf16_sample(model), bf16_sample(model, trace=False))
+    assert traces(model)[key] is step
 
 
 def test_a_bf16_autocast_step_that_casts_weights_keeps_the_eager_forward(monkeypatch):

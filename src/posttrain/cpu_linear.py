@@ -345,7 +345,7 @@ def bf16_pack_calls(out_features: int, in_features: int, bias: bool) -> float:
     return _BF16_PACK_CALLS[key]
 
 
-def _autocast_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+def autocast_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     """A layer's forward inside `autocast_packed_weights`: small calls without gradients under bf16 autocast
     on its packed bf16 weight (input cast to bf16, as autocast casts it); every other call: F.linear."""
     if (
@@ -383,7 +383,7 @@ def autocast_packed_weights(model: nn.Module, calls: int) -> Iterator[list[nn.Li
                     bias = None if module.bias is None else module.bias.detach().to(torch.bfloat16)
                     module.__dict__[PACKED] = _pack(module.weight.detach().to(torch.bfloat16))
                     module.__dict__[PACKED_BIAS] = bias
-                    module.forward = types.MethodType(_autocast_forward, module)
+                    module.forward = types.MethodType(autocast_forward, module)
                     layers.append(module)
         yield layers
     finally:

@@ -54,7 +54,7 @@ from torch import nn
 from posttrain import compat
 from posttrain.configs import TRACE_DECODE_ENV as ENV  # noqa: F401 (re-exported: the variable's name)
 from posttrain.configs import trace_decode_mode as mode_from_env
-from posttrain.cpu_linear import KERNELS, PACKED, PACKED_BIAS, SMALL_ROWS, autocast_bf16
+from posttrain.cpu_linear import KERNELS, PACKED, PACKED_BIAS, SMALL_ROWS, autocast_bf16, autocast_forward
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,11 @@ def _fingerprint(model: nn.Module) -> tuple:
     for module in model.modules():
         forward = module.__dict__.get("forward")
         forward = getattr(forward, "__func__", forward)
+        if forward is autocast_forward:
+            # set exactly where a packed bf16 weight is (cpu_linear.autocast_packed_weights), which the traces'
+            # keys record: left out here, a model whose rollouts alternate between packed bf16 weights and
+            # none (a float32 evaluation between bf16 rollouts) keeps the traces of both
+            forward = None
         forwards.append((id(forward) if forward is not None else None, module.__dict__.get(KERNELS)))
     return (tuple(id(p) for p in model.parameters()), tuple(id(b) for b in model.buffers()), tuple(forwards))
 
