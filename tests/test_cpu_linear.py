@@ -294,29 +294,28 @@ def test_bf16_autocast_decode_calls_run_on_packed_bf16_weights_and_nothing_else_
 
 
 @pytest.mark.skipif(not cpu_linear.can_pack(), reason="this torch build cannot pack oneDNN weights")
-def test_a_bf16_weight_is_packed_only_where_it_pays_within_the_rollout(monkeypatch):
-    """bf16_pack_calls times autocast's kernel and the packed one once per shape: with plain 1.0, packed
-    0.5 and packing 10.0, the copy pays after 10.0 / (1.0 - 0.5) = 20 calls, so a rollout of 19 decode
-    steps keeps F.linear and one of 20 packs; a packed call not below 0.85 of the plain one never packs."""
+def test_bf16_weights_are_packed_only_where_a_pass_over_the_model_says_it_pays(monkeypatch):
+    """bf16_pack_calls times one pass over all of the model's layers on bf16 copies (autocast's kernel) and
+    one on packed copies, and the packing, once per model: with passes of 1.0 and 0.5 and packing 10.0 the
+    copies pay after 10.0 / (1.0 - 0.5) = 20 decode steps, so a rollout of 19 steps keeps F.linear and one
+    of 20 packs every layer; a packed pass not below 0.85 of the plain one never packs."""
     times = {}
 
-    def timed(fn, *args, repeats=5):
-        if fn is cpu_linear.F.linear:
-            return times["plain"]
-        return times["packed"] if fn is cpu_linear._onednn else times["pack"]
+    def best_time(fn, *args, repeats=5):
+        return times["packed" if "packed" in fn.__name__ else "plain"]
 
-    monkeypatch.setattr(cpu_linear, "_best_time", timed)
-    for plain, packed, pack, expected in [(1.0, 0.5, 10.0, 20.0), (1.0, 0.9, 1.0, math.inf)]:
-        times.update(plain=plain, packed=packed, pack=pack)
-        cpu_linear._BF16_PACK_CALLS.clear()
-        assert cpu_linear.bf16_pack_calls(12, 16, True) == pytest.approx(expected)
-        times.update(plain=0.0)  # decided once per shape: not timed again
-        assert cpu_linear.bf16_pack_calls(12, 16, True) == pytest.approx(expected)
+    monkeypatch.setattr(cpu_linear, "_best_time", best_time)
+    monkeypatch.setattr(cpu_linear, "_timed", lambda fn: (fn(), times["pack"]))  # packing every layer
+    for plain, packed, expected in [(1.0, 0.5, 20.0), (1.0, 0.9, math.inf)]:
+        times.update(plain=plain, packed=packed, pack=10.0)
+        model = nn.Sequential(nn.Linear(16, 12), nn.Linear(12, 16))
+        layers = list(model)
+        assert cpu_linear.bf16_pack_calls(model, layers) == pytest.approx(expected)
+        times.update(plain=0.0)  # decided once per model: not timed again
+        assert cpu_linear.bf16_pack_calls(model, layers) == pytest.approx(expected)
     times.update(plain=1.0, packed=0.5, pack=10.0)
-    cpu_linear._BF16_PACK_CALLS.clear()
-    model = nn.Sequential(nn.Linear(16, 12))
+    model = nn.Sequential(nn.Linear(16, 12), nn.Linear(12, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        for calls, switched_layers in [(19, 0), (20, 1)]:
+        for calls, switched_layers in [(19, 0), (20, 2)]:
             with cpu_linear.autocast_packed_weights(model, calls=calls) as switched:
                 assert len(switched) == switched_layers
-    cpu_linear._BF16_PACK_CALLS.clear()

@@ -21,11 +21,13 @@ copy: on the 2-core EPYC above, the linear layers of a 70m decode step took 6.4 
 
 bf16 autocast decoding (`autocast_packed_weights`): under CPU bf16 autocast, each decode-size call of an
 `nn.Linear` casts its input to bf16 and runs oneDNN's bf16 kernel on the autocast-cached bf16 weight, which
-oneDNN again reorders at every call. Within a rollout under bf16 autocast, each plain float32 layer whose
-bf16 calls measure faster on a packed copy gets one, made once from its weight cast to bf16: the same
+oneDNN again reorders at every call. Within a rollout under bf16 autocast, the plain float32 layers get one
+each, made once from the weight cast to bf16: the same
 input cast, the same bf16 arithmetic in a layout made ahead of time, the same bf16 output as autocast's
 `F.linear` (on a 2-core Xeon with AMX, a 70m decode step's MLP layer took 95 µs against 161 µs;
-benchmarks/README.md, "bf16 autocast decoding on a CPU with AMX").
+benchmarks/README.md, "bf16 autocast decoding on a CPU with AMX"). Whether that pays is measured on the
+model itself, a pass over all its layers as a decode step makes it: where every call reads its weight
+from memory (a 0.5B model), the reorder is not what costs, and nothing is packed.
 
 Control: the environment variable POSTTRAIN_CPU_LINEAR — `auto` (default: measure, use where
 faster), `onednn` (every eligible layer), `off` (torch's default path). The trainers' configs check
@@ -39,6 +41,7 @@ import functools
 import math
 import time
 import types
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -86,9 +89,9 @@ PACKED_BIAS = "_posttrain_packed_bias"
 
 
 _DECISIONS: dict[tuple[int, int, bool, int], Decision] = {}
-# (out_features, in_features, bias, threads) -> after how many small bf16 calls a packed bf16 weight has
-# paid for its making (inf: never).
-_BF16_PACK_CALLS: dict[tuple[int, int, bool, int], float] = {}
+# model -> {(its eligible layers' shapes, threads): after how many decode steps packed bf16 copies of those
+# layers have paid for their making (inf: never)}.
+_BF16_PACK_CALLS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, float]] = weakref.WeakKeyDictionary()
 
 
 def available() -> bool:
@@ -222,6 +225,13 @@ def _best_time(fn: Any, *args: Any, repeats: int = 5) -> float:
     return best
 
 
+def _timed(fn: Any) -> tuple[Any, float]:
+    """fn()'s result and the seconds it took."""
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
 def onednn_faster(out_features: int, in_features: int, bias: bool) -> Decision:
     """Time F.linear and oneDNN on random float32 inputs of this weight shape (its first outputs up to
     MAX_CALIBRATED_ELEMENTS weights), at 16 rows for calls of ≤ SMALL_ROWS rows and at 256 for larger
@@ -323,26 +333,40 @@ def autocast_bf16() -> bool:
     return dtype == torch.bfloat16
 
 
-def bf16_pack_calls(out_features: int, in_features: int, bias: bool) -> float:
-    """After how many decode-size calls a packed bf16 copy of this weight shape pays for its making under
-    bf16 autocast (inf: never): autocast's kernel (F.linear on bf16 input and weight) and oneDNN's on the
-    packed copy timed at PACK_ROWS rows, on the weight's first outputs up to MAX_CALIBRATED_ELEMENTS;
-    the packed call must take ≤ FASTER of autocast's. Once per shape and thread count per process."""
-    key = (out_features, in_features, bias, torch.get_num_threads())
-    if key not in _BF16_PACK_CALLS:
-        timed_out = min(out_features, max(1, MAX_CALIBRATED_ELEMENTS // in_features))
+def bf16_pack_calls(model: nn.Module, layers: list[nn.Linear]) -> float:
+    """After how many decode steps packed bf16 copies of `layers` (the eligible linear layers of `model`)
+    pay for their making under bf16 autocast (inf: never), measured on the model's own weights as a
+    decode step meets them: one call of every layer at PACK_ROWS rows in module order, so each weight has
+    left the caches the model's other weights passed through (at 70m the bf16 weights fit in this Xeon's
+    L3 and packing pays; at 0.5B every call reads its weight from memory, reordered or not, and it does
+    not: benchmarks/README.md, "bf16 autocast decoding on a CPU with AMX"). Autocast's kernel (F.linear on
+    bf16 copies, as its cache holds them) and oneDNN's on packed copies, the best of 3 passes each; the
+    packed pass must take ≤ FASTER of the plain one. Once per model, set of layer shapes and thread count."""
+    key = (tuple((m.out_features, m.in_features, m.bias is not None) for m in layers), torch.get_num_threads())
+    decided = _BF16_PACK_CALLS.setdefault(model, {})
+    if key not in decided:
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
-            w = torch.randn(timed_out, in_features).to(torch.bfloat16)
-            b = torch.randn(timed_out).to(torch.bfloat16) if bias else None
-            x = torch.randn(PACK_ROWS, in_features).to(torch.bfloat16)
-            packed = _pack(w)
-            F.linear(x, w, b), _onednn(x, packed, b)  # warm both
-            plain, with_packed = _best_time(F.linear, x, w, b), _best_time(_onednn, x, packed, b)
-            calls = math.inf
-            if with_packed <= FASTER * plain:
-                calls = _best_time(lambda: _pack(w.float().to(torch.bfloat16)), repeats=3) / (plain - with_packed)
-        _BF16_PACK_CALLS[key] = calls
-    return _BF16_PACK_CALLS[key]
+            inputs = {m.in_features: torch.randn(PACK_ROWS, m.in_features).to(torch.bfloat16) for m in layers}
+            biases = [None if m.bias is None else m.bias.detach().to(torch.bfloat16) for m in layers]
+            weights = [m.weight.detach().to(torch.bfloat16) for m in layers]
+
+            def plain_pass() -> None:
+                for m, w, b in zip(layers, weights, biases):
+                    F.linear(inputs[m.in_features], w, b)
+
+            plain_pass()
+            plain = _best_time(plain_pass, repeats=3)
+            del weights
+            packed, packing = _timed(lambda: [_pack(m.weight.detach().to(torch.bfloat16)) for m in layers])
+
+            def packed_pass() -> None:
+                for m, w, b in zip(layers, packed, biases):
+                    _onednn(inputs[m.in_features], w, b)
+
+            packed_pass()
+            with_packed = _best_time(packed_pass, repeats=3)
+        decided[key] = packing / (plain - with_packed) if with_packed <= FASTER * plain else math.inf
+    return decided[key]
 
 
 def autocast_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
@@ -363,23 +387,22 @@ def autocast_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def autocast_packed_weights(model: nn.Module, calls: int) -> Iterator[list[nn.Linear]]:
-    """Within the block, under CPU bf16 autocast, each plain float32 `nn.Linear` of `model` (`eligible`)
-    whose packed bf16 weight pays for itself within `calls` small calls (`bf16_pack_calls`) runs its small
-    calls without gradients on a bf16 copy of its weight in oneDNN's blocked layout, and its bias cast to
-    bf16, both made here once; the values are those of autocast's F.linear up to the kernels' rounding
-    (the same bf16 inputs, weights and bias). Outside bf16 autocast, with POSTTRAIN_CPU_LINEAR=off, or
-    without oneDNN's packing, nothing changes. Yields the layers switched; the copies
-    (`packed_in_module_order`, the decode trace's inputs) and the layers' forwards are dropped on exit.
-    The weights must not change inside the block."""
+    """Within the block, under CPU bf16 autocast, where packed bf16 copies of the plain float32 `nn.Linear`
+    layers of `model` (`eligible`) pay for their making within `calls` decode steps (`bf16_pack_calls`,
+    measured once per model), each of those layers runs its small calls without gradients on a bf16 copy
+    of its weight in oneDNN's blocked layout, and its bias cast to bf16, both made here once; the values
+    are those of autocast's F.linear up to the kernels' rounding (the same bf16 inputs, weights and bias).
+    Outside bf16 autocast, with POSTTRAIN_CPU_LINEAR=off, or without oneDNN's packing, nothing changes.
+    Yields the layers switched; the copies (`packed_in_module_order`, the decode trace's inputs) and the
+    layers' forwards are dropped on exit. The weights must not change inside the block."""
     layers: list[nn.Module] = []
     try:
         if mode_from_env() != "off" and can_pack() and autocast_bf16():
+            candidates = [m for m in model.modules() if eligible(m) and PACKED not in m.__dict__]
+            if not candidates or bf16_pack_calls(model, candidates) > calls:
+                candidates = []
             with torch.no_grad(), torch.autocast("cpu", enabled=False):
-                for module in model.modules():
-                    if not eligible(module) or PACKED in module.__dict__:
-                        continue
-                    if bf16_pack_calls(module.out_features, module.in_features, module.bias is not None) > calls:
-                        continue
+                for module in candidates:
                     bias = None if module.bias is None else module.bias.detach().to(torch.bfloat16)
                     module.__dict__[PACKED] = _pack(module.weight.detach().to(torch.bfloat16))
                     module.__dict__[PACKED_BIAS] = bias
