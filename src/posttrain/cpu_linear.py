@@ -24,7 +24,7 @@ bf16 autocast decoding (`autocast_packed_weights`): under CPU bf16 autocast, eac
 oneDNN again reorders at every call. Within a rollout under bf16 autocast, the plain float32 layers get one
 each, made once from the weight cast to bf16: the same
 input cast, the same bf16 arithmetic in a layout made ahead of time, the same bf16 output as autocast's
-`F.linear` (on a 2-core Xeon with AMX, a 70m decode step's MLP layer took 95 µs against 161 µs;
+`F.linear` (on a 2-core Xeon with AMX, a 70m decode step's MLP layer took 56 µs against 112 µs;
 benchmarks/README.md, "bf16 autocast decoding on a CPU with AMX"). Whether that pays is measured on the
 model itself, a pass over all its layers as a decode step makes it: where every call reads its weight
 from memory (a 0.5B model), the reorder is not what costs, and nothing is packed.
