@@ -265,12 +265,12 @@ def test_static_cache_implementation_selects_the_compiled_static_engine(tmp_path
 
 def test_bf16_on_cpu_decodes_traced_on_packed_bf16_weights_and_trains(tmp_path, tiny_tokenizer, monkeypatch):
     """bf16=True on CPU: rollouts run under bf16 autocast with the policy's linear layers on bf16 weights
-    packed for each rollout (cpu_linear.autocast_packed_weights) and the decode step traced
-    (decode_trace); the update recomputes the rollout's log-probabilities under the same autocast (ratio 1
-    within bf16 rounding) and the weights, float32 masters, move."""
+    packed for each rollout (cpu_linear.autocast_packed_weights) and the decode step traced (decode_trace,
+    where the model qualifies); the update recomputes the rollout's log-probabilities under the same
+    autocast (ratio 1 within bf16 rounding) and the weights, float32 masters, move."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from posttrain import cpu_linear, decode_trace
+    from posttrain import compat, cpu_linear, decode_trace
 
     def fresh_accelerate_state() -> None:  # a process-wide singleton: other tests' runs built it in float32
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -297,7 +297,10 @@ def test_bf16_on_cpu_decodes_traced_on_packed_bf16_weights_and_trains(tmp_path, 
     linears = sum(isinstance(m, torch.nn.Linear) for m in trainer.model.modules())
     assert switched == [linears, linears]  # both rollout batches, every linear layer
     steps = decode_trace._TRACES[trainer.model][1]
-    assert any(autocast and step is not None for (*_, autocast, _), step in steps.items())
+    traced = {autocast for (*_, autocast, _), step in steps.items() if step is not None}
+    # transformers 4.x builds the mask-free step's causal mask from the cache length in Python: its trace is
+    # refused by the check there, in float32 as in bf16 (tests/test_decode_trace.py)
+    assert traced == ({True} if compat.transformers_version() >= (5,) else set())
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
     assert not torch.equal(before, flat(trainer.model))
     assert math.isfinite(last["loss"]) and abs(last["val/ratio"] - 1.0) < 2e-2

@@ -37,8 +37,10 @@ constant, stale after the next optimizer step) and kept only where it casts no p
 bf16: the linear layers then run on the rollout's packed bf16 weights (cpu_linear.autocast_packed_weights),
 inputs of every replay, and only activations are cast, as in the eager step. A trace that would cast a
 weight at every step (a layer left on F.linear, a model multiplying by its weights in its own code) is
-not used: the eager step casts each weight once per rollout from the cache. Traces made under autocast and
-without it are kept apart.
+not used: the eager step casts each weight once per rollout from the cache. Such a trace holds autocast's
+casts, so it replays with autocast off (a model's own `torch.autocast(enabled=False)` block, which the
+tracer does not record, would otherwise run in bf16 at replay). Traces made under autocast and without it
+are kept apart.
 """
 
 from __future__ import annotations
@@ -189,6 +191,17 @@ def _casts_parameters(traced: Any) -> bool:
     return False
 
 
+def _replay(step: Any, args: tuple, autocast: bool) -> tuple:
+    """A trace's outputs for `args`. One made under autocast holds the casts autocast made while it was
+    recorded, and none inside the model's own `torch.autocast(enabled=False)` blocks (which the tracer does
+    not record: transformers 4.x computes its rotary frequencies in one), so it replays with autocast off;
+    replayed under autocast, those blocks' matmuls would run in bf16."""
+    if not autocast:
+        return step(*args)
+    with torch.autocast("cpu", enabled=False):
+        return step(*args)
+
+
 def _trace(model: nn.Module, key: tuple, args: tuple) -> Any:
     """A checked trace of the decode forward for `args`, or None (the eager forward is used instead)."""
     masked, cache_name, keep, _, autocast, packed_layers = key
@@ -207,7 +220,7 @@ def _trace(model: nn.Module, key: tuple, args: tuple) -> Any:
                 logger.info("decode step of %s not traced under autocast: it casts weights", type(model).__name__)
                 return None
             for check in (args, _smaller(args, masked, packed)):
-                if not _same(traced(*check), eager(*check)):
+                if not _same(_replay(traced, check, autocast), eager(*check)):
                     logger.info(
                         "decode step of %s not traced: the trace differs from the eager forward", type(model).__name__
                     )
@@ -268,6 +281,6 @@ class TracedDecode:
         step = self.steps[key]
         if step is None:
             return None
-        out = step(*args)
+        out = _replay(step, args, key[-2])
         compat.set_dynamic_cache_tensors(cache, [(out[i], out[i + 1]) for i in range(1, len(out), 2)])
         return out[0][:, -1, :]
