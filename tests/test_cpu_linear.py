@@ -319,3 +319,17 @@ def test_bf16_weights_are_packed_only_where_a_pass_over_the_model_says_it_pays(m
         for calls, switched_layers in [(19, 0), (20, 2)]:
             with cpu_linear.autocast_packed_weights(model, calls=calls) as switched:
                 assert len(switched) == switched_layers
+
+
+@pytest.mark.skipif(not cpu_linear.can_pack(), reason="this torch build cannot pack oneDNN weights")
+@pytest.mark.parametrize(("budget", "timed"), [(2 * 16 * 12 + 2 * 12 * 16, 2), (2 * 16 * 12, 1), (1, 1)])
+def test_the_bf16_decision_times_the_first_layers_up_to_its_byte_budget(monkeypatch, budget, timed):
+    """The pass holds two bf16 copies of what it times, so it covers the model's first layers up to
+    MAX_CALIBRATED_BF16_BYTES of bf16 weight (2 bytes an element), and at least one layer."""
+    monkeypatch.setattr(cpu_linear, "MAX_CALIBRATED_BF16_BYTES", budget)
+    packed = []
+    real_pack = cpu_linear._pack
+    monkeypatch.setattr(cpu_linear, "_pack", lambda w: packed.append(tuple(w.shape)) or real_pack(w))
+    model = nn.Sequential(nn.Linear(16, 12), nn.Linear(12, 16))
+    cpu_linear.bf16_pack_calls(model, list(model))
+    assert packed == [(12, 16), (16, 12)][:timed]

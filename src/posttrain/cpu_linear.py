@@ -66,6 +66,9 @@ PACK_ROWS = CALIBRATION_ROWS[0]
 # column is flat at these widths (a 16,384-column slice of Qwen2.5-0.5B's LM head gave the same ratio as
 # the whole head, 2.2–2.7×, at 4, 16 and 80 rows; benchmarks/README.md, "oneDNN linear layers").
 MAX_CALIBRATED_ELEMENTS = 1 << 24
+# The bf16 decision (`bf16_pack_calls`) times a pass over a model's first layers up to this many bytes of
+# bf16 weights: 512 MiB, more than this Xeon's 300 MiB L3, and a transient 1 GiB for its two copies.
+MAX_CALIBRATED_BF16_BYTES = 512 << 20
 
 
 class Decision(NamedTuple):
@@ -341,10 +344,20 @@ def bf16_pack_calls(model: nn.Module, layers: list[nn.Linear]) -> float:
     L3 and packing pays; at 0.5B every call reads its weight from memory, reordered or not, and it does
     not: benchmarks/README.md, "bf16 autocast decoding on a CPU with AMX"). Autocast's kernel (F.linear on
     bf16 copies, as its cache holds them) and oneDNN's on packed copies, the best of 3 passes each; the
-    packed pass must take ≤ FASTER of the plain one. Once per model, set of layer shapes and thread count."""
+    packed pass must take ≤ FASTER of the plain one. Once per model, set of layer shapes and thread count.
+    The pass runs over the first layers up to MAX_CALIBRATED_BF16_BYTES of bf16 weights (at least one): the
+    timing holds two bf16 copies of what it covers, and a prefix larger than the caches meets its weights
+    as the whole model's pass does (a ratio of times, the number does not grow with the model)."""
     key = (tuple((m.out_features, m.in_features, m.bias is not None) for m in layers), torch.get_num_threads())
     decided = _BF16_PACK_CALLS.setdefault(model, {})
     if key not in decided:
+        covered, size = [], 0
+        for m in layers:
+            if covered and size + 2 * m.weight.numel() > MAX_CALIBRATED_BF16_BYTES:
+                break
+            covered.append(m)
+            size += 2 * m.weight.numel()
+        layers = covered
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
             inputs = {m.in_features: torch.randn(PACK_ROWS, m.in_features).to(torch.bfloat16) for m in layers}
             biases = [None if m.bias is None else m.bias.detach().to(torch.bfloat16) for m in layers]
