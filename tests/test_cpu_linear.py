@@ -261,10 +261,10 @@ def test_bf16_autocast_decode_calls_run_on_packed_bf16_weights_and_nothing_else_
         expected = {"small": model(small), "large": model(large)}
         with torch.no_grad(), cpu_linear.autocast_packed_weights(model, calls=53) as switched:
             assert switched == [layer, unbiased]  # plain nn.Linear only
-            assert cpu_linear.packed_in_module_order(model) == [
-                layer.__dict__[cpu_linear.PACKED],
-                layer.__dict__[cpu_linear.PACKED_BIAS],
-                unbiased.__dict__[cpu_linear.PACKED],
+            assert cpu_linear.packed_inputs(model) == [  # (index in model.modules(), tensor)
+                (1, layer.__dict__[cpu_linear.PACKED]),
+                (1, layer.__dict__[cpu_linear.PACKED_BIAS]),
+                (2, unbiased.__dict__[cpu_linear.PACKED]),
             ]
             assert layer.__dict__[cpu_linear.PACKED_BIAS].dtype == torch.bfloat16
             out = model(small)

@@ -406,7 +406,7 @@ def autocast_packed_weights(model: nn.Module, calls: int) -> Iterator[list[nn.Li
     of its weight in oneDNN's blocked layout, and its bias cast to bf16, both made here once; the values
     are those of autocast's F.linear up to the kernels' rounding (the same bf16 inputs, weights and bias).
     Outside bf16 autocast, with POSTTRAIN_CPU_LINEAR=off, or without oneDNN's packing, nothing changes.
-    Yields the layers switched; the copies (`packed_in_module_order`, the decode trace's inputs) and the
+    Yields the layers switched; the copies (`packed_inputs`, the decode trace's inputs) and the
     layers' forwards are dropped on exit. The weights must not change inside the block."""
     layers: list[nn.Module] = []
     try:
@@ -428,14 +428,15 @@ def autocast_packed_weights(model: nn.Module, calls: int) -> Iterator[list[nn.Li
                 module.__dict__.pop(name, None)
 
 
-def packed_in_module_order(model: nn.Module) -> list[torch.Tensor]:
-    """The tensors that `packed_weights` and `autocast_packed_weights` made for `model`'s layers, in
-    module order, each layer's packed weight followed by its bf16 bias where it has one: what the decode
-    trace takes as inputs (a tensor a layer reads that is not an input would be frozen into the trace)."""
+def packed_inputs(model: nn.Module) -> list[tuple[int, torch.Tensor]]:
+    """The tensors that `packed_weights` and `autocast_packed_weights` made for `model`'s layers, each with
+    the index (in `model.modules()`) of the layer that reads it, in module order: a layer's packed weight,
+    then its bf16 bias where it has one. What the decode trace takes as inputs (a tensor a layer reads that
+    is not an input would be frozen into the trace), and which layer each feeds."""
     tensors = []
-    for module in model.modules():
+    for index, module in enumerate(model.modules()):
         if PACKED in module.__dict__:
-            tensors.append(module.__dict__[PACKED])
+            tensors.append((index, module.__dict__[PACKED]))
             if module.__dict__.get(PACKED_BIAS) is not None:
-                tensors.append(module.__dict__[PACKED_BIAS])
+                tensors.append((index, module.__dict__[PACKED_BIAS]))
     return tensors

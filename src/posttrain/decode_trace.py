@@ -53,10 +53,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttrain import compat
+from posttrain import compat, cpu_linear
 from posttrain.configs import TRACE_DECODE_ENV as ENV  # noqa: F401 (re-exported: the variable's name)
 from posttrain.configs import trace_decode_mode as mode_from_env
-from posttrain.cpu_linear import KERNELS, PACKED, PACKED_BIAS, SMALL_ROWS, autocast_bf16, autocast_forward
+from posttrain.cpu_linear import KERNELS, SMALL_ROWS, autocast_bf16, autocast_forward
 
 logger = logging.getLogger(__name__)
 
@@ -233,22 +233,16 @@ def _trace(model: nn.Module, key: tuple, args: tuple) -> Any:
 
 class TracedDecode:
     """The decode forwards of one `generate` call on `model`: `__call__` returns the step's logits and
-    updates `cache` in place, or returns None when this step must run eagerly. `packed`: the packed
-    linear weights the call's layers run on (cpu_linear.packed_weights), inputs of every replay."""
+    updates `cache` in place, or returns None when this step must run eagerly. The packed linear weights
+    (and bf16 biases) the call's layers run on (cpu_linear.packed_weights, autocast_packed_weights) are
+    inputs of every replay: made for this call, so read from the model when it is built."""
 
-    def __init__(
-        self, model: nn.Module, cache_name: str, keep_kwargs: dict[str, int], packed: list[torch.Tensor] = ()
-    ) -> None:
+    def __init__(self, model: nn.Module, cache_name: str, keep_kwargs: dict[str, int]) -> None:
         self.model, self.cache_name, self.keep = model, cache_name, tuple(sorted(keep_kwargs.items()))
-        self.packed = tuple(packed)
-        # which layer reads each of them (a trace feeds each input to the layer it was traced with): a
-        # layer's packed weight, then, under bf16 autocast, its bf16 bias (cpu_linear.packed_in_module_order)
-        self.packed_layers = tuple(
-            i
-            for i, module in enumerate(model.modules())
-            if PACKED in module.__dict__
-            for _ in range(1 + (module.__dict__.get(PACKED_BIAS) is not None))
-        )
+        inputs = cpu_linear.packed_inputs(model)
+        self.packed = tuple(tensor for _, tensor in inputs)
+        # which layer reads each of them (a trace feeds each input to the layer it was traced with)
+        self.packed_layers = tuple(index for index, _ in inputs)
         fingerprint = _fingerprint(model)
         entry = _TRACES.get(model)
         if entry is None or entry[0] != fingerprint:
@@ -266,12 +260,13 @@ class TracedDecode:
             return None  # a cache too short for the check (one-token prompts) decodes eagerly
         # posttrain's oneDNN linear layers pick their kernel by row count (cpu_linear.SMALL_ROWS), a
         # decision the trace records: steps on either side of it are traced apart.
+        autocast = autocast_bf16()
         key = (
             mask is not None,
             self.cache_name,
             self.keep,
             input_ids.size(0) <= SMALL_ROWS,
-            autocast_bf16(),
+            autocast,
             self.packed_layers,
         )
         args = (input_ids, position_ids, *([mask] if mask is not None else []), *(t for pair in pairs for t in pair))
@@ -281,6 +276,6 @@ class TracedDecode:
         step = self.steps[key]
         if step is None:
             return None
-        out = _replay(step, args, key[-2])
+        out = _replay(step, args, autocast)
         compat.set_dynamic_cache_tensors(cache, [(out[i], out[i + 1]) for i in range(1, len(out), 2)])
         return out[0][:, -1, :]

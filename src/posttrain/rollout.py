@@ -801,14 +801,13 @@ def generate(
         cpu_linear.packed_weights(bare_module(model), sampling.max_new_tokens),
         cpu_linear.autocast_packed_weights(bare_module(model), sampling.max_new_tokens),
     ):
-        packed = cpu_linear.packed_in_module_order(bare_module(model))
         traced = None
         if trace and not static and device.type == "cpu" and bare_module(model) is model:
             from posttrain import decode_trace
 
             if decode_trace.traceable(model):
                 cache_name = compat.cache_argument(model.forward)
-                traced = decode_trace.TracedDecode(model, cache_name, keep_kwargs, packed)
+                traced = decode_trace.TracedDecode(model, cache_name, keep_kwargs)
         for s in range(0, n, step):
             e = min(s + step, n)
             first, last = s // k, (e - 1) // k + 1  # the prompts of rows s .. e-1
