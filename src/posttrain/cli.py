@@ -96,7 +96,7 @@ def _command_available(cmd: Command) -> bool:
 
 
 def _top_parser() -> argparse.ArgumentParser:
-    from posttrain.configs import CPU_LINEAR_ENV, TRACE_DECODE_ENV  # torch-free
+    from posttrain.configs import CPU_LINEAR_ENV, MALLOC_ENV, TRACE_DECODE_ENV  # torch-free
 
     parser = argparse.ArgumentParser(
         prog="posttrain",
@@ -106,7 +106,9 @@ def _top_parser() -> argparse.ArgumentParser:
         f"Environment: {CPU_LINEAR_ENV}=auto|onednn|off picks the kernel of the trainers' float32 CPU "
         "linear layers (auto, the default: oneDNN where a timing at the start of train() finds it faster); "
         f"{TRACE_DECODE_ENV}=auto|off: on CPU, decode steps replay a checked torch.jit.trace of the model "
-        "(auto, the default: bitwise the same tokens, faster on small models).",
+        "(auto, the default: bitwise the same tokens, faster on small models); "
+        f"{MALLOC_ENV}=auto|off: on Linux with glibc, training keeps freed memory for reuse instead of "
+        "returning it to the kernel (auto, the default, unless MALLOC_* or GLIBC_TUNABLES set malloc's thresholds).",
     )
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>")

@@ -61,6 +61,15 @@ def trace_decode_mode() -> str:
     return _env_mode(TRACE_DECODE_ENV, TRACE_DECODE_MODES)
 
 
+MALLOC_ENV = "POSTTRAIN_MALLOC"
+MALLOC_MODES = ("auto", "off")
+
+
+def malloc_mode() -> str:
+    """POSTTRAIN_MALLOC, which `posttrain.runtime.reuse_freed_memory` reads: `auto` (unset or empty) or `off`."""
+    return _env_mode(MALLOC_ENV, MALLOC_MODES)
+
+
 @dataclass
 class TrainingConfig:
     """Fields every trainer shares: where to read and write, how to optimise, log and save."""
@@ -470,6 +479,7 @@ class TrainingConfig:
         refuse_unsupported(self)
         cpu_linear_mode()  # read by train(); a bad value fails here, before any model loads
         trace_decode_mode()  # read by the decode loop; the same
+        malloc_mode()  # read when training starts; the same
         if self.bf16 is None:
             self.bf16 = False
         if self.report_to is None:

@@ -1631,6 +1631,7 @@ class OnlineTrainer(hub.PushToHub):
         advice, resume (weights, counters, state.log_history), on_train_begin; on success the final
         save, the summary entry and on_train_end, leaving the TrainOutput in `self.train_output`."""
         run, events = self.run, self.events
+        runtime.reuse_freed_memory()
         with ckpt.OutputDirGuard(self.args.output_dir, is_main=run.is_main), oom_advice():
             extra = run.maybe_resume(self.checkpoint_models(), self.optimizer, self.lr_scheduler)
             events.state.global_step = run.progress.update

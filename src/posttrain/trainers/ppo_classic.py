@@ -47,6 +47,7 @@ from torch import nn
 
 from posttrain import advantages as adv
 from posttrain import distributed as dist
+from posttrain import runtime
 from posttrain.configs import ConfigError
 from posttrain.critic import PolicyAndValue
 from posttrain.models import CausalLMWithValueHead, disable_dropout
@@ -202,6 +203,7 @@ class ClassicPPOTrainer(ClassicBuildingBlocks, PPOTrainer):
                 stacklevel=2,
             )
         self.tracker = io.build_tracker(config, self.accelerator)
+        runtime.reuse_freed_memory()  # step() trains from here on (runtime.py)
 
     def prepare_scheduler(self, lr_scheduler: Any) -> Any:
         """The user's torch LR scheduler in accelerate's wrapper (`.scheduler` is the user's object, as in

@@ -29,6 +29,7 @@ from torch import nn
 
 from posttrain import checkpoint as ckpt
 from posttrain import distributed as dist
+from posttrain import runtime
 from posttrain.configs import ConfigError
 from posttrain.data.collators import PreferenceCollator
 from posttrain.health import oom_advice
@@ -180,6 +181,7 @@ class RewardTrainer(SupervisedTrainerAPI):
         """Train to max_steps / num_train_epochs (or until a callback sets control.should_training_stop),
         evaluate, save the final model; returns TrainOutput(global_step, training_loss, metrics)."""
         run = self.run
+        runtime.reuse_freed_memory()
         with ckpt.OutputDirGuard(self.args.output_dir, is_main=run.is_main), oom_advice(), run.linear_kernels():
             run.model.train()
             for batches in run.steps(self.data_collator):

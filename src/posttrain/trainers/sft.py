@@ -203,6 +203,7 @@ class SFTTrainer(SupervisedTrainerAPI):
         """Train to max_steps / num_train_epochs (or until a callback sets control.should_training_stop),
         evaluate, save the final model; returns TrainOutput(global_step, training_loss, metrics)."""
         run = self.run
+        runtime.reuse_freed_memory()
         with ckpt.OutputDirGuard(self.args.output_dir, is_main=run.is_main), oom_advice(), run.linear_kernels():
             run.model.train()
             for batches in run.steps(self.data_collator):
