@@ -108,7 +108,8 @@ def _top_parser() -> argparse.ArgumentParser:
         f"{TRACE_DECODE_ENV}=auto|off: on CPU, decode steps replay a checked torch.jit.trace of the model "
         "(auto, the default: bitwise the same tokens, faster on small models); "
         f"{MALLOC_ENV}=auto|off: on Linux with glibc, training keeps freed memory for reuse instead of "
-        "returning it to the kernel (auto, the default, unless MALLOC_* or GLIBC_TUNABLES set malloc's thresholds).",
+        "returning it to the kernel (auto, the default, unless MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_, "
+        "MALLOC_TOP_PAD_, MALLOC_MMAP_MAX_ or glibc.malloc tunables in GLIBC_TUNABLES set malloc's thresholds).",
     )
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>")
