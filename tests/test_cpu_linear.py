@@ -245,7 +245,7 @@ def test_reward_training_runs_through_onednn_layers(tmp_path, tiny_tokenizer, mo
     assert not any("forward" in m.__dict__ for m in trainer.model.modules())
 
 
-@pytest.mark.skipif(not cpu_linear.can_pack(), reason="this torch build cannot pack oneDNN weights")
+@pytest.mark.skipif(not cpu_linear.can_pack_bf16(), reason="oneDNN cannot pack bf16 weights on this CPU")
 def test_bf16_autocast_decode_calls_run_on_packed_bf16_weights_and_nothing_else_changes(monkeypatch):
     """Inside autocast_packed_weights under CPU bf16 autocast, a plain float32 layer's small calls without
     gradients cast their input to bf16 and run on a bf16 copy of its weight packed once: bf16 results
@@ -293,12 +293,20 @@ def test_bf16_autocast_decode_calls_run_on_packed_bf16_weights_and_nothing_else_
         assert switched == []
 
 
-@pytest.mark.skipif(not cpu_linear.can_pack(), reason="this torch build cannot pack oneDNN weights")
+def _fake_bf16_packing(monkeypatch):
+    """oneDNN's bf16 reorder and kernel replaced by a copy and F.linear: the decision's arithmetic and the
+    layers it switches are the same on a CPU that cannot pack bf16 (can_pack_bf16 False) as on one that can."""
+    monkeypatch.setattr(cpu_linear, "can_pack_bf16", lambda: True)
+    monkeypatch.setattr(cpu_linear, "_pack", lambda w: w.detach().clone())
+    monkeypatch.setattr(cpu_linear, "_onednn", lambda x, w, b: torch.nn.functional.linear(x, w, b))
+
+
 def test_bf16_weights_are_packed_only_where_a_pass_over_the_model_says_it_pays(monkeypatch):
     """bf16_pack_calls times one pass over all of the model's layers on bf16 copies (autocast's kernel) and
     one on packed copies, and the packing, once per model: with passes of 1.0 and 0.5 and packing 10.0 the
     copies pay after 10.0 / (1.0 - 0.5) = 20 decode steps, so a rollout of 19 steps keeps F.linear and one
     of 20 packs every layer; a packed pass not below 0.85 of the plain one never packs."""
+    _fake_bf16_packing(monkeypatch)
     times = {}
 
     def best_time(fn, *args, repeats=5):
@@ -321,11 +329,11 @@ def test_bf16_weights_are_packed_only_where_a_pass_over_the_model_says_it_pays(m
                 assert len(switched) == switched_layers
 
 
-@pytest.mark.skipif(not cpu_linear.can_pack(), reason="this torch build cannot pack oneDNN weights")
 @pytest.mark.parametrize(("budget", "timed"), [(2 * 16 * 12 + 2 * 12 * 16, 2), (2 * 16 * 12, 1), (1, 1)])
 def test_the_bf16_decision_times_the_first_layers_up_to_its_byte_budget(monkeypatch, budget, timed):
     """The pass holds two bf16 copies of what it times, so it covers the model's first layers up to
     MAX_CALIBRATED_BF16_BYTES of bf16 weight (2 bytes an element), and at least one layer."""
+    _fake_bf16_packing(monkeypatch)
     monkeypatch.setattr(cpu_linear, "MAX_CALIBRATED_BF16_BYTES", budget)
     packed = []
     real_pack = cpu_linear._pack
@@ -333,3 +341,32 @@ def test_the_bf16_decision_times_the_first_layers_up_to_its_byte_budget(monkeypa
     model = nn.Sequential(nn.Linear(16, 12), nn.Linear(12, 16))
     cpu_linear.bf16_pack_calls(model, list(model))
     assert packed == [(12, 16), (16, 12)][:timed]
+
+
+def test_a_cpu_whose_onednn_cannot_pack_bf16_decodes_bf16_on_autocasts_own_kernel(monkeypatch):
+    """On an AVX2-only CPU torch's oneDNN raises at the bf16 reorder ("bf16 path needs the cpu support
+    avx_ne_convert or avx512bw, avx512vl and avx512dq"). can_pack_bf16 asks the op once and says no, the
+    decision never times a pass (inf), and under bf16 autocast no layer is switched: the rollout runs on
+    autocast's own F.linear instead of failing at its first decode step."""
+
+    def unsupported(weight):
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
+        return real_pack(weight)
+
+    real_pack = cpu_linear._pack
+    monkeypatch.setattr(cpu_linear, "_pack", unsupported)
+    cpu_linear.can_pack_bf16.cache_clear()
+    try:
+        assert not cpu_linear.can_pack_bf16()
+        model = nn.Sequential(nn.Linear(16, 12), nn.Linear(12, 16))
+        assert cpu_linear.bf16_pack_calls(model, list(model)) == math.inf
+        x = torch.randn(2, 16)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = model(x)
+            with cpu_linear.autocast_packed_weights(model, calls=10**9) as switched:
+                assert switched == []
+                assert torch.equal(model(x), expected)
+    finally:
+        cpu_linear.can_pack_bf16.cache_clear()
+    assert not any("forward" in m.__dict__ or cpu_linear.PACKED in m.__dict__ for m in model)

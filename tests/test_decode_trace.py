@@ -289,7 +289,7 @@ def bf16_sample(model, **options):
         return sample(model, **options)
 
 
-@pytest.mark.skipif(not cpu_linear.can_pack(), reason="this torch build cannot pack oneDNN weights")
+@pytest.mark.skipif(not cpu_linear.can_pack_bf16(), reason="oneDNN cannot pack bf16 weights on this CPU")
 @pytest.mark.parametrize("builder", [tiny_neox, tiny_llama])
 def test_bf16_autocast_steps_are_traced_on_packed_bf16_weights(builder, monkeypatch):
     """Under CPU bf16 autocast (--bf16 on CPU) every linear layer decodes on bf16 weights packed for the

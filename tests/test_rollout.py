@@ -417,7 +417,8 @@ def test_every_engine_variant_samples_the_legacy_tokens(engine, num_samples, bat
 @pytest.mark.parametrize("builder", [tiny_llama, tiny_neox])
 def test_every_engine_variant_under_bf16_autocast_samples_the_legacy_tokens(engine, builder, monkeypatch):
     """bf16=True on CPU: the dynamic engines decode under autocast on packed bf16 linear weights with a
-    traced step (cpu_linear.autocast_packed_weights, decode_trace). With pad == eos and four stop ids,
+    traced step (cpu_linear.autocast_packed_weights, decode_trace; on a CPU whose oneDNN cannot pack bf16,
+    on autocast's kernel, eager). With pad == eos and four stop ids,
     rows stop mid-batch; every variant samples the tokens of the legacy engine (one prefill per row, no
     compaction, eager) under the same autocast, with masks from the same lengths."""
     from posttrain import cpu_linear

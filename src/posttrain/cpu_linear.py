@@ -116,6 +116,20 @@ def can_pack() -> bool:
         return False
 
 
+@functools.cache
+def can_pack_bf16() -> bool:
+    """Whether oneDNN can reorder a bf16 weight on this CPU. torch's oneDNN build needs avx512bw, avx512vl
+    and avx512dq or avx_ne_convert for it (an AVX2-only CPU raises "bf16 path needs the cpu support ..."),
+    and there is no public query, so this asks the op itself once, on an 8 x 8 weight."""
+    if not can_pack():
+        return False
+    try:
+        _pack(torch.zeros(8, 8, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
 
@@ -348,6 +362,8 @@ def bf16_pack_calls(model: nn.Module, layers: list[nn.Linear]) -> float:
     The pass runs over the first layers up to MAX_CALIBRATED_BF16_BYTES of bf16 weights (at least one): the
     timing holds two bf16 copies of what it covers, and a prefix larger than the caches meets its weights
     as the whole model's pass does (a ratio of times, the number does not grow with the model)."""
+    if not can_pack_bf16():
+        return math.inf
     key = (tuple((m.out_features, m.in_features, m.bias is not None) for m in layers), torch.get_num_threads())
     decided = _BF16_PACK_CALLS.setdefault(model, {})
     if key not in decided:
@@ -405,12 +421,13 @@ def autocast_packed_weights(model: nn.Module, calls: int) -> Iterator[list[nn.Li
     measured once per model), each of those layers runs its small calls without gradients on a bf16 copy
     of its weight in oneDNN's blocked layout, and its bias cast to bf16, both made here once; the values
     are those of autocast's F.linear up to the kernels' rounding (the same bf16 inputs, weights and bias).
-    Outside bf16 autocast, with POSTTRAIN_CPU_LINEAR=off, or without oneDNN's packing, nothing changes.
+    Outside bf16 autocast, with POSTTRAIN_CPU_LINEAR=off, or where oneDNN cannot pack bf16 weights
+    (`can_pack_bf16`: a CPU without AVX-512 or AVX-NE-CONVERT), nothing changes.
     Yields the layers switched; the copies (`packed_inputs`, the decode trace's inputs) and the
     layers' forwards are dropped on exit. The weights must not change inside the block."""
     layers: list[nn.Module] = []
     try:
-        if mode_from_env() != "off" and can_pack() and autocast_bf16():
+        if mode_from_env() != "off" and can_pack_bf16() and autocast_bf16():
             candidates = [m for m in model.modules() if eligible(m) and PACKED not in m.__dict__]
             if not candidates or bf16_pack_calls(model, candidates) > calls:
                 candidates = []
