@@ -54,6 +54,10 @@ TRL_1_16_DEFAULTS = {
     "use_bias_correction_kl": True,
     "sapo_temperature_pos": 1.0,
     "sapo_temperature_neg": 1.05,
+    "vespo_k_pos": 2.0,
+    "vespo_lambda_pos": 3.0,
+    "vespo_k_neg": 3.0,
+    "vespo_lambda_neg": 2.0,
     "num_generations": 8,
     "num_iterations": 1,
     "learning_rate": 1e-6,
@@ -85,7 +89,7 @@ def test_scale_rewards_aliases(given, stored):
 @pytest.mark.parametrize(
     "field, value, accepted",
     [
-        ("loss_type", "ppo", "grpo, bnpo, dr_grpo, dapo, cispo, sapo"),
+        ("loss_type", "ppo", "grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo"),
         ("importance_sampling_level", "token_mean", "token, sequence"),
         ("scale_rewards", "std", "group, batch, none"),
         ("multi_objective_aggregation", "mean", "sum_then_normalize, normalize_then_sum"),
@@ -103,9 +107,12 @@ def test_range_checks():
         GRPOConfig(delta=0.9)
     with pytest.raises(ConfigError, match="sapo_temperature_neg=0"):
         GRPOConfig(sapo_temperature_neg=0)
+    for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+        with pytest.raises(ConfigError, match=f"{name}=-1.0 must be >= 0"):
+            GRPOConfig(loss_type="vespo", **{name: -1.0})
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"])
 def test_sequence_ratio_with_a_token_summed_loss_warns(loss_type, caplog):
     """GSPO's sequence ratio with a loss that sums token terms counts each sequence once per token:
     a warning (TRL's) names the loss and points to loss_type='grpo'; grpo and sapo average each
@@ -117,6 +124,22 @@ def test_sequence_ratio_with_a_token_summed_loss_warns(loss_type, caplog):
     assert len(warned) == (loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"))
     if warned:
         assert f"loss_type={loss_type!r}" in warned[0] and "loss_type='grpo'" in warned[0]
+
+
+def test_luspo_and_vespo_warn_off_their_papers_level(caplog):
+    """TRL 1.16's two warnings: LUSPO is GSPO's sequence-level loss (token level warns), VESPO builds
+    its sequence weight from the token ratios (sequence level warns); their own levels do not."""
+    with caplog.at_level("WARNING", logger="posttrain"):
+        GRPOConfig(loss_type="luspo", importance_sampling_level="sequence")
+        GRPOConfig(loss_type="vespo", importance_sampling_level="token")
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="posttrain"):
+        GRPOConfig(loss_type="luspo", importance_sampling_level="token")
+        GRPOConfig(loss_type="vespo", importance_sampling_level="sequence")
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2
+    assert "loss_type='luspo'" in messages[0] and "importance_sampling_level='sequence'" in messages[0]
+    assert "loss_type='vespo'" in messages[1] and "'token'" in messages[1]
 
 
 def test_only_the_global_batch_must_hold_whole_groups():
@@ -166,6 +189,10 @@ def test_command_line_flags(capsys):
         "0.9",
         "--sapo_temperature_neg",
         "1.2",
+        "--vespo_k_pos",
+        "1.5",
+        "--vespo_lambda_neg",
+        "0.5",
         "--beta",
         "0.04",
     ]
@@ -175,6 +202,7 @@ def test_command_line_flags(capsys):
     assert cfg.multi_objective_aggregation == "normalize_then_sum" and cfg.reward_weights == [1.0, 0.5]
     assert cfg.mask_truncated_completions is True and cfg.use_bias_correction_kl is False
     assert (cfg.sapo_temperature_pos, cfg.sapo_temperature_neg, cfg.beta) == (0.9, 1.2, 0.04)
+    assert (cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg) == (1.5, 3.0, 3.0, 0.5)
     for value, stored in (("group", "group"), ("false", "none"), ("False", "none"), ("true", "group")):
         assert cli.parse_config("grpo", ["--scale_rewards", value]).scale_rewards == stored
     with pytest.raises(SystemExit):
@@ -194,6 +222,10 @@ def test_command_line_flags(capsys):
         "--use_bias_correction_kl",
         "--sapo_temperature_pos",
         "--sapo_temperature_neg",
+        "--vespo_k_pos",
+        "--vespo_lambda_pos",
+        "--vespo_k_neg",
+        "--vespo_lambda_neg",
     ):
         assert flag in help_text, flag
 
@@ -202,7 +234,7 @@ def test_command_line_flags(capsys):
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
 def test_each_loss_type_trains(tmp_path, tiny_tokenizer, loss_type, level):
     """One rollout batch, 2 iterations × 2 minibatches × 2 micro-batches, beta > 0 against a
     different reference (the bias-corrected KL term), delta and clip-higher on: parameters move and
@@ -233,9 +265,12 @@ def test_each_loss_type_trains(tmp_path, tiny_tokenizer, loss_type, level):
     assert not torch.equal(before, flat(trainer.model))
     assert all(math.isfinite(v) for v in last.values()), last
     names = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
-    names = ["cispo_clip_ratio"] if loss_type == "cispo" else [] if loss_type == "sapo" else names
+    names = {"cispo": ["cispo_clip_ratio"], "sapo": [], "vespo": []}.get(loss_type, names)
     for name in names:
         assert 0.0 <= last[name] <= 1.0, name
+    if loss_type == "vespo":
+        # φ(w) = e^λ·w^k·e^(−λw) peaks at w = k/λ: e·(2/3)² ≈ 1.208 for A ≥ 0 (k 2, λ 3), e^−1·1.5³ ≈ 1.242 for A < 0
+        assert 0.0 < last["vespo/phi_seq_mean"] <= 1.242
     assert last["kl"] > 0 and last["objective/kl"] != 0  # a different reference: a real KL term
     assert last["val/ratio"] > 0
 

@@ -24,7 +24,9 @@ from posttrain.grpo_losses import (
     off_policy_sequence_mask,
     resolve_scale_rewards,
     truncation_loss_mask,
+    vespo_weights,
 )
+from posttrain.trainers.grpo_config import LOSS_TYPES
 
 FIXTURE = Path(__file__).parent / "fixtures" / "grpo_losses_trl_1_16.json"
 
@@ -192,6 +194,56 @@ def test_sapo_by_hand():
     _close(loss, (sum(seq0) / 3 + sum(seq1) / 2) / 2)
 
 
+def test_luspo_by_hand():
+    lp, old, adv, mask = _tiny()
+    # LUSPO: the clipped surrogate, summed over each sequence's tokens, then averaged over sequences.
+    # Token level: (SEQ0_SUM + SEQ1_SUM) / 2; the clip ratios are grpo's (ρ 1.5 high-clipped, ρ 0.7 low-clipped).
+    loss, stats = grpo_policy_loss(lp, old, adv, mask, loss_type="luspo")
+    _close(loss, (SEQ0_SUM + SEQ1_SUM) / 2)
+    _close(stats["clip_ratio/high_mean"], 1 / 5)
+    _close(stats["clip_ratio/low_mean"], 1 / 5)
+    # Sequence level (the paper's setup): ρ_0 = (1.5·0.5·1.1)^(1/3) ≈ 0.938, A = +1, unclipped, over 3 tokens;
+    # ρ_1 = 0.7^(1/2) ≈ 0.837, A = −1, unclipped (inside [0.8, 1.2]), over 2 tokens: (−3·ρ_0 + 2·ρ_1) / 2.
+    rho0, rho1 = (1.5 * 0.5 * 1.1) ** (1 / 3), 0.7**0.5
+    loss, _ = grpo_policy_loss(lp, old, adv, mask, loss_type="luspo", importance_sampling_level="sequence")
+    _close(loss, (-3 * rho0 + 2 * rho1) / 2)
+    # ∂/∂lp_t of −A·L·ρ_seq / B with ρ_seq = exp(mean log ρ): −A·ρ_seq / B on each of the sequence's tokens.
+    loss.backward()
+    expected = torch.tensor([[-rho0 / 2] * 3, [rho1 / 2, rho1 / 2, 0.0]])
+    torch.testing.assert_close(lp.grad, expected, atol=1e-6, rtol=1e-6)
+    _close(grpo_policy_loss(lp, old, adv, mask, loss_type="luspo", accumulation_steps=2)[0], (SEQ0_SUM + SEQ1_SUM) / 4)
+
+
+def test_vespo_by_hand():
+    lp, old, adv, mask = _tiny()
+    # Sequence ratios (products over the loss tokens; the padding's logprob 50 is left out):
+    #   w_0 = 1.5·0.5·1.1 = 0.825 with A = +1: k 2, λ 3 → φ_0 = e^3·0.825²·e^(−3·0.825)
+    #   w_1 = 0.7·1.0 = 0.7     with A = −1: k 3, λ 2 → φ_1 = e^2·0.7³·e^(−2·0.7)
+    phi0 = math.exp(3) * 0.825**2 * math.exp(-3 * 0.825)
+    phi1 = math.exp(2) * 0.7**3 * math.exp(-2 * 0.7)
+    torch.testing.assert_close(
+        vespo_weights(lp.detach() - old, adv, mask), torch.tensor([[phi0], [phi1]]), atol=1e-6, rtol=1e-6
+    )
+    # ℓ_t = −φ·A·log π_θ(y_t), summed and divided by the 5 loss tokens (dapo's aggregation)
+    seq0 = -phi0 * (math.log(1.5) + math.log(0.5) + math.log(1.1))
+    seq1 = phi1 * (math.log(0.7) + 0.0)
+    loss, stats = grpo_policy_loss(lp, old, adv, mask, loss_type="vespo")
+    _close(loss, (seq0 + seq1) / 5)
+    _close(stats["vespo/phi_seq_mean"], (phi0 + phi1) / 2)
+    assert stats["count/clip"].item() == 2 and "clip_ratio/low_mean" not in stats
+    # φ is detached: the gradient is −φ·A / 5 on every loss token, the REINFORCE gradient reweighted
+    loss.backward()
+    expected = torch.tensor([[-phi0] * 3, [phi1, phi1, 0.0]]) / 5
+    torch.testing.assert_close(lp.grad, expected, atol=1e-6, rtol=1e-6)
+    # φ(1) = 1 whatever k and λ; φ peaks at w = k/λ; an overflowing ratio gets weight 0, not NaN
+    one = vespo_weights(torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool), k_pos=5.0)
+    assert one.item() == pytest.approx(1.0)
+    peak = vespo_weights(torch.tensor([[math.log(2 / 3)]]), torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool))
+    assert peak.item() == pytest.approx(math.e * 4 / 9)
+    huge = vespo_weights(torch.full((1, 3), 30.0), torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool))
+    assert huge.item() == 0.0
+
+
 def test_every_loss_type_has_the_policy_gradient_at_ratio_one():
     # On-policy (ρ = 1): the gradient of every variant is −A·∇log π, weighted by its aggregation.
     # grpo / sapo weight each token by 1/(B·|y_b|): seq 0 tokens −1/(2·3), seq 1 tokens +1/(2·2).
@@ -202,8 +254,12 @@ def test_every_loss_type_has_the_policy_gradient_at_ratio_one():
         lp.grad = None
         grpo_policy_loss(lp, lp.detach(), adv, mask, loss_type=loss_type)[0].backward()
         torch.testing.assert_close(lp.grad, expected, atol=1e-6, rtol=1e-6)
-    # bnpo / dapo / cispo: 1/5 per token
-    for loss_type in ("bnpo", "dapo", "cispo"):
+    # luspo: each token weighs 1/B
+    lp.grad = None
+    grpo_policy_loss(lp, lp.detach(), adv, mask, loss_type="luspo")[0].backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[-0.5, -0.5, -0.5], [0.5, 0.5, 0.0]]), atol=1e-6, rtol=1e-6)
+    # bnpo / dapo / cispo / vespo (φ(1) = 1): 1/5 per token
+    for loss_type in ("bnpo", "dapo", "cispo", "vespo"):
         lp.grad = None
         grpo_policy_loss(lp, lp.detach(), adv, mask, loss_type=loss_type, epsilon_high=5.0)[0].backward()
         torch.testing.assert_close(lp.grad, torch.tensor([[-0.2, -0.2, -0.2], [0.2, 0.2, 0.0]]), atol=1e-6, rtol=1e-6)
@@ -380,6 +436,10 @@ _DEFAULTS = {
     "use_bias_correction_kl": True,
     "sapo_temperature_pos": 1.0,
     "sapo_temperature_neg": 1.05,
+    "vespo_k_pos": 2.0,
+    "vespo_lambda_pos": 3.0,
+    "vespo_k_neg": 3.0,
+    "vespo_lambda_neg": 2.0,
     "top_entropy_quantile": 1.0,
     "gradient_accumulation_steps": 1,
     "steps_per_generation": 1,
@@ -415,6 +475,10 @@ def test_loss_equals_trl_1_16(case):
         delta=cfg["delta"],
         sapo_temperature_pos=cfg["sapo_temperature_pos"],
         sapo_temperature_neg=cfg["sapo_temperature_neg"],
+        vespo_k_pos=cfg["vespo_k_pos"],
+        vespo_lambda_pos=cfg["vespo_lambda_pos"],
+        vespo_k_neg=cfg["vespo_k_neg"],
+        vespo_lambda_neg=cfg["vespo_lambda_neg"],
         beta=cfg["beta"],
         ref_logprobs=data["ref_logprobs"],
         use_bias_correction_kl=cfg["use_bias_correction_kl"],
@@ -455,9 +519,7 @@ def test_fixture_covers_every_loss_type_and_level():
     seen = {
         (c["config"]["loss_type"], c["config"].get("importance_sampling_level", "token")) for c in fixture["losses"]
     }
-    assert seen == {
-        (t, lv) for t in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo") for lv in ("token", "sequence")
-    }
+    assert seen == {(t, lv) for t in LOSS_TYPES for lv in ("token", "sequence")}
 
 
 # -- the entropy bonus (TRL 1.9's entropy_coef / use_adaptive_entropy) -------------------------------------
@@ -471,8 +533,9 @@ def test_entropy_term_is_the_mean_token_entropy_for_every_loss_type():
     # of 4 and 4 tokens: normalizer 8 gives half the mean from each)
     assert grpo_entropy_term(entropies, mask, loss_type="dapo", normalizer=8).item() == pytest.approx(10 / 8)
     assert grpo_entropy_term(entropies, mask, loss_type="cispo", normalizer=4).item() == pytest.approx(2.5)
+    assert grpo_entropy_term(entropies, mask, loss_type="vespo", normalizer=4).item() == pytest.approx(2.5)
     # the others: the micro-batch's token mean / accumulation steps
-    for loss_type in ("grpo", "bnpo", "dr_grpo", "sapo"):
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "sapo", "luspo"):
         assert grpo_entropy_term(entropies, mask, loss_type=loss_type).item() == pytest.approx(2.5)
         assert grpo_entropy_term(entropies, mask, loss_type=loss_type, accumulation_steps=2).item() == 1.25
     grpo_entropy_term(entropies, mask, loss_type="grpo").backward()

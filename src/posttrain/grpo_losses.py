@@ -3,7 +3,7 @@
 Pure torch, tensors in and `(value, stats)` out; the trainer picks the objective with the
 `GRPOConfig` fields of the same names (`loss_type`, `importance_sampling_level`, `epsilon`,
 `epsilon_high`, `delta`, `beta`, `use_bias_correction_kl`, `sapo_temperature_pos/neg`,
-`top_entropy_quantile`, `mask_truncated_completions`, `scale_rewards`,
+`vespo_k_pos/neg`, `vespo_lambda_pos/neg`, `top_entropy_quantile`, `mask_truncated_completions`, `scale_rewards`,
 `multi_objective_aggregation`, `reward_weights`). docs/internals.md ("GRPO loss family") lists each
 variant with its equation and paper; tests/test_grpo_losses.py checks every variant against values
 TRL 1.16 itself computed (tests/fixtures/grpo_losses_trl_1_16.json).
@@ -18,7 +18,8 @@ Sources: TRL 1.16 `trl/trainer/grpo_trainer.py` (`_compute_loss`, `get_high_entr
 `_generate_and_score_completions`) and `grpo_config.py`; Shao et al. 2024 (GRPO, arXiv:2402.03300);
 Yu et al. 2025 (DAPO, arXiv:2503.14476); Liu et al. 2025 (Dr. GRPO, arXiv:2503.20783); Zheng et al.
 2025 (GSPO, arXiv:2507.18071); MiniMax 2025 (MiniMax-M1 / CISPO, arXiv:2506.13585); "Soft
-Adaptive Policy Optimization" (SAPO, arXiv:2511.20347); INTELLECT-2 (two-sided clipping `delta`,
+Adaptive Policy Optimization" (SAPO, arXiv:2511.20347); LUSPO (arXiv:2602.05261); VESPO
+(arXiv:2602.10693); INTELLECT-2 (two-sided clipping `delta`,
 arXiv:2505.07291); Wang et al. 2025 ("Beyond the 80/20 rule", top-entropy tokens,
 arXiv:2506.01939); DeepSeek-V3.2 (KL bias correction, arXiv:2512.02556); PPO Lite ("batch"
 scaling, arXiv:2508.08221); GDPO (normalize_then_sum, arXiv:2601.05242); Schulman 2020 (k3 KL).
@@ -40,10 +41,15 @@ from posttrain.trainers.grpo_config import (  # noqa: F401  (re-exported)
     SCALE_REWARDS,
 )
 
+# Loss types whose policy term divides by the minibatch's global token count (not a per-micro-batch mean).
+_GLOBAL_TOKEN_MEAN = ("dapo", "cispo", "vespo")
 # Loss types whose objective is the hard-clipped PPO surrogate (and whose clip ratios TRL logs).
-_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")
+_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 # Added to the standard deviation before dividing (TRL 1.16 GRPO's constant).
 _STD_EPS = 1e-4
+# VESPO clamps the sequence log-ratio to [log 1e-8, 20] before the gamma weight (the paper's code, as TRL 1.16).
+_VESPO_LOG_W_MIN = math.log(1e-8)
+_VESPO_LOG_W_MAX = 20.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,6 +150,36 @@ def log_importance_weights(
     )
 
 
+@torch.no_grad()
+def vespo_weights(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+) -> torch.Tensor:
+    """VESPO's sequence weight φ(w) = e^λ · w^k · e^(−λ·w) (arXiv:2602.10693), detached, (B, 1).
+
+    w = exp(Σ_t m_t·clamp(log π_θ − log π_old, −20, 20)), the sequence's importance ratio (a product
+    over its loss tokens, not GSPO's length-normalized mean), with log w clamped to [log 1e-8, 20];
+    (k, λ) = (k_pos, λ_pos) where A ≥ 0, else (k_neg, λ_neg); λ is floored at 1e-4. φ(1) = 1 and φ peaks
+    at w = k/λ: a smooth, asymmetric replacement for hard clipping. Computed in log space
+    (log φ = λ + k·log w − λ·w); a NaN or infinite weight becomes 0, as in TRL 1.16's
+    `GRPOTrainer.get_gamma_weights`. log_ratio, mask (B, T); advantages (B,) or (B, 1).
+    """
+    m = mask.to(log_ratio.dtype)
+    seq = (torch.clamp(log_ratio, -20.0, 20.0) * m).sum(-1, keepdim=True)
+    log_w = torch.clamp(seq, _VESPO_LOG_W_MIN, _VESPO_LOG_W_MAX)
+    nonneg = advantages.reshape(-1, 1) >= 0 if advantages.dim() == 1 else advantages >= 0
+    k = torch.where(nonneg, k_pos, k_neg).to(log_w.dtype)
+    lam = torch.where(nonneg, lambda_pos, lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def grpo_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -157,6 +193,10 @@ def grpo_policy_loss(
     delta: float | None = None,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
     beta: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
     use_bias_correction_kl: bool = True,
@@ -170,7 +210,8 @@ def grpo_policy_loss(
 
     Importance weight ρ = exp(log ρ) (`log_importance_weights`, token or sequence level), then per
     token, with ε_lo = epsilon, ε_hi = epsilon_high (default epsilon):
-      grpo, bnpo, dr_grpo, dapo:  ℓ_t = −min(ρ̃·A, clip(ρ, 1 − ε_lo, 1 + ε_hi)·A), ρ̃ = min(ρ, delta)
+      grpo, bnpo, dr_grpo, dapo, luspo:
+                                  ℓ_t = −min(ρ̃·A, clip(ρ, 1 − ε_lo, 1 + ε_hi)·A), ρ̃ = min(ρ, delta)
                                   when delta is set (INTELLECT-2's two-sided clipping, arXiv:2505.07291),
                                   else ρ̃ = ρ (PPO-clip, Shao et al. 2024, arXiv:2402.03300; ε_hi > ε_lo
                                   is DAPO's clip-higher).
@@ -179,6 +220,8 @@ def grpo_policy_loss(
               on ρ here (ScaleRL's ε_max, recommended 5.0), and, as in TRL, it defaults to epsilon (0.2).
       sapo:   ℓ_t = −(4/τ)·σ(τ·(ρ − 1))·A, τ = sapo_temperature_pos where A > 0 else
               sapo_temperature_neg: a soft gate in place of the hard clip (SAPO, arXiv:2511.20347).
+      vespo:  ℓ_t = −φ(w)·A·log π_θ(y_t), φ the detached gamma weight of the sequence ratio w
+              (`vespo_weights`, VESPO arXiv:2602.10693); ρ enters only the KL bias correction.
     Then ℓ_t ← ℓ_t·off_policy_mask (off_policy_mask_threshold; `off_policy_sequence_mask`, one per
     sequence), ℓ_t ← ℓ_t·entropy_mask_t (top_entropy_quantile; `high_entropy_mask`), and with beta ≠ 0
     ℓ_t ← ℓ_t + beta·KL_t, KL_t = exp(ref − lp) − (ref − lp) − 1 (k3, Schulman 2020), multiplied by ρ
@@ -187,9 +230,10 @@ def grpo_policy_loss(
       grpo, sapo: (1/B)·Σ_b (Σ_t ℓ·m / max(Σ_t m, 1)) / accumulation_steps   (sequence mean of token means)
       bnpo:       Σ ℓ·m / max(Σ m, 1) / accumulation_steps                     (local token mean)
       dr_grpo:    Σ ℓ·m / (B·max_completion_length) / accumulation_steps      (Dr. GRPO, arXiv:2503.20783)
-      dapo, cispo: Σ ℓ·m / normalizer                                          (DAPO, arXiv:2503.14476)
+      luspo:      (1/B)·Σ_b Σ_t ℓ·m / accumulation_steps   (sequence sums: GSPO's loss × length, LUSPO)
+      dapo, cispo, vespo: Σ ℓ·m / normalizer                                   (DAPO, arXiv:2503.14476)
     accumulation_steps is TRL's division by `current_gradient_accumulation_steps` of the
-    per-micro-batch means. For dapo and cispo, `normalizer` is the number of loss tokens the sum is
+    per-micro-batch means. For dapo, cispo and vespo, `normalizer` is the number of loss tokens the sum is
     divided by: TRL uses num_items_in_batch / num_processes · gradient_accumulation_steps /
     steps_per_generation, with num_items_in_batch the loss tokens of the whole generation batch over
     all processes (DDP then averages over processes, so the step's loss is a token mean over the
@@ -204,6 +248,7 @@ def grpo_policy_loss(
       clip_ratio/low_min, clip_ratio/high_max  min / max over sequences of the per-sequence
                    fractions (NaN-skipping; NaN when there is none);
       cispo_clip_ratio  (cispo) fraction with ρ > ε_hi and A > 0, weighted as the clip ratios;
+      vespo/phi_seq_mean  (vespo) mean of φ over the B sequences (weight count/clip = B);
       count        loss tokens in this call (the weight of `kl`); count/clip: the weight of the
                    clip ratios (loss tokens, or B at sequence level). Across micro-batches and ranks,
                    TRL reduces these as Σ mean·count / Σ count.
@@ -222,7 +267,11 @@ def grpo_policy_loss(
     zeros = torch.zeros_like(logprobs)
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
 
-    coef_1 = torch.exp(log_importance_weights(logprobs, old_logprobs, m, importance_sampling_level))  # (B, T|1)
+    token_log_ratio = log_importance_weights(logprobs, old_logprobs, m, "token")
+    if importance_sampling_level == "token":
+        coef_1 = torch.exp(token_log_ratio)  # (B, T)
+    else:
+        coef_1 = torch.exp(log_importance_weights(logprobs, old_logprobs, m, importance_sampling_level))  # (B, 1)
 
     per_token_kl = None
     if beta != 0.0:
@@ -240,6 +289,17 @@ def grpo_policy_loss(
     elif loss_type == "cispo":
         clamped = torch.clamp(coef_1, max=eps_high).detach()
         per_token_loss = -clamped * adv * torch.where(m, logprobs, zeros)
+    elif loss_type == "vespo":
+        phi = vespo_weights(
+            token_log_ratio,
+            adv,
+            m,
+            k_pos=vespo_k_pos,
+            lambda_pos=vespo_lambda_pos,
+            k_neg=vespo_k_neg,
+            lambda_neg=vespo_lambda_neg,
+        )
+        per_token_loss = -phi * adv * torch.where(m, logprobs, zeros)
     else:  # sapo
         tau = torch.where(
             adv > 0,
@@ -264,13 +324,15 @@ def grpo_policy_loss(
         policy_loss = masked.sum() / tokens.sum().clamp(min=1.0)
     elif loss_type == "dr_grpo":
         policy_loss = masked.sum() / (logprobs.size(0) * max_completion_length)
-    else:  # dapo, cispo
+    elif loss_type == "luspo":
+        policy_loss = masked.sum(-1).mean()
+    else:  # dapo, cispo, vespo
         if normalizer is None:
             normalizer = tokens.sum().clamp(min=1.0)
         elif not torch.is_tensor(normalizer) and normalizer <= 0:
             raise ValueError(f"normalizer must be > 0 (loss tokens the sum is divided by), got {normalizer}.")
         policy_loss = masked.sum() / normalizer
-    loss = policy_loss if loss_type in ("dapo", "cispo") else policy_loss / accumulation_steps
+    loss = policy_loss if loss_type in _GLOBAL_TOKEN_MEAN else policy_loss / accumulation_steps
 
     with torch.no_grad():
         n_tokens = tokens.sum().detach()
@@ -302,6 +364,9 @@ def grpo_policy_loss(
             stats["clip_ratio/high_max"] = _nan_reduce(high_seq, torch.max)
         elif loss_type == "cispo":
             stats["cispo_clip_ratio"] = mean_over_items((r > eps_high) & (a > 0))
+        elif loss_type == "vespo":
+            stats["vespo/phi_seq_mean"] = phi.float().mean()  # one weight per sequence, as TRL averages it
+            stats["count/clip"] = n_tokens.new_tensor(float(logprobs.size(0)))
     return loss, stats
 
 
@@ -313,9 +378,6 @@ def _nan_reduce(x: torch.Tensor, reduce) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # Entropy bonus
 # --------------------------------------------------------------------------------------------
-
-# Loss types whose policy term divides by the minibatch's global token count (not a per-micro-batch mean).
-_GLOBAL_TOKEN_MEAN = ("dapo", "cispo")
 
 
 def grpo_entropy_term(
@@ -331,7 +393,7 @@ def grpo_entropy_term(
     H is the mean per-token entropy of the minibatch whatever the loss type, so entropy_coef means the
     same for all of them (TRL 1.9 `GRPOTrainer._compute_loss`): summed over the micro-batches of an
     optimizer step (and averaged over processes, as gradients are), the terms add up to
-      dapo, cispo: Σ_t H_t·m_t / normalizer (the minibatch's loss tokens over all ranks, as the policy
+      dapo, cispo, vespo: Σ_t H_t·m_t / normalizer (the minibatch's loss tokens over all ranks, as the policy
                    term: `online.global_normalizer`), i.e. the global token mean;
       others:      (Σ_t H_t·m_t / Σ_t m_t) / accumulation_steps, the mean of the micro-batch token means.
     `mask`: the loss tokens (times the top-entropy mask when top_entropy_quantile < 1). entropies, mask

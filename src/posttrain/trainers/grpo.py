@@ -18,16 +18,19 @@ is its reward relative to its group. One rollout batch of B = batch_size complet
 4. Update: num_iterations passes × num_mini_batches minibatches (micro-batches of
    per_device_train_batch_size). With ρ per token (or per sequence, importance_sampling_level),
    ε_lo = epsilon, ε_hi = epsilon_high (default epsilon), per token:
-     grpo, bnpo, dr_grpo, dapo: ℓ_t = −min(min(ρ, delta)·A, clip(ρ, 1 − ε_lo, 1 + ε_hi)·A)
+     grpo, bnpo, dr_grpo, dapo, luspo: ℓ_t = −min(min(ρ, delta)·A, clip(ρ, 1 − ε_lo, 1 + ε_hi)·A)
      cispo: ℓ_t = −sg[min(ρ, ε_hi)]·A·log π_θ(y_t)
      sapo:  ℓ_t = −(4/τ)·σ(τ·(ρ − 1))·A, τ = sapo_temperature_pos if A > 0 else sapo_temperature_neg
+     vespo: ℓ_t = −sg[φ(w)]·A·log π_θ(y_t), w = Π_t ρ_t the sequence ratio, φ(w) = e^λ·w^k·e^(−λw)
+            with (k, λ) = vespo_k_pos / vespo_lambda_pos if A ≥ 0 else vespo_k_neg / vespo_lambda_neg
    times the top-entropy mask (top_entropy_quantile: the threshold is the quantile of the update
    forward's entropies over the loss tokens of the micro-batch on all ranks), plus
    beta·KL3_t (·ρ with use_bias_correction_kl), KL3 = e^(ref − lp) − (ref − lp) − 1. Aggregated over
    the loss tokens m (completion mask, minus truncated completions with mask_truncated_completions):
      grpo, sapo: mean over sequences of Σ_t ℓ·m / Σ_t m; bnpo: Σ ℓ·m / Σ m per micro-batch;
-     dr_grpo: Σ ℓ·m / (b·max_completion_length)  — each divided by gradient_accumulation_steps;
-     dapo, cispo: Σ ℓ·m / N_tok, N_tok the loss tokens of the minibatch over all ranks (so
+     dr_grpo: Σ ℓ·m / (b·max_completion_length); luspo: mean over sequences of Σ_t ℓ·m (GSPO's loss
+     times the length)  — each divided by gradient_accumulation_steps;
+     dapo, cispo, vespo: Σ ℓ·m / N_tok, N_tok the loss tokens of the minibatch over all ranks (so
      micro-batching and data parallelism leave the update unchanged).
    With entropy_coef (or use_adaptive_entropy) the loss minus coef·H, H the mean per-token entropy of
    the loss tokens (`grpo_losses.grpo_entropy_term`; coefficient from `grpo_losses.EntropyController`).
@@ -47,10 +50,11 @@ Metrics (masked, count-weighted across micro-batches and ranks):
   frac_reward_zero_std        fraction of completions whose normalizing std is 0 (no learning signal)
   loss/policy_avg             the minimised loss (KL term included), mean over optimizer steps
   kl, loss/kl_avg             token mean of the KL term beta multiplies (with beta > 0)
-  clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean   (grpo, bnpo, dr_grpo, dapo)
+  clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean   (grpo, bnpo, dr_grpo, dapo, luspo)
                               fraction of loss tokens (sequences at sequence level) with
                               ρ < 1 − ε_lo and A < 0 / ρ > 1 + ε_hi and A > 0 / either
   cispo_clip_ratio            (cispo) fraction with ρ > ε_hi and A > 0
+  vespo/phi_seq_mean          (vespo) mean gamma weight φ(w) over the completions
   policy/clipfrac_avg         = clip_ratio/region_mean (posttrain's name)
   policy/approxkl_avg         token mean of ½·(log π − log π_old)²
   policy/entropy_avg          token-weighted entropy of the update forward
@@ -97,7 +101,14 @@ from posttrain.trainers.online import (
     score,
 )
 
-_CLIP_STATS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio")
+# Ratios logged with the weight `count/clip` (loss tokens, or completions for per-sequence values).
+_CLIP_STATS = (
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "cispo_clip_ratio",
+    "vespo/phi_seq_mean",
+)
 
 
 def rank_rows(num_prompts: int, num_generations: int, world_size: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,6 +370,10 @@ class GRPOTrainer(OnlineTrainer):
             delta=config.delta,
             sapo_temperature_pos=config.sapo_temperature_pos,
             sapo_temperature_neg=config.sapo_temperature_neg,
+            vespo_k_pos=config.vespo_k_pos,
+            vespo_lambda_pos=config.vespo_lambda_pos,
+            vespo_k_neg=config.vespo_k_neg,
+            vespo_lambda_neg=config.vespo_lambda_neg,
             beta=config.beta,
             use_bias_correction_kl=config.use_bias_correction_kl,
             max_completion_length=config.response_length,

@@ -3,7 +3,8 @@
 Field names and defaults follow TRL 1.16's `GRPOConfig` (num_generations, beta, epsilon,
 epsilon_high, delta, num_iterations, loss_type, importance_sampling_level, scale_rewards,
 multi_objective_aggregation, reward_weights, top_entropy_quantile, use_bias_correction_kl,
-sapo_temperature_pos / sapo_temperature_neg, off_policy_mask_threshold, max_completion_length; TRL 1.9's entropy bonus
+sapo_temperature_pos / sapo_temperature_neg, vespo_k_pos / vespo_lambda_pos / vespo_k_neg / vespo_lambda_neg,
+off_policy_mask_threshold, max_completion_length; TRL 1.9's entropy bonus
 entropy_coef / use_adaptive_entropy / entropy_coef_min / entropy_coef_max / entropy_coef_delta /
 entropy_target), with the TRL 1.x rollout
 settings GRPO shares with RLOO (`configs.GroupRolloutOptions`: steps_per_generation /
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 _DEFAULT_RESPONSE_LENGTH = 53  # OnPolicyConfig.response_length's default
 
 # The accepted values (posttrain.grpo_losses implements each one).
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -92,7 +93,9 @@ class GRPOConfig(GroupRolloutOptions, VLLMOptions, OnPolicyConfig):
     loss_type: str = flag(
         "The objective: grpo (sequence mean of token means), bnpo (micro-batch token mean), dr_grpo (sum / "
         "(B · max_completion_length)), dapo (token mean over the global batch), cispo (clipped IS-weight "
-        "REINFORCE), sapo (soft gate). See docs/internals.md, 'GRPO loss family'.",
+        "REINFORCE), sapo (soft gate), luspo (GSPO's sequence loss scaled by length; with "
+        "importance_sampling_level=sequence), vespo (REINFORCE weighted by a gamma function of the sequence "
+        "ratio). See docs/internals.md, 'GRPO loss family'.",
         default="dapo",
     )
     importance_sampling_level: str = flag(
@@ -123,6 +126,15 @@ class GRPOConfig(GroupRolloutOptions, VLLMOptions, OnPolicyConfig):
     )
     sapo_temperature_pos: float = flag("SAPO's gate temperature for positive advantages.", default=1.0)
     sapo_temperature_neg: float = flag("SAPO's gate temperature for negative advantages.", default=1.05)
+    vespo_k_pos: float = flag(
+        "VESPO's power k for A >= 0: φ(w) = e^λ·w^k·e^(−λw) down-weights sequence ratios w < 1 more as k grows.",
+        default=2.0,
+    )
+    vespo_lambda_pos: float = flag(
+        "VESPO's decay λ for A >= 0: down-weights sequence ratios w > 1 more as λ grows.", default=3.0
+    )
+    vespo_k_neg: float = flag("VESPO's power k for A < 0.", default=3.0)
+    vespo_lambda_neg: float = flag("VESPO's decay λ for A < 0.", default=2.0)
     off_policy_mask_threshold: float | None = flag(
         "Off-policy sequence masking (DeepSeek-V3.2): drop from the policy loss the completions with a negative "
         "advantage whose mean per-token log π_old − log π_θ exceeds this (e.g. 0.5); None: off.",
@@ -183,6 +195,19 @@ class GRPOConfig(GroupRolloutOptions, VLLMOptions, OnPolicyConfig):
                 "objective. Set loss_type='grpo' for the GSPO paper's setup (arXiv:2507.18071).",
                 self.loss_type,
             )
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            logger.warning(
+                "loss_type='luspo' with importance_sampling_level=%r: LUSPO (arXiv:2602.05261) scales GSPO's "
+                "sequence-level loss; set importance_sampling_level='sequence' for the paper's setup.",
+                self.importance_sampling_level,
+            )
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            logger.warning(
+                "loss_type='vespo' computes its sequence-level weight from the token ratios itself; "
+                "importance_sampling_level=%r only changes the ratio of the KL bias correction. Leave it at "
+                "'token' (the default) for the paper's setup (arXiv:2602.10693).",
+                self.importance_sampling_level,
+            )
         _one_of("multi_objective_aggregation", self.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
         scale = self.scale_rewards
         if isinstance(scale, str):
@@ -205,6 +230,9 @@ class GRPOConfig(GroupRolloutOptions, VLLMOptions, OnPolicyConfig):
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0.")
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0 (VESPO's weight e^λ·w^k·e^(−λw)).")
         check_reward_weights(self)
 
     @property
