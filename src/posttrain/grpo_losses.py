@@ -267,11 +267,8 @@ def grpo_policy_loss(
     zeros = torch.zeros_like(logprobs)
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
 
-    token_log_ratio = log_importance_weights(logprobs, old_logprobs, m, "token")
-    if importance_sampling_level == "token":
-        coef_1 = torch.exp(token_log_ratio)  # (B, T)
-    else:
-        coef_1 = torch.exp(log_importance_weights(logprobs, old_logprobs, m, importance_sampling_level))  # (B, 1)
+    log_ratio = log_importance_weights(logprobs, old_logprobs, m, importance_sampling_level)  # (B, T|1)
+    coef_1 = torch.exp(log_ratio)
 
     per_token_kl = None
     if beta != 0.0:
@@ -290,6 +287,10 @@ def grpo_policy_loss(
         clamped = torch.clamp(coef_1, max=eps_high).detach()
         per_token_loss = -clamped * adv * torch.where(m, logprobs, zeros)
     elif loss_type == "vespo":
+        # φ reads the per-token ratios whatever importance_sampling_level says (it only sets the KL's ρ)
+        token_log_ratio = (
+            log_ratio if importance_sampling_level == "token" else log_importance_weights(logprobs, old_logprobs, m)
+        )
         phi = vespo_weights(
             token_log_ratio,
             adv,
