@@ -120,7 +120,12 @@ CASES: list[tuple[str, list[str], int, str]] = [
         2,
         "model_init_kwargs='[1]' must be a JSON object",
     ),
-    ("pad-to-multiple-0", [*SFT, "--pad_to_multiple_of", "0"], 2, "pad_to_multiple_of=0 must be >= 1 or None."),
+    (
+        "pad-to-multiple-0",
+        [*SFT, "--pad_to_multiple_of", "0"],
+        2,
+        "pad_to_multiple_of=0 must be >= 1 (None: no padding).",
+    ),
     ("sft-max-length-1", [*SFT, "--max_length", "1"], 2, "max_length=1 must be >= 2"),
     ("sft-truncation-mode", [*SFT, "--truncation_mode", "middle"], 2, "truncation_mode='middle' must be one of"),
     ("sft-loss-type", [*SFT, "--loss_type", "mse"], 2, "loss_type='mse' must be one of"),

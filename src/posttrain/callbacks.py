@@ -32,6 +32,7 @@ from transformers.trainer_utils import TrainOutput, speed_metrics
 from posttrain import distributed as dist
 from posttrain.configs import ConfigError
 from posttrain.health import HealthMonitor
+from posttrain.preemption import Preemption
 
 
 def resolve_steps(value: float | None, max_steps: int) -> int | None:
@@ -123,6 +124,10 @@ class TrainerEvents:
         ... save the final model ...
         return events.train_end(training_loss, num_samples, total_flos)  # summary entry, on_train_end
 
+    With enable_jit_checkpoint, the loop runs inside `events.preemption.installed()`; after a SIGTERM
+    on any process, `step_end` sets `preempted` and control.should_training_stop on every process
+    (posttrain.preemption), and the trainer saves a checkpoint of that step instead of the final model.
+
     `step_end` returns `control.should_training_stop`: True after the step that reaches max_steps
     (as transformers' DefaultFlowCallback sets it) or when a callback set it (a callback may also
     set it in on_log / on_evaluate, hence the check at the end of the step). The summary entry
@@ -172,6 +177,9 @@ class TrainerEvents:
         self._start_time: float | None = None
         self._start_step = 0
         self._start_tokens = 0
+        # enable_jit_checkpoint: `preempted` turns True at the step_end after a SIGTERM (any process).
+        self.preemption = Preemption(bool(getattr(config, "enable_jit_checkpoint", False)), accelerator)
+        self.preempted = False
 
     # -- the callback list, as on transformers.Trainer ------------------------------------------
     @property
@@ -202,6 +210,9 @@ class TrainerEvents:
         self.control.should_log = self.control.should_evaluate = self.control.should_save = False
         if self.state.global_step >= self.state.max_steps:
             self.control.should_training_stop = True
+        elif self.preemption.requested():  # a collective: every process calls step_end at every step
+            # enable_jit_checkpoint after a SIGTERM: the trainer saves a checkpoint of this step and stops.
+            self.preempted = self.control.should_training_stop = True
         self.control = self.handler.on_step_end(self.args, self.state, self.control)
         return self.control.should_training_stop
 

@@ -263,6 +263,20 @@ class TrainingConfig:
         'given keys replace posttrain\'s default {"use_reentrant": false} (works with frozen inputs and LoRA).',
         default=None,
     )
+    activation_checkpointing: bool | None = flag(
+        "transformers >= 5 name of gradient_checkpointing (given, it sets gradient_checkpointing, which mirrors it).",
+        default=None,
+    )
+    activation_checkpointing_kwargs: dict[str, Any] | str | None = flag(
+        "transformers >= 5 name of gradient_checkpointing_kwargs. Besides torch.utils.checkpoint's keys, "
+        '"every_n_layers" (checkpoint only every n-th decoder layer) and "offload" (keep the saved activations in '
+        "host memory) need a transformers with activation_checkpointing_enable.",
+        default=None,
+    )
+    use_cache: bool = flag(
+        "Let training forwards return a KV cache (not supported: generation uses posttrain.rollout's own cache).",
+        default=False,
+    )
     torch_compile: bool = flag(
         "Compile the trained model's forward with torch.compile (in place: saved weights keep their names). "
         "Online trainers generate with the uncompiled forward (decoding changes shapes every token); "
@@ -301,6 +315,21 @@ class TrainingConfig:
         "SFT / reward: each epoch ends at its last complete batch (fewer steps per epoch). Online trainers always "
         "drop an epoch's incomplete prompt batch.",
         default=False,
+    )
+    dataloader_multiprocessing_context: str | None = flag(
+        'SFT / reward: start method of the data-loader workers ("fork", "spawn" or "forkserver"; needs '
+        "dataloader_num_workers > 0). None: torch's default.",
+        default=None,
+    )
+    dataloader_in_order: bool = flag(
+        "Yield batches in the order they were dispatched (False is not supported: the loader yields one item per "
+        "optimizer step, which an exact resume replays in order).",
+        default=True,
+    )
+    train_sampling_strategy: str = flag(
+        '"random": a new seeded order of the training examples (online: prompts) every epoch; "sequential": dataset '
+        "order. group_by_length and batch_rebalance are not supported.",
+        default="random",
     )
     data_seed: int | None = flag(
         "Seed of the data order only (SFT / reward example order, online prompt order); default: seed. Model "
@@ -358,6 +387,25 @@ class TrainingConfig:
     )
     ddp_bucket_cap_mb: int | None = flag("DDP gradient bucket size in MiB (None: DDP's default, 25).", default=None)
     ddp_broadcast_buffers: bool | None = flag("DDP broadcast_buffers (None: DDP's default, True).", default=None)
+    ddp_static_graph: bool | None = flag(
+        "DDP static_graph: the set of parameters used, and the graph, are the same every step (None: DDP's default, "
+        "False).",
+        default=None,
+    )
+    parallelism_config: dict[str, Any] | str | None = flag(
+        "accelerate ParallelismConfig for tensor / context / sequence parallelism (not supported).", default=None
+    )
+    enable_jit_checkpoint: bool = flag(
+        "On SIGTERM (a preemption), finish the current optimizer step (online: rollout batch), save a resumable "
+        "checkpoint in output_dir and stop; resume with --resume_from_checkpoint latest.",
+        default=False,
+    )
+    project: str = flag("Trackio project name (Trackio is not among posttrain's trackers).", default="huggingface")
+    trackio_space_id: str | None = flag("Trackio Space (Trackio is not among posttrain's trackers).", default=None)
+    trackio_bucket_id: str | None = flag("Trackio Bucket (Trackio is not among posttrain's trackers).", default=None)
+    trackio_static_space_id: str | None = flag(
+        "Trackio static Space (Trackio is not among posttrain's trackers).", default=None
+    )
     fsdp: list[str] | str | None = flag(
         'FSDP (FSDP2 unless fsdp_config says version 1) through accelerate, on GPUs: "full_shard" or '
         '"shard_grad_op", "offload", "auto_wrap" (space separated; FSDP1 also "hybrid_shard", "no_shard").',
@@ -428,7 +476,8 @@ class TrainingConfig:
     )
     include_num_input_tokens_seen: bool | None = flag(
         "Add num_input_tokens_seen (input tokens so far, padding included, all processes) and "
-        "train_tokens_per_second (this train() call) to every log entry (SFT and reward).",
+        'train_tokens_per_second (this train() call) to every log entry (SFT and reward). transformers 5\'s "all" '
+        'is True, "no" False, and "non_padding" counts the attended tokens only.',
         default=False,
     )
     use_liger_kernel: bool | None = flag("Liger kernels (not supported).", default=False)
@@ -553,6 +602,56 @@ class TrainingConfig:
             raise ConfigError(
                 "dataloader_persistent_workers needs worker processes: set dataloader_num_workers > 0 or drop it."
             )
+        context = self.dataloader_multiprocessing_context
+        if context is not None and context not in MULTIPROCESSING_CONTEXTS:
+            raise ConfigError(
+                f"dataloader_multiprocessing_context={context!r} must be one of {', '.join(MULTIPROCESSING_CONTEXTS)}."
+            )
+        if context is not None and self.dataloader_num_workers == 0:
+            raise ConfigError(
+                "dataloader_multiprocessing_context needs worker processes: set dataloader_num_workers > 0 or drop it."
+            )
+        if self.train_sampling_strategy in ("group_by_length", "batch_rebalance"):
+            raise ConfigError(
+                f"train_sampling_strategy={self.train_sampling_strategy!r} is not supported by posttrain "
+                '(length-grouped batching is not supported; use packing for SFT); use "random" or "sequential".'
+            )
+        if self.train_sampling_strategy not in TRAIN_SAMPLING_STRATEGIES:
+            raise ConfigError(
+                f"train_sampling_strategy={self.train_sampling_strategy!r} must be one of "
+                f"{', '.join(TRAIN_SAMPLING_STRATEGIES)}."
+            )
+        cls = type(self)
+        ignored = [f"{n}={getattr(self, n)!r}" for n in TRACKIO_FIELDS if getattr(self, n) != _field_default(cls, n)]
+        if ignored:
+            warnings.warn(
+                f"{', '.join(ignored)}: ignored (Trackio settings; posttrain reports to tensorboard and wandb, not "
+                "Trackio).",
+                UserWarning,
+                stacklevel=4,
+            )
+        self._check_checkpointing_kwargs()
+
+    def _check_checkpointing_kwargs(self) -> None:
+        """gradient_checkpointing_kwargs' layer keys (every_n_layers, offload), before any model loads."""
+        kwargs = self.gradient_checkpointing_kwargs or {}
+        every = kwargs.get("every_n_layers", 1)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(f"gradient_checkpointing_kwargs every_n_layers={every!r} must be an integer >= 1.")
+        offload = kwargs.get("offload", False)
+        if not isinstance(offload, bool):
+            raise ConfigError(f"gradient_checkpointing_kwargs offload={offload!r} must be true or false.")
+        if every != 1 or offload:
+            from transformers import PreTrainedModel  # only when these keys are given
+
+            if not hasattr(PreTrainedModel, "activation_checkpointing_enable"):
+                import transformers
+
+                raise ConfigError(
+                    "gradient_checkpointing_kwargs every_n_layers / offload need transformers' "
+                    f"activation_checkpointing_enable, which transformers {transformers.__version__} lacks; upgrade "
+                    "transformers or drop the keys."
+                )
 
     def _check_schedule(self) -> None:
         """The logging / evaluation / saving strategies, as transformers.TrainingArguments.__post_init__
@@ -665,11 +764,35 @@ class TrainingConfig:
             self.optim = "adafactor"
         if self.fp16_backend != "auto" and self.half_precision_backend == "auto":
             self.half_precision_backend = self.fp16_backend
+        if self.output_dir is None:  # transformers 5's default; posttrain's own default folder instead
+            self.output_dir = _field_default(type(self), "output_dir")
+        seen = self.include_num_input_tokens_seen
+        if isinstance(seen, str):  # transformers 5: "no", "all" (padding included) or "non_padding"
+            modes = {"no": False, "false": False, "all": True, "true": True, "non_padding": "non_padding"}
+            if seen.strip().lower() not in modes:
+                raise ConfigError(
+                    f"include_num_input_tokens_seen={seen!r} must be true / false or one of no, all, non_padding."
+                )
+            self.include_num_input_tokens_seen = modes[seen.strip().lower()]
         self.model_init_kwargs = parse_json_field("model_init_kwargs", self.model_init_kwargs)
         self.lr_scheduler_kwargs = parse_json_field("lr_scheduler_kwargs", self.lr_scheduler_kwargs) or {}
         self.gradient_checkpointing_kwargs = parse_json_field(
             "gradient_checkpointing_kwargs", self.gradient_checkpointing_kwargs
         )
+        self.activation_checkpointing_kwargs = parse_json_field(
+            "activation_checkpointing_kwargs", self.activation_checkpointing_kwargs
+        )
+        # transformers >= 5's names of gradient_checkpointing(_kwargs): given, each sets the field posttrain reads.
+        for name, target in (
+            ("activation_checkpointing", "gradient_checkpointing"),
+            ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"),
+        ):
+            value, current = getattr(self, name), getattr(self, target)
+            if value is None:
+                continue
+            if current != _field_default(type(self), target) and current != value:
+                raise ConfigError(f"{target}={current!r} and {name}={value!r} are the same setting; give only one.")
+            setattr(self, target, value)
         if isinstance(self.fsdp, list):
             self.fsdp = " ".join(self.fsdp)
         if self.fsdp is True or str(self.fsdp).lower() == "true":
@@ -1002,6 +1125,14 @@ class VLLMOptions:
         "Generate with transformers' paged attention (not supported: posttrain.rollout is the engine).",
         default=False,
     )
+    use_transformers_continuous_batching: bool = flag(
+        "TRL >= 1.x: generate with transformers' continuous batching (not supported: posttrain.rollout is the engine).",
+        default=False,
+    )
+    transformers_continuous_batching_config: dict[str, Any] | str | None = flag(
+        "TRL >= 1.x: transformers' ContinuousBatchingConfig (not supported: posttrain.rollout is the engine).",
+        default=None,
+    )
 
 
 @dataclass
@@ -1059,9 +1190,17 @@ class GroupRolloutOptions(SamplingOptions):
     num_completions_to_print: int | None = flag(
         "Rows of the log_completions table (None: every completion of the rollout batch).", default=None
     )
-    router_aux_loss_coef: float = flag(
+    log_unique_prompts: bool = flag(
+        "The log_completions table keeps only the first completion of each distinct prompt.", default=False
+    )
+    log_multimodal: bool = flag(
+        "Log images and videos with the completions (posttrain trains text models: there are none to log).",
+        default=True,
+    )
+    router_aux_loss_coef: float | None = flag(
         "Weight of a mixture-of-experts model's router load-balancing loss in the policy loss (no effect on "
-        "other models); 0: off.",
+        "other models); 0: off; None (TRL 1.16's default): the model config's own router_aux_loss_coef (0 if it "
+        "declares none).",
         default=0.001,
     )
     num_generations_eval: int | None = flag(
@@ -1069,6 +1208,23 @@ class GroupRolloutOptions(SamplingOptions):
         "prompt, so only 1 (or None) is accepted.",
         default=None,
     )
+
+
+def _pad_multiple(value: int | str | None) -> int | None:
+    """pad_to_multiple_of as a whole number or None: "auto" (TRL 1.x's default, which pads only on AWS
+    Neuron devices, where posttrain does not run) and "none" mean no padding; a number given as text is read."""
+    pad = value
+    if isinstance(pad, str):
+        text = pad.strip().lower()
+        if text in ("auto", "none", "null", ""):
+            pad = None
+        elif text.isdigit():
+            pad = int(text)
+        else:
+            raise ConfigError(f'pad_to_multiple_of={value!r} must be a whole number, "auto" or None.')
+    if pad is not None and pad < 1:
+        raise ConfigError(f"pad_to_multiple_of={pad} must be >= 1 (None: no padding).")
+    return pad
 
 
 def check_sampling_options(config: Any, stacklevel: int = 4) -> None:
@@ -1119,20 +1275,7 @@ def check_group_rollout_options(config: Any, *, kl_field: str, kl_coef: float) -
     value (sync_ref_model needs a reference model, which only a coefficient > 0 loads)."""
     check_sampling_options(config, stacklevel=5)
     config.chat_template_kwargs = parse_json_field("chat_template_kwargs", config.chat_template_kwargs)
-    pad = config.pad_to_multiple_of
-    if isinstance(pad, str):
-        text = pad.strip().lower()
-        if text in ("auto", "none", "null", ""):
-            pad = None  # TRL's "auto" pads only on AWS Neuron devices, which posttrain does not run on
-        elif text.isdigit():
-            pad = int(text)
-        else:
-            raise ConfigError(
-                f'pad_to_multiple_of={config.pad_to_multiple_of!r} must be a whole number, "auto" or None.'
-            )
-    if pad is not None and pad < 1:
-        raise ConfigError(f"pad_to_multiple_of={pad} must be >= 1 (None: no padding).")
-    config.pad_to_multiple_of = pad
+    config.pad_to_multiple_of = _pad_multiple(config.pad_to_multiple_of)
     if not 0.0 <= config.ref_model_mixup_alpha <= 1.0:
         raise ConfigError(f"ref_model_mixup_alpha={config.ref_model_mixup_alpha} must be in [0, 1].")
     if config.ref_model_sync_steps < 1:
@@ -1149,8 +1292,10 @@ def check_group_rollout_options(config: Any, *, kl_field: str, kl_coef: float) -
         )
     if config.num_completions_to_print is not None and config.num_completions_to_print < 1:
         raise ConfigError(f"num_completions_to_print={config.num_completions_to_print} must be >= 1 (None: all).")
-    if config.router_aux_loss_coef < 0:
-        raise ConfigError(f"router_aux_loss_coef={config.router_aux_loss_coef} must be >= 0 (0: off).")
+    if config.router_aux_loss_coef is not None and config.router_aux_loss_coef < 0:
+        raise ConfigError(
+            f"router_aux_loss_coef={config.router_aux_loss_coef} must be >= 0 (0: off; None: the model's)."
+        )
     if config.num_generations_eval not in (None, 1):
         raise ConfigError(
             f"num_generations_eval={config.num_generations_eval}: posttrain's evaluation draws one greedy completion "
@@ -1258,7 +1403,18 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "logging_nan_inf_filter": "a non-finite loss is never logged: the step is skipped on every rank",
     "save_safetensors": "weights are always written as safetensors",
     "average_tokens_across_devices": "losses are always normalised by the token count of every process",
+    "use_cache": "training forwards build no KV cache; generation uses posttrain.rollout's own cache",
+    "dataloader_in_order": "the loader yields one item per optimizer step, which an exact resume replays in order",
+    "parallelism_config": "tensor / context / sequence parallelism is not supported; use DDP, fsdp or deepspeed",
 }
+# Trackio's settings: transformers reads them only for report_to="trackio", which is not among posttrain's trackers.
+# Set, they are ignored with one warning (the run trains and logs exactly as without them).
+TRACKIO_FIELDS = ("project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id")
+TRAIN_SAMPLING_STRATEGIES = ("random", "sequential")
+MULTIPROCESSING_CONTEXTS = ("fork", "spawn", "forkserver")
+# activation_checkpointing_kwargs keys that transformers' activation_checkpointing_enable takes itself
+# (the rest go to torch.utils.checkpoint).
+CHECKPOINTING_LAYER_KEYS = ("every_n_layers", "offload")
 
 
 # The batch sizes OnPolicyConfig.derive_sizes computes (TRL's names).
@@ -1278,6 +1434,12 @@ DERIVED_SIZES = frozenset(
 GENERATION_ENGINE_FIELDS: dict[str, str] = {
     **{f.name: VLLM_NOT_USED for f in dataclasses.fields(VLLMOptions)},
     "use_transformers_paged": "posttrain.rollout is the generation engine; transformers' paged generation is not used",
+    "use_transformers_continuous_batching": (
+        "posttrain.rollout is the generation engine; transformers' continuous batching is not used"
+    ),
+    "transformers_continuous_batching_config": (
+        "posttrain.rollout is the generation engine; transformers' continuous batching is not used"
+    ),
     "gpu_memory_utilization": VLLM_NOT_USED,
 }
 # Fields that apply to SFT and reward training but not to the online trainers.
@@ -1292,7 +1454,12 @@ ONLINE_UNSUPPORTED_FIELDS: dict[str, str] = {
 # tokenized once and drawn in the training process. Set, they are ignored with one warning (a TRL config
 # that asks for workers still runs, and trains exactly as without them).
 ONLINE_PROMPTS = "the online trainers draw their pre-tokenized prompt batches in the training process, without workers"
-ONLINE_IGNORED_FIELDS = ("dataloader_num_workers", "dataloader_prefetch_factor", "dataloader_persistent_workers")
+ONLINE_IGNORED_FIELDS = (
+    "dataloader_num_workers",
+    "dataloader_prefetch_factor",
+    "dataloader_persistent_workers",
+    "dataloader_multiprocessing_context",
+)
 
 
 def _field_default(cls: type, name: str) -> Any:
@@ -1366,15 +1533,18 @@ class SupervisedConfig(TrainingConfig):
         "Padding token (default: the tokenizer's pad, else unk, else eos). Must already exist in the vocabulary.",
         default=None,
     )
-    pad_to_multiple_of: int | None = flag("Pad every batch's length up to a multiple of this.", default=None)
+    pad_to_multiple_of: int | str | None = flag(
+        "Pad every batch's length up to a multiple of this; None or \"auto\" (TRL 1.x's default: pad only on AWS "
+        "Neuron, which posttrain does not run on): no padding.",
+        default=None,
+    )
     activation_offloading: bool = flag(
         "Keep activations saved for backward in CPU memory instead of the GPU.", default=False
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
-            raise ConfigError(f"pad_to_multiple_of={self.pad_to_multiple_of} must be >= 1 or None.")
+        self.pad_to_multiple_of = _pad_multiple(self.pad_to_multiple_of)
 
 
 def load_config_file(path: str | os.PathLike) -> dict[str, Any]:

@@ -193,6 +193,7 @@ def ddp_kwargs(config: Any) -> dict[str, Any]:
         "ddp_find_unused_parameters": "find_unused_parameters",
         "ddp_bucket_cap_mb": "bucket_cap_mb",
         "ddp_broadcast_buffers": "broadcast_buffers",
+        "ddp_static_graph": "static_graph",
     }
     return {key: getattr(config, name) for name, key in names.items() if getattr(config, name) is not None}
 

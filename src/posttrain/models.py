@@ -268,11 +268,73 @@ def enable_gradient_checkpointing(model: nn.Module, kwargs: dict[str, Any] | Non
     `gradient_checkpointing_kwargs` over posttrain's default {"use_reentrant": False} (non-reentrant
     checkpointing works with inputs that do not require grad, i.e. frozen embeddings and LoRA, and
     with torch.compile). With use_reentrant=True the input embeddings are made to require grad, as
-    TRL does, so checkpointed blocks still receive gradients."""
+    TRL does, so checkpointed blocks still receive gradients.
+
+    The keys "every_n_layers" (checkpoint only every n-th decoder layer) and "offload" (saved
+    activations in host memory) go to transformers' `activation_checkpointing_enable` (transformers
+    >= 5.x; TrainingConfig refuses them earlier where it is missing), which also takes the rest; without
+    those keys, a model that has it is switched on through it too (its older name is deprecated)."""
     settings = {"use_reentrant": False, **(kwargs or {})}
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=settings)
+    layers = {key: settings.pop(key) for key in ("every_n_layers", "offload") if key in settings}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if callable(enable):
+        enable(activation_checkpointing_kwargs=settings, **layers)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=settings, **layers)
     if settings["use_reentrant"] and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()
+
+
+class Float32LMHead(nn.Linear):
+    """An LM head stored and computed in float32 whatever the model's dtype, autocast included
+    (`cast_lm_head_to_fp32`, after the ScaleRL recipe, arXiv:2510.13786): the logits, and the
+    log-probabilities taken from them, are not rounded to bf16 / fp16. The state-dict key and shape are
+    the original head's, so a saved model loads as before (its head in float32)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Autocast off here: under bf16 autocast F.linear would otherwise run in bf16 again.
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def cast_lm_head_to_fp32(model: nn.Module) -> None:
+    """Replace the output embedding of `model` (PEFT's base model unwrapped) by a `Float32LMHead` with
+    its weights in float32. Refused (ConfigError) where a float32 copy would change the model: input
+    and output embeddings tied (one matrix; casting it would also cast the input embeddings), a head
+    that carries a LoRA adapter, or a head that is not a plain nn.Linear. Idempotent."""
+    from posttrain.configs import ConfigError
+
+    bare = model.get_base_model() if is_peft_model(model) else model
+    head = bare.get_output_embeddings() if hasattr(bare, "get_output_embeddings") else None
+    if isinstance(head, Float32LMHead):
+        return
+    name = type(bare).__name__
+    if type(head) is not nn.Linear:
+        kind = "a LoRA layer" if hasattr(head, "base_layer") else type(head).__name__
+        raise ConfigError(
+            f"cast_lm_head_to_fp32=True: {name}'s LM head is {kind}, not a plain nn.Linear (remove lm_head from "
+            "the adapter's target modules), or set cast_lm_head_to_fp32=False."
+        )
+    text_config = bare.config.get_text_config() if hasattr(bare.config, "get_text_config") else bare.config
+    tied = getattr(text_config, "tie_word_embeddings", False) or getattr(bare.config, "tie_word_embeddings", False)
+    embed = bare.get_input_embeddings() if hasattr(bare, "get_input_embeddings") else None
+    if tied or (embed is not None and getattr(embed, "weight", None) is head.weight):
+        raise ConfigError(
+            f"cast_lm_head_to_fp32=True needs untied input and output embeddings; {name} ties them "
+            "(tie_word_embeddings=True). Set cast_lm_head_to_fp32=False, or use a model with its own LM head."
+        )
+    new = Float32LMHead(
+        head.in_features, head.out_features, bias=head.bias is not None, device=head.weight.device, dtype=torch.float32
+    )
+    with torch.no_grad():
+        new.weight.copy_(head.weight)
+        if head.bias is not None:
+            new.bias.copy_(head.bias)
+    new.weight.requires_grad_(head.weight.requires_grad)
+    if new.bias is not None:
+        new.bias.requires_grad_(head.bias.requires_grad)
+    bare.set_output_embeddings(new)
 
 
 def model_init_kwargs(config: Any) -> dict[str, Any]:

@@ -289,6 +289,18 @@ def completion_forward(
     return result
 
 
+def resolve_router_aux_loss_coef(config: Any, model: torch.nn.Module) -> float:
+    """config.router_aux_loss_coef, where None (TRL 1.16's default) becomes the coefficient the model's
+    (text) config declares, 0.0 if none; written back to the config, which the trainers read."""
+    coef = config.router_aux_loss_coef
+    if coef is None:
+        model_config = getattr(bare_module(model), "config", None)
+        text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        coef = float(getattr(text, "router_aux_loss_coef", None) or 0.0)
+        config.router_aux_loss_coef = coef
+    return coef
+
+
 def router_aux_loss_enabled(model: torch.nn.Module, coef: float) -> bool:
     """Whether the policy update adds a router load-balancing loss: a causal mixture-of-experts model
     (its text config has `output_router_logits`, as TRL detects one) and router_aux_loss_coef != 0."""

@@ -88,7 +88,13 @@ from posttrain.grpo_losses import (
     truncation_loss_mask,
 )
 from posttrain.rollout import Rollout
-from posttrain.scoring import RewardSource, completion_forward, forward_logprobs, router_aux_loss_enabled
+from posttrain.scoring import (
+    RewardSource,
+    completion_forward,
+    forward_logprobs,
+    resolve_router_aux_loss_coef,
+    router_aux_loss_enabled,
+)
 from posttrain.trainers import online
 from posttrain.trainers.grpo_config import GRPOConfig
 from posttrain.trainers.online import (
@@ -205,6 +211,7 @@ class GRPOTrainer(OnlineTrainer):
         online.sync_reference(self)
         self.reward_processing_classes = parts.reward_processing_classes
         # a mixture-of-experts policy adds its router load-balancing loss (router_aux_loss_coef), as TRL 1.9
+        resolve_router_aux_loss_coef(args, self.policy_model)  # None: the model config's own
         self.aux_loss_enabled = router_aux_loss_enabled(self.policy_model, args.router_aux_loss_coef)
         self.reward = RewardSource(
             [dist.prepare_frozen(r, self.accelerator) for r in parts.rewards],

@@ -39,6 +39,7 @@ from posttrain.configs import (
     check_group_rollout_options,
     check_reward_weights,
     flag,
+    refuse_unsupported,
 )
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,13 @@ SCALE_REWARDS = ("group", "batch", "none")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 # Loss types that sum per-token terms (a sequence-level ratio is then counted once per token).
 TOKEN_SUMMED_LOSS_TYPES = ("bnpo", "dr_grpo", "dapo", "cispo")
+
+
+# TRL 1.16 GRPOConfig fields accepted at their default only (refuse_unsupported names the field and this reason).
+GRPO_UNSUPPORTED_FIELDS = {
+    "max_tool_calling_iterations": "posttrain's GRPO calls no tools",
+    "log_completions_hub_repo": "completions are written to samples.jsonl in output_dir, which push_to_hub uploads",
+}
 
 
 def _one_of(name: str, value: object, accepted: tuple[str, ...], extra: str = "") -> None:
@@ -135,6 +143,20 @@ class GRPOConfig(GroupRolloutOptions, VLLMOptions, OnPolicyConfig):
     )
     vespo_k_neg: float = flag("VESPO's power k for A < 0.", default=3.0)
     vespo_lambda_neg: float = flag("VESPO's decay λ for A < 0.", default=2.0)
+    cast_lm_head_to_fp32: bool = flag(
+        "Keep the LM head of the policy and the reference in float32 and compute the logits in float32 under bf16 "
+        "/ fp16 (autocast included), as the ScaleRL recipe recommends (arXiv:2510.13786). Needs untied input and "
+        "output embeddings and no LoRA on lm_head.",
+        default=False,
+    )
+    max_tool_calling_iterations: int | None = flag(
+        "TRL: tool-calling turns per completion (not supported: posttrain's GRPO calls no tools).", default=None
+    )
+    log_completions_hub_repo: str | None = flag(
+        "TRL: push the completions tables to a Hub dataset (not supported: they are written to samples.jsonl in "
+        "output_dir, which push_to_hub uploads).",
+        default=None,
+    )
     off_policy_mask_threshold: float | None = flag(
         "Off-policy sequence masking (DeepSeek-V3.2): drop from the policy loss the completions with a negative "
         "advantage whose mean per-token log π_old − log π_θ exceeds this (e.g. 0.5); None: off.",
@@ -234,6 +256,7 @@ class GRPOConfig(GroupRolloutOptions, VLLMOptions, OnPolicyConfig):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0 (VESPO's weight e^λ·w^k·e^(−λw)).")
         check_reward_weights(self)
+        refuse_unsupported(self, GRPO_UNSUPPORTED_FIELDS)
 
     @property
     def samples_per_prompt(self) -> int:

@@ -49,6 +49,7 @@ from posttrain.data.prompts import PromptStream, eval_dataset_sets, is_streaming
 from posttrain.health import HealthMonitor, oom_advice
 from posttrain.models import compile_for_training, model_init_kwargs, uncompiled
 from posttrain.optim import build_optimizer, build_scheduler, clip_and_step
+from posttrain.preemption import log_preempted
 from posttrain.rollout import (
     Rollout,
     SamplingConfig,
@@ -340,10 +341,12 @@ def prepare_policy(
     that will hold the policy whole (`distributed.early_device`; `accelerator`: one passed in by the
     user) the policy moves there first and is copied there, not in host memory. A
     models.CausalLMWithValueHead (PPO's policy with a value head) is prepared through its LM, and a
-    reference given as one is its LM (the reference only scores tokens)."""
+    reference given as one is its LM (the reference only scores tokens). GRPO's cast_lm_head_to_fp32:
+    both models' LM heads become models.Float32LMHead."""
     from posttrain.models import (
         CausalLMWithValueHead,
         apply_peft,
+        cast_lm_head_to_fp32,
         disable_dropout,
         enable_gradient_checkpointing,
         is_peft_model,
@@ -364,6 +367,10 @@ def prepare_policy(
     if reference is not None and reference is policy:
         raise ConfigError("the reference model is the policy object itself; pass a separate copy (or None to copy it).")
     policy = apply_peft(policy, peft_config)
+    if getattr(config, "cast_lm_head_to_fp32", False):  # GRPO: policy and reference (a copy made below is cast)
+        for model in (policy, reference):
+            if model is not None:
+                cast_lm_head_to_fp32(model)
     if needs_reference and reference is None and not is_peft_model(policy):
         target = dist.early_device(config, accelerator)
         if target is not None and not getattr(policy, "hf_device_map", None):
@@ -510,8 +517,8 @@ class OnlineRun:
             runtime.data_seed(config),
             rank=dist.process_index(self.accelerator),
             world_size=self.world_size,
-            # GRPO / RLOO (configs.GroupRolloutOptions); the other online trainers always shuffle
-            shuffle=getattr(config, "shuffle_dataset", True),
+            # shuffle_dataset: GRPO / RLOO (configs.GroupRolloutOptions); train_sampling_strategy: every trainer
+            shuffle=getattr(config, "shuffle_dataset", True) and config.train_sampling_strategy != "sequential",
         )
         self.sampling = sampling_config(config, tokenizer)
         # Sampling stream: one per rank, seeded so runs are reproducible and ranks differ.
@@ -981,7 +988,8 @@ def log_completions_table(
     (TRL's attribute and layout: lists "prompt", "completion", "advantages", and dicts "rewards" and
     "extra" of one list per name) and, at a logging step, shown as a table of the first
     num_completions_to_print rows (None: all), printed with rich on the main process and written to
-    samples.jsonl (table "rollout_completions"; also a wandb table).
+    samples.jsonl (table "rollout_completions"; also a wandb table); log_unique_prompts keeps the first
+    row of each distinct prompt in that table.
     `rewards` (B, F) as `score_rewards` (extra columns past the rewards' are left out), `advantages` (B,)."""
     config, run = trainer.args, trainer.run
     if not config.log_completions:
@@ -1009,9 +1017,16 @@ def log_completions_table(
     }
     if not run.should_log(update):
         return
-    shown = len(prompts) if config.num_completions_to_print is None else config.num_completions_to_print
+    picked = list(range(len(prompts)))
+    if config.log_unique_prompts:  # the first completion of each distinct prompt
+        first = {}
+        for i, prompt in enumerate(prompts):
+            first.setdefault(prompt, i)
+        picked = list(first.values())
+    shown = len(picked) if config.num_completions_to_print is None else config.num_completions_to_print
     rows = []
-    for i, (prompt, completion, a) in enumerate(list(zip(prompts, completions, advantage))[:shown]):
+    for i in picked[:shown]:
+        prompt, completion, a = prompts[i], completions[i], advantage[i]
         row = {"prompt": prompt, "completion": completion}
         row.update({name: values[i] for name, values in per_reward.items()})
         row.update({column: values[i] for column, values in extra.items()})
@@ -1646,17 +1661,18 @@ class OnlineTrainer(hub.PushToHub):
             events.train_begin()
             if self.args.eval_on_start:
                 self.evaluate()
-            with self.linear_kernels():
+            with self.linear_kernels(), events.preemption.installed():
                 yield
-            policy, extra_models = self.final_models()
-            run.finish(policy, extra_models)
+            if not events.preempted:  # enable_jit_checkpoint: a SIGTERM left a checkpoint instead
+                policy, extra_models = self.final_models()
+                run.finish(policy, extra_models)
             # train_loss: the mean over this call's optimizer steps of each step's global loss.
             training_loss = run.loss_total / max(run.loss_steps, 1)
             episodes = run.progress.episode - run.episodes_at_start
             # total_flos is not estimated for online training (generation and scoring dominate): 0.
             self.train_output = events.train_end(training_loss, episodes, total_flos=0.0, logs=self.final_logs)
             self.final_logs = None
-            if self.args.push_to_hub:
+            if self.args.push_to_hub and not events.preempted:
                 hub.push(self.args, is_main=run.is_main, write_card=self.create_model_card)
 
     def linear_kernels(self) -> contextlib.AbstractContextManager:
@@ -1708,13 +1724,16 @@ class OnlineTrainer(hub.PushToHub):
         # save_strategy "best" saves every new best, the last rollout batch's included (it is then the
         # checkpoint state.best_model_checkpoint names); other saves skip the last batch (the final save follows).
         save_best = self.args.save_strategy == "best" and improved
-        if (run.should_save(update) or save_now) and not events.control.should_training_stop or save_best:
+        saves = (run.should_save(update) or save_now) and not events.control.should_training_stop or save_best
+        if saves or events.preempted:  # enable_jit_checkpoint: a SIGTERM's step always saves
             best_step = events.state.best_global_step
             if best_step == step:
                 events.state.best_model_checkpoint = os.path.join(self.args.output_dir, f"checkpoint-{step}")
             self.write_checkpoint()
             if hub.pushes_at_save(self.args):
                 self._push_from_checkpoint(step)
+        if events.preempted:
+            log_preempted(self.args.output_dir, step, is_main=run.is_main)
         run.stop_requested = events.control.should_training_stop
         return logs
 

@@ -193,8 +193,9 @@ class RewardTrainer(SupervisedTrainerAPI):
                     self._add_metrics(run.metrics, stats, "")
                     run.metrics.add_sum("num_tokens", batch["lengths"].sum())
                 run.end_step()
-            run.load_best_model()
-            self.save_model()
+            if not run.events.preempted:  # enable_jit_checkpoint: a SIGTERM left a checkpoint instead
+                run.load_best_model()
+                self.save_model()
             output = run.end_training()
         run.close()
         return output

@@ -28,7 +28,8 @@ One rollout batch (`update`), per rank, with P = prompts_per_rollout prompts and
 5. Update. num_ppo_epochs passes; each pass shuffles the batch into num_mini_batches minibatches
    (one optimizer step each) of per_device_train_batch_size × gradient_accumulation_steps rows:
    ρ = exp(Σ_t log π_θ(y_t) − Σ_t log π_old(y_t)),
-   L = Σ_seq max(−A·ρ, −A·clip(ρ, 1 ± cliprange)) / N_seq, N_seq = sequences in the minibatch over
+   L = Σ_seq max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high)) / N_seq (ε_low = cliprange, ε_high =
+   epsilon_high or cliprange: TRL 1.x / DAPO's clip-higher), N_seq = sequences in the minibatch over
    all ranks (losses.ppo_policy_loss, level="sequence"). log π_old comes from a no-grad pass in the
    same mode and micro-batches as the first minibatch of the first epoch, so ρ = 1 exactly there;
    with one epoch and one minibatch it is the update forward's own detached value (no extra pass),
@@ -52,6 +53,9 @@ Metrics (masked, count-weighted across micro-batches and ranks; names as TRL's):
                               "score − non_score_reward"; TRL's code, and this one, add the negative term)
   policy/approxkl_avg         mean over updated sequences of ½·(log ρ)²
   policy/clipfrac_avg         fraction of updated sequences whose clipped term was the max
+  clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean   fraction of updated sequences
+                              with ρ < 1 − ε_low and A < 0 / ρ > 1 + ε_high and A > 0 / either
+                              (TRL 1.x's names)
   loss/policy_avg             mean per-sequence clipped loss
   policy/entropy_avg          token-weighted mean entropy −Σ_v π log π of the update forward
   val/ratio, val/ratio_var    mean and unbiased variance of the sequence ratio ρ that is clipped
@@ -81,7 +85,7 @@ from posttrain.configs import ConfigError
 from posttrain.grpo_losses import truncation_loss_mask
 from posttrain.losses import ppo_policy_loss
 from posttrain.rollout import Rollout
-from posttrain.scoring import RewardSource, router_aux_loss_enabled
+from posttrain.scoring import RewardSource, resolve_router_aux_loss_coef, router_aux_loss_enabled
 from posttrain.trainers import online
 from posttrain.trainers.online import (
     OnlineTrainer,
@@ -253,6 +257,7 @@ class RLOOTrainer(OnlineTrainer):
         online.sync_reference(self)
         self.reward_processing_classes = parts.reward_processing_classes
         # a mixture-of-experts policy adds its router load-balancing loss (router_aux_loss_coef), as TRL 1.9
+        resolve_router_aux_loss_coef(config, self.policy_model)  # None: the model config's own
         self.aux_loss_enabled = router_aux_loss_enabled(self.policy_model, config.router_aux_loss_coef)
         self.reward = self.reward_source(parts.rewards, parts.reward_tokenizers)
         # TRL >= 0.21 passes reward functions a conversational prompt's messages and the completion as
@@ -306,6 +311,7 @@ class RLOOTrainer(OnlineTrainer):
                         advantages[rows],
                         mask,
                         config.cliprange,
+                        config.epsilon_high,
                         level="sequence",
                         normalizer=normalizer,
                     )
@@ -313,6 +319,10 @@ class RLOOTrainer(OnlineTrainer):
                     metrics.add("loss/policy_avg", stats["pg_loss"] * n, n)
                     metrics.add("policy/approxkl_avg", stats["approxkl"] * n, n)
                     metrics.add("policy/clipfrac_avg", stats["clipfrac"] * n, n)
+                    low, high = stats["clipfrac_low"], stats["clipfrac_high"]
+                    metrics.add("clip_ratio/low_mean", low * n, n)
+                    metrics.add("clip_ratio/high_mean", high * n, n)
+                    metrics.add("clip_ratio/region_mean", (low + high) * n, n)  # disjoint: A < 0 and A > 0
                     with torch.no_grad():
                         log_ratio = ((logprobs - old_logprobs) * mask).sum(-1)
                         metrics.add_mean("val/ratio", log_ratio.exp())
@@ -386,7 +396,13 @@ class RLOOTrainer(OnlineTrainer):
             mask = truncation_loss_mask(mask, exp.rollout.ended)
         logprobs = exp.rollout.logprobs
         loss, _ = ppo_policy_loss(
-            logprobs, logprobs, self.advantages(exp, training=False), mask, config.cliprange, level="sequence"
+            logprobs,
+            logprobs,
+            self.advantages(exp, training=False),
+            mask,
+            config.cliprange,
+            config.epsilon_high,
+            level="sequence",
         )
         return loss
 

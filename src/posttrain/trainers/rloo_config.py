@@ -36,7 +36,8 @@ from TRL 1.x's: num_ppo_epochs 4 (num_iterations 1), response_length 53 (max_com
 learning_rate 5e-05 (1e-06), temperature 0.7 (1.0); README.md, "RLOO", lists them. TRL 1.x's
 `reward_clip_range` is a (min, max) pair clipping the raw rewards (before the KL penalty); a float is
 0.19's clip to ±c of the scores normalised by normalize_reward. Both meanings work, told apart by
-type. TRL 1.x's `reward_weights` (one weight per reward) is a field with TRL's meaning; its
+type. TRL 1.x's `reward_weights` (one weight per reward) and `epsilon_high` (the upper clip bound,
+default cliprange) are fields with TRL's meaning; its
 `num_generations_eval` accepts only 1, the one greedy completion per eval
 prompt that evaluation draws. TRL 1.x's rollout settings shared with GRPO (steps_per_generation /
 generation_batch_size, mask_truncated_completions, sync_ref_model, min_p, repetition_penalty,
@@ -130,6 +131,11 @@ class RLOOConfig(GroupRolloutOptions, VLLMOptions, OnPolicyConfig):
     epsilon: float | None = flag(
         "TRL >= 0.21 name of cliprange (PPO clip range); None: cliprange applies.", default=None
     )
+    epsilon_high: float | None = flag(
+        "TRL 1.x: upper clip bound, ρ clipped to [1 − cliprange, 1 + epsilon_high] (DAPO's clip-higher, which "
+        "recommends 0.28); None: cliprange.",
+        default=None,
+    )
     num_iterations: int | None = flag(
         "TRL >= 0.21 name of num_ppo_epochs (passes per rollout batch); None: num_ppo_epochs applies.", default=None
     )
@@ -178,6 +184,10 @@ class RLOOConfig(GroupRolloutOptions, VLLMOptions, OnPolicyConfig):
             raise ConfigError(f"{self._named('num_ppo_epochs')}={self.num_ppo_epochs} must be >= 1.")
         if self.cliprange <= 0:
             raise ConfigError(f"{self._named('cliprange')}={self.cliprange} must be > 0.")
+        if self.epsilon_high is not None and self.epsilon_high < self.cliprange:
+            raise ConfigError(
+                f"epsilon_high={self.epsilon_high} must be >= {self._named('cliprange')}={self.cliprange} (or None)."
+            )
         if self.kl_coef < 0:
             raise ConfigError(f"{self._named('kl_coef')}={self.kl_coef} must be >= 0.")
         check_reward_weights(self)

@@ -47,6 +47,7 @@ from posttrain.health import oom_advice
 from posttrain.losses import chunked_nll, dft_loss
 from posttrain.models import apply_peft
 from posttrain.ops import entropy_from_logits
+from posttrain.scoring import resolve_router_aux_loss_coef
 from posttrain.tracking import MetricAccumulator
 from posttrain.trainers.sft_config import SFTConfig
 from posttrain.trainers.supervised import (
@@ -130,6 +131,7 @@ class SFTTrainer(SupervisedTrainerAPI):
         )
         self.data_collator = SFTCollator(self.processing_class.pad_token_id, args.pad_to_multiple_of, args.padding_free)
         self._start_run(model, callbacks)
+        resolve_router_aux_loss_coef(args, self.run.unwrapped())  # None: the model config's own
         self._forward_kwargs = _forward_kwargs(self.run.unwrapped(), args.router_aux_loss_coef)
 
     def _prepare(self, dataset: Any, packing: bool, source: str) -> Any:
@@ -221,8 +223,9 @@ class SFTTrainer(SupervisedTrainerAPI):
                     self._add_metrics(run.metrics, stats, "")
                     run.metrics.add_sum("num_tokens", batch["attention_mask"].sum())
                 run.end_step()
-            run.load_best_model()
-            self.save_model()
+            if not run.events.preempted:  # enable_jit_checkpoint: a SIGTERM left a checkpoint instead
+                run.load_best_model()
+                self.save_model()
             output = run.end_training()
         run.close()
         return output

@@ -75,8 +75,10 @@ class SFTConfig(SupervisedConfig):
         "token's NLL weighted by its (detached) probability (Dynamic Fine-Tuning, Wu et al. 2025).",
         default="chunked_nll",
     )
-    router_aux_loss_coef: float = flag(
-        "Weight of the router load-balancing loss for mixture-of-experts models that report one.", default=0.001
+    router_aux_loss_coef: float | None = flag(
+        "Weight of the router load-balancing loss for mixture-of-experts models that report one; None (TRL 1.16's "
+        "default): the model config's own router_aux_loss_coef (0 if it declares none).",
+        default=0.001,
     )
     loss_chunk_tokens: int = flag(
         "Trained tokens per chunk of the lm_head + cross-entropy (bounds the float32 logits held at once).",
@@ -100,5 +102,5 @@ class SFTConfig(SupervisedConfig):
             raise ConfigError("packing needs max_length (the length of each packed row).")
         if self.loss_chunk_tokens < 1:
             raise ConfigError(f"loss_chunk_tokens={self.loss_chunk_tokens} must be >= 1.")
-        if self.router_aux_loss_coef < 0:
+        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
             raise ConfigError(f"router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0.")

@@ -39,6 +39,7 @@ from posttrain.distributed import no_sync_unless_last
 from posttrain.models import compile_for_training, enable_gradient_checkpointing
 from posttrain.optim import build_optimizer, build_scheduler
 from posttrain.positions import check_sequence_lengths
+from posttrain.preemption import log_preempted
 from posttrain.tracking import MetricAccumulator, ProgressBar, Tracker
 
 IGNORE_INDEX = -100
@@ -133,6 +134,15 @@ class BatchPlan:
         return steps_done / self.steps_per_epoch
 
 
+def input_tokens(batch: dict, non_padding: bool = False) -> int:
+    """A batch's input tokens as transformers counts them: every input_ids position, or (non_padding)
+    the attended ones (a padding-free batch has no padding)."""
+    mask = batch.get("attention_mask")
+    if non_padding and mask is not None:
+        return int(mask.sum())
+    return batch["input_ids"].numel()
+
+
 def eval_shards(num_examples: int, batch_size: int, accelerator: Any) -> Iterator[tuple[list[int], torch.Tensor]]:
     """This rank's eval batches as (indices, counts (B,) bool): every example is scored once.
 
@@ -181,8 +191,8 @@ def _as_is(batch: Any) -> Any:
 
 def step_loader(config: TrainingConfig, steps: StepBatches, sampler: StepRange, pin: bool) -> Any:
     """The training DataLoader: one item per optimizer step, in order, with the config's
-    dataloader_num_workers, dataloader_prefetch_factor, dataloader_persistent_workers and (on CUDA)
-    dataloader_pin_memory."""
+    dataloader_num_workers, dataloader_prefetch_factor, dataloader_persistent_workers,
+    dataloader_multiprocessing_context and (on CUDA) dataloader_pin_memory."""
     workers = config.dataloader_num_workers
     return torch.utils.data.DataLoader(
         steps,
@@ -193,6 +203,7 @@ def step_loader(config: TrainingConfig, steps: StepBatches, sampler: StepRange, 
         pin_memory=pin,
         prefetch_factor=config.dataloader_prefetch_factor if workers > 0 else None,
         persistent_workers=config.dataloader_persistent_workers and workers > 0,
+        multiprocessing_context=config.dataloader_multiprocessing_context if workers > 0 else None,
         # Its own generator: each pass draws a worker base seed, which must not shift the global
         # torch stream (dropout) that an exact resume restores.
         generator=torch.Generator().manual_seed(runtime.data_seed(config)),
@@ -311,6 +322,7 @@ class SupervisedRun:
             world_size=self.world_size,
             rank=dist.process_index(self.accelerator),
             drop_last=config.dataloader_drop_last,
+            shuffle=config.train_sampling_strategy != "sequential",
         )
         # A resume at another world size keeps the global batch, and a DeepSpeed checkpoint its ZeRO
         # stage and world size: checked before any model step.
@@ -450,6 +462,7 @@ class SupervisedRun:
                 .register_forward_hook(neftune_hook(self.config.neftune_noise_alpha))
             )
         plan, control = self.plan, self.events.control
+        non_padding = self.config.include_num_input_tokens_seen == "non_padding"
         sampler = StepRange()
         pin = bool(self.config.dataloader_pin_memory) and self.device.type == "cuda"
         loader = step_loader(self.config, StepBatches(plan, self.train_dataset, collate), sampler, pin)
@@ -457,6 +470,8 @@ class SupervisedRun:
             plan.total_steps, disable=not self.is_main or bool(self.config.disable_tqdm), desc="steps"
         )
         progress.update(self.global_step)
+        preemption = self.events.preemption.installed()
+        preemption.__enter__()
         try:
             while self.global_step < plan.total_steps and not control.should_training_stop:
                 # One loader pass per epoch (persistent workers then outlive it), from the current step.
@@ -467,8 +482,8 @@ class SupervisedRun:
                         raise RuntimeError("each step's batches must be followed by end_step() before the next.")
                     self.samples_seen += sum(len(idx) for idx in plan.micro_batches(step))
                     if self.count_input_tokens:
-                        # transformers' count: every input_ids position, padding included, all ranks.
-                        (tokens,) = self.global_counts(sum(b["input_ids"].numel() for b in batches))
+                        # transformers' count over all ranks: every input_ids position (non_padding: the attended ones).
+                        (tokens,) = self.global_counts(sum(input_tokens(b, non_padding) for b in batches))
                         self.events.state.num_input_tokens_seen += int(tokens)
                     yield [self.to_device(b) for b in batches]
                     progress.update(1)
@@ -477,6 +492,7 @@ class SupervisedRun:
                     if control.should_training_stop:
                         break
         finally:
+            preemption.__exit__(None, None, None)
             progress.close()
             if neftune is not None:
                 neftune.remove()
@@ -536,7 +552,8 @@ class SupervisedRun:
         The last step (max_steps, or a callback set control.should_training_stop) logs unless
         logging_strategy is "no", evaluates when there is an eval_dataset, and writes no checkpoint
         (the final save follows) unless its evaluation is a new best with save_strategy "best" or
-        load_best_model_at_end, so that state.best_model_checkpoint names it.
+        load_best_model_at_end, so that state.best_model_checkpoint names it. A step that stops for a
+        SIGTERM (enable_jit_checkpoint) always writes its checkpoint, and no final save follows.
         """
         evaluate = evaluate or self.evaluate
         lr = self.scheduler.get_last_lr()[0]
@@ -564,11 +581,14 @@ class SupervisedRun:
             improved = events.update_best(evaluate())
         keeps_best = self.config.save_strategy == "best" or bool(self.config.load_best_model_at_end)
         save_due = cadence.save_due(step) or (self.config.save_strategy == "best" and improved)
-        if (save_due or save_now) and not events.control.should_training_stop or (stop and improved and keeps_best):
+        saves = (save_due or save_now) and not events.control.should_training_stop or (stop and improved and keeps_best)
+        if saves or events.preempted:
             self.save_checkpoint()
             events.save()
             if hub.pushes_at_save(self.config):
                 self.push_from_checkpoint()
+        if events.preempted:
+            log_preempted(self.config.output_dir, step, is_main=self.is_main)
 
     def log_metrics(self, extra: dict[str, float]) -> dict[str, float]:
         """Reduce the window's metrics across ranks (one all-reduce) and log them with `extra`."""
@@ -601,7 +621,7 @@ class SupervisedRun:
         loss_total, samples = self.global_counts(self.loss_total, self.samples_seen)
         training_loss = loss_total / self.world_size / max(self.steps_run, 1)
         output = self.events.train_end(training_loss, int(samples), total_flos=self._flos())
-        if self.config.push_to_hub:
+        if self.config.push_to_hub and not self.events.preempted:
             hub.push(self.config, is_main=self.is_main, write_card=self.write_model_card)
         return output
 
