@@ -277,7 +277,24 @@ def test_cast_lm_head_to_fp32_in_grpo(tmp_path, tiny_tokenizer):
     assert weights["lm_head.weight"].dtype == torch.float32
 
 
-def test_cast_lm_head_to_fp32_refuses_tied_embeddings(tiny_tokenizer):
-    tied = build_tiny_causal_lm(tiny_tokenizer, tie_word_embeddings=True)
-    with pytest.raises(ConfigError, match="needs untied input and output embeddings.*tie_word_embeddings=True"):
-        cast_lm_head_to_fp32(tied)
+def test_cast_lm_head_to_fp32_with_tied_embeddings_keeps_one_matrix(tiny_tokenizer):
+    tied = build_tiny_causal_lm(tiny_tokenizer, tie_word_embeddings=True).to(torch.bfloat16)
+    ids = torch.tensor([[1, 2, 3]])
+    before = tied(ids).logits.float()
+    cast_lm_head_to_fp32(tied)
+    head, embed = tied.get_output_embeddings(), tied.get_input_embeddings()
+    assert isinstance(head, Float32LMHead) and head.weight is embed.weight and head.weight.dtype == torch.float32
+    assert embed(ids).dtype == torch.bfloat16  # the rest of the model still gets bf16 inputs
+    after = tied(ids).logits
+    assert after.dtype == torch.float32
+    # the same bf16 trunk; only the head's rounding differs
+    torch.testing.assert_close(after, before, atol=0.05, rtol=0.02)
+
+
+def test_cast_lm_head_to_fp32_refuses_a_lora_head(tiny_tokenizer):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        build_tiny_causal_lm(tiny_tokenizer), peft.LoraConfig(r=2, target_modules=["lm_head", "q_proj"])
+    )
+    with pytest.raises(ConfigError, match="LM head is a LoRA layer"):
+        cast_lm_head_to_fp32(model)

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -288,8 +288,8 @@ def enable_gradient_checkpointing(model: nn.Module, kwargs: dict[str, Any] | Non
 class Float32LMHead(nn.Linear):
     """An LM head stored and computed in float32 whatever the model's dtype, autocast included
     (`cast_lm_head_to_fp32`, after the ScaleRL recipe, arXiv:2510.13786): the logits, and the
-    log-probabilities taken from them, are not rounded to bf16 / fp16. The state-dict key and shape are
-    the original head's, so a saved model loads as before (its head in float32)."""
+    log-probabilities taken from them, are not rounded to bf16 / fp16. `cast_lm_head_to_fp32` turns a
+    model's own head into one in place, so state-dict keys, ties and hooks stay as they were."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # Autocast off here: under bf16 autocast F.linear would otherwise run in bf16 again.
@@ -298,43 +298,37 @@ class Float32LMHead(nn.Linear):
             return nn.functional.linear(hidden.float(), self.weight.float(), bias)
 
 
+def _output_dtype(dtype: torch.dtype) -> Callable[[nn.Module, Any, torch.Tensor], torch.Tensor]:
+    def hook(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        return output.to(dtype)
+
+    return hook
+
+
 def cast_lm_head_to_fp32(model: nn.Module) -> None:
-    """Replace the output embedding of `model` (PEFT's base model unwrapped) by a `Float32LMHead` with
-    its weights in float32. Refused (ConfigError) where a float32 copy would change the model: input
-    and output embeddings tied (one matrix; casting it would also cast the input embeddings), a head
-    that carries a LoRA adapter, or a head that is not a plain nn.Linear. Idempotent."""
+    """Make the output embedding of `model` (PEFT's base model unwrapped) a `Float32LMHead`, its weights
+    cast to float32 in place. Tied input and output embeddings share one matrix, which then is float32
+    for both: the input embeddings' output is cast back to the dtype it had, so the rest of the model
+    runs as before. Refused (ConfigError): a head that carries a LoRA adapter or is not a plain
+    nn.Linear. Idempotent."""
     from posttrain.configs import ConfigError
 
     bare = model.get_base_model() if is_peft_model(model) else model
     head = bare.get_output_embeddings() if hasattr(bare, "get_output_embeddings") else None
     if isinstance(head, Float32LMHead):
         return
-    name = type(bare).__name__
     if type(head) is not nn.Linear:
         kind = "a LoRA layer" if hasattr(head, "base_layer") else type(head).__name__
         raise ConfigError(
-            f"cast_lm_head_to_fp32=True: {name}'s LM head is {kind}, not a plain nn.Linear (remove lm_head from "
-            "the adapter's target modules), or set cast_lm_head_to_fp32=False."
+            f"cast_lm_head_to_fp32=True: {type(bare).__name__}'s LM head is {kind}, not a plain nn.Linear (remove "
+            "lm_head from the adapter's target modules), or set cast_lm_head_to_fp32=False."
         )
-    text_config = bare.config.get_text_config() if hasattr(bare.config, "get_text_config") else bare.config
-    tied = getattr(text_config, "tie_word_embeddings", False) or getattr(bare.config, "tie_word_embeddings", False)
     embed = bare.get_input_embeddings() if hasattr(bare, "get_input_embeddings") else None
-    if tied or (embed is not None and getattr(embed, "weight", None) is head.weight):
-        raise ConfigError(
-            f"cast_lm_head_to_fp32=True needs untied input and output embeddings; {name} ties them "
-            "(tie_word_embeddings=True). Set cast_lm_head_to_fp32=False, or use a model with its own LM head."
-        )
-    new = Float32LMHead(
-        head.in_features, head.out_features, bias=head.bias is not None, device=head.weight.device, dtype=torch.float32
-    )
-    with torch.no_grad():
-        new.weight.copy_(head.weight)
-        if head.bias is not None:
-            new.bias.copy_(head.bias)
-    new.weight.requires_grad_(head.weight.requires_grad)
-    if new.bias is not None:
-        new.bias.requires_grad_(head.bias.requires_grad)
-    bare.set_output_embeddings(new)
+    original = head.weight.dtype
+    head.float()  # in place: a tied matrix stays one Parameter, shared with the input embeddings
+    head.__class__ = Float32LMHead
+    if embed is not None and getattr(embed, "weight", None) is head.weight and original != torch.float32:
+        embed.register_forward_hook(_output_dtype(original))
 
 
 def model_init_kwargs(config: Any) -> dict[str, Any]:

@@ -907,7 +907,7 @@ class RewardSource:
         items = list(reward) if isinstance(reward, (list, tuple)) else [reward]
         if not items or any(r is None for r in items):
             raise ConfigError(
-                "no reward given: pass a reward model (reward_model_path) or reward functions (reward_funcs)."
+                "No reward source provided: pass a reward model (reward_model_path) or reward functions (reward_funcs)."
             )
         self.models = [r for r in items if isinstance(r, nn.Module)]
         self.funcs = [r for r in items if not isinstance(r, nn.Module)]

@@ -145,8 +145,8 @@ class GRPOConfig(GroupRolloutOptions, VLLMOptions, OnPolicyConfig):
     vespo_lambda_neg: float = flag("VESPO's decay λ for A < 0.", default=2.0)
     cast_lm_head_to_fp32: bool = flag(
         "Keep the LM head of the policy and the reference in float32 and compute the logits in float32 under bf16 "
-        "/ fp16 (autocast included), as the ScaleRL recipe recommends (arXiv:2510.13786). Needs untied input and "
-        "output embeddings and no LoRA on lm_head.",
+        "/ fp16 (autocast included), as the ScaleRL recipe recommends (arXiv:2510.13786); tied embeddings share "
+        "the float32 matrix. Not with LoRA on lm_head.",
         default=False,
     )
     max_tool_calling_iterations: int | None = flag(

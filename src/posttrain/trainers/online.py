@@ -232,7 +232,7 @@ def load_parts(
         ]
         if needs_reward and not rewards:
             raise ConfigError(
-                "no reward: pass reward_model (a reward model or reward functions), or on the command "
+                "No reward source provided: pass reward_model (a reward model or reward functions), or on the command "
                 "line --reward_model_path (a reward model) and/or --reward_funcs (module:function ...)."
             )
     if train_dataset is None and config.dataset_name:
