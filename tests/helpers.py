@@ -376,8 +376,9 @@ def online_trainer(
         seed=0,
     )
     eval_dataset = overrides.pop("eval_dataset", None)
+    dataset = overrides.pop("train_dataset", None)
     values.update(overrides)
-    dataset = online_prompts(prompts)
+    dataset = online_prompts(prompts) if dataset is None else dataset
     policy = build_tiny_causal_lm(tokenizer)
     common = dict(train_dataset=dataset, eval_dataset=eval_dataset, callbacks=callbacks, peft_config=peft_config)
     if algo == "rloo":

@@ -130,21 +130,6 @@ def test_the_command_line_eval_split_is_the_loaded_dataset(tmp_path, tiny_tokeni
     assert trainer.evaluate()["eval_objective/scores"] == 2.0
 
 
-def test_a_streaming_train_set_is_refused_with_the_fix(tmp_path, tiny_tokenizer):
-    config = RLOOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, rloo_k=2, report_to="none")
-    with pytest.raises(
-        ConfigError, match=r"train_dataset is a streaming datasets.IterableDataset .* without streaming=True"
-    ):
-        RLOOTrainer(
-            config,
-            tiny_tokenizer,
-            build_tiny_causal_lm(tiny_tokenizer),
-            None,
-            value_reward,
-            train_dataset=prompts(4, 1.0).to_iterable_dataset(),
-        )
-
-
 def token_count(completions, completion_ids, **kwargs):
     """Each completion's length in tokens (its stop token included)."""
     return [float(len(ids)) for ids in completion_ids]

@@ -15,7 +15,8 @@ TRL's own CI without them.
 TRL 1.x's releases ship no tests, so `--checkout` takes them from a clone of the TRL repository
 (tests/test_rloo_trainer.py and tests/test_grpo_trainer.py, with its conftest.py and testing_utils.py),
 and builds stand-ins for the extra causal LMs they train (Qwen3, Qwen3-MoE, Cohere2, GPT-OSS,
-GLM-4-MoE, Gemma 2, Nemotron-H); its vision-language models are not built (posttrain trains text models).
+GLM-4-MoE, Gemma 2, Nemotron-H) and the Qwen3 reward model; its vision-language models are not built
+(posttrain trains text models).
 """
 
 from __future__ import annotations
@@ -155,6 +156,10 @@ def build_checkout_fixtures(root: Path) -> None:
         model = getattr(transformers, f"{family}ForCausalLM")(config_cls(**{**shape, **extra}))
         model.save_pretrained(base / name)
         tokenizer.save_pretrained(base / name)
+    # the second reward model of the reward_processing_classes tests
+    config = transformers.Qwen3Config(**shape, head_dim=8, num_labels=1)
+    transformers.Qwen3ForSequenceClassification(config).save_pretrained(base / "tiny-Qwen3ForSequenceClassification")
+    tokenizer.save_pretrained(base / "tiny-Qwen3ForSequenceClassification")
 
 
 def build_fixtures(root: Path) -> None:

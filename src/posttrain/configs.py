@@ -20,7 +20,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from posttrain import compat
 
@@ -84,6 +84,11 @@ class TrainingConfig:
         default=None,
     )
     dataset_config: str | None = flag("Configuration name of a hub dataset.", default=None)
+    dataset_streaming: bool = flag(
+        "Online trainers: read the training split as a stream (datasets' streaming=True) instead of loading it "
+        "whole; needs max_steps. Rows are read in the stream's order.",
+        default=False,
+    )
     dataset_train_split: str = flag("Split used for training.", default="train")
     dataset_test_split: str = flag("Split used for evaluation and sample generations.", default="test")
     learning_rate: float = flag("Initial learning rate of the optimizer (optim).", default=5e-5)
@@ -726,6 +731,8 @@ class TrainingConfig:
             raise ConfigError(f"ddp_backend={self.ddp_backend!r} is not one of {', '.join(backends)}.")
         for name in ("fsdp_config", "deepspeed", "accelerator_config"):
             setattr(self, name, json_or_file(name, getattr(self, name)))
+        if self.accelerator_config is not None:
+            self.accelerator_config = AcceleratorConfig(self.accelerator_config)
         launch = ("fsdp", "fsdp_config", "fsdp_min_num_params", "fsdp_transformer_layer_cls_to_wrap", "deepspeed")
         if any(getattr(self, name) for name in launch + ("accelerator_config",)):
             from posttrain.distributed import check_launch_options  # loads torch: only when these are set
@@ -1495,6 +1502,29 @@ def parse_json_field(name: str, value: Any) -> dict[str, Any] | None:
     return parsed
 
 
+class AcceleratorConfig(dict):
+    """`accelerator_config` once parsed: the mapping as given, whose keys also read as attributes with
+    transformers' defaults for those not given (`args.accelerator_config.dispatch_batches`, as on
+    transformers' AcceleratorConfig); posttrain.distributed says which values the trainers honour."""
+
+    DEFAULTS: ClassVar[dict[str, Any]] = {
+        "split_batches": False,
+        "dispatch_batches": None,
+        "even_batches": True,
+        "use_seedable_sampler": True,
+        "non_blocking": False,
+        "use_configured_state": False,
+        "gradient_accumulation_kwargs": None,
+    }
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self:
+            return self[name]
+        if name in self.DEFAULTS:
+            return self.DEFAULTS[name]
+        raise AttributeError(f"accelerator_config has no key {name!r}; keys: {', '.join(self.DEFAULTS)}")
+
+
 def json_or_file(name: str, value: Any) -> dict[str, Any] | None:
     """A dict-valued field given as a dict, as JSON text, or as the path of a JSON file (fsdp_config,
     deepspeed, accelerator_config; transformers takes all three)."""
@@ -1545,6 +1575,11 @@ class SupervisedConfig(TrainingConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.pad_to_multiple_of = _pad_multiple(self.pad_to_multiple_of)
+        if self.dataset_streaming:
+            raise ConfigError(
+                "dataset_streaming=True is for the online trainers (PPO, RLOO, GRPO, Online DPO, XPO); SFT and "
+                "reward training load their dataset whole (packing and length checks read every row): drop it."
+            )
 
 
 def load_config_file(path: str | os.PathLike) -> dict[str, Any]:

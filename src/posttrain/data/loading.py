@@ -230,6 +230,30 @@ def _looks_local(name: str) -> bool:
     )
 
 
+def _check_data_file(path: Path, split: str | None) -> str:
+    """A data file's suffix, once its type and split are known to load and (JSON, CSV) every line parses."""
+    suffix = path.suffix.lower()
+    if suffix not in _FILE_BUILDERS:
+        raise DataError(
+            f"unsupported file type {suffix!r}",
+            source=path,
+            fix="use .jsonl, .json, .parquet or .csv, or a folder saved with Dataset.save_to_disk",
+        )
+    if split is not None and not split.startswith("train"):
+        raise DataError(
+            f"a single file has one split, 'train'; got split={split!r}",
+            source=path,
+            fix="drop the split argument or use 'train'",
+        )
+    if suffix == ".jsonl":
+        _validate_json_lines(path)
+    elif suffix == ".json":
+        _validate_json(path)
+    elif suffix == ".csv":
+        _validate_csv(path)
+    return suffix
+
+
 def load_any_dataset(
     name_or_path: str | os.PathLike,
     split: str | None = None,
@@ -248,25 +272,7 @@ def load_any_dataset(
     name = str(name_or_path)
     path = Path(name).expanduser()
     if path.is_file():
-        suffix = path.suffix.lower()
-        if suffix not in _FILE_BUILDERS:
-            raise DataError(
-                f"unsupported file type {suffix!r}",
-                source=path,
-                fix="use .jsonl, .json, .parquet or .csv, or a folder saved with Dataset.save_to_disk",
-            )
-        if split is not None and not split.startswith("train"):
-            raise DataError(
-                f"a single file has one split, 'train'; got split={split!r}",
-                source=path,
-                fix="drop the split argument or use 'train'",
-            )
-        if suffix == ".jsonl":
-            _validate_json_lines(path)
-        elif suffix == ".json":
-            _validate_json(path)
-        elif suffix == ".csv":
-            _validate_csv(path)
+        suffix = _check_data_file(path, split)
         try:
             dataset = datasets.load_dataset(_FILE_BUILDERS[suffix], data_files=str(path), split=split or "train")
         except Exception as err:
@@ -304,16 +310,52 @@ def load_any_dataset(
     return _mark_source(dataset, name)
 
 
-def load_split(config: Any, split: str, required: bool = True) -> Dataset | None:
+def load_split(config: Any, split: str, required: bool = True, streaming: bool = False) -> Dataset | None:
     """The `split` of config.dataset_name (a hub name, a saved folder or a data file), loaded with
-    config.dataset_config; None when an optional split (`required=False`) is absent."""
+    config.dataset_config; None when an optional split (`required=False`) is absent. `streaming`: a
+    `datasets.IterableDataset` read as training goes (`load_stream`)."""
     from posttrain.configs import ConfigError
 
     if not config.dataset_name:
         raise ConfigError("dataset_name is not set: pass --dataset_name (a hub name, a saved folder or a data file).")
+    if streaming:
+        return load_stream(config.dataset_name, split=split, config_name=config.dataset_config)
     if not required and not has_split(config.dataset_name, split):
         return None
     return load_any_dataset(config.dataset_name, split=split, config_name=config.dataset_config)
+
+
+def load_stream(name_or_path: str | os.PathLike, split: str, config_name: str | None = None) -> Any:
+    """One split as a streaming `datasets.IterableDataset` (TRL's `--dataset_streaming`): a data file
+    (JSON files checked line by line first, as load_any_dataset does), a folder of data files or a hub
+    dataset through `load_dataset(..., streaming=True)`; a `save_to_disk` folder is already on disk
+    and is streamed from its arrow files (`to_iterable_dataset`)."""
+    import datasets
+
+    name = str(name_or_path)
+    path = Path(name).expanduser()
+    if "[" in split:
+        raise DataError(
+            f"split={split!r}: a streamed split cannot be sliced",
+            source=name,
+            fix="name the whole split, or load without streaming to slice it",
+        )
+    if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
+        return load_any_dataset(name, split=split, config_name=config_name).to_iterable_dataset()
+    if path.is_file():
+        builder, kwargs = _FILE_BUILDERS[_check_data_file(path, split)], {"data_files": str(path)}
+    elif _looks_local(name) and not path.is_dir():
+        raise DataError("no such file or folder", source=name, fix="check the path (relative to the working directory)")
+    else:
+        builder, kwargs = str(path) if path.is_dir() else name, {"name": config_name}
+    try:
+        return datasets.load_dataset(builder, split=split, streaming=True, **kwargs)
+    except Exception as err:
+        raise DataError(
+            f"could not be opened as a stream ({type(err).__name__}: {err})",
+            source=name,
+            fix="check the dataset name, config and split (and network access for a hub dataset)",
+        ) from err
 
 
 def has_split(name_or_path: str | os.PathLike, split: str) -> bool:

@@ -163,48 +163,40 @@ def _prompt_column(dataset: Dataset, prompt_column: str | None, source: str) -> 
 
 def check_prompt_columns(dataset: Any, source: str | None = None) -> None:
     """prepare_prompt_dataset's cheap checks (rows present, a `prompt` / `query` / `input_ids` column)
-    on a `datasets.Dataset`, so a wrong prompt dataset is refused before any model loads; other
-    dataset types (streaming, dicts of eval sets) are checked when they are prepared."""
-    from datasets import Dataset
+    on a `datasets.Dataset`, or on the first row of a streaming `datasets.IterableDataset`, so a wrong
+    prompt dataset is refused before any model loads; other dataset types (dicts of eval sets) are
+    checked when they are prepared."""
+    from datasets import Dataset, IterableDataset
 
     if isinstance(dataset, Dataset):
         _prompt_column(dataset, None, _source_of(dataset, source))
+    elif isinstance(dataset, IterableDataset):
+        _stream_columns(dataset, None, source or "dataset")
 
 
-def prepare_prompt_dataset(
-    dataset: Dataset,
+def _stream_columns(dataset: Any, prompt_column: str | None, source: str) -> tuple[dict, str, bool]:
+    """(first row, prompt column, pre-tokenized) of a streaming prompt dataset (see _prompt_column)."""
+    first = next(iter(dataset), None)
+    if first is None:
+        raise DataError("the streaming dataset yields no rows", source=source, fix="check the files / split / filters")
+    prompt_column, tokenized = _prompt_column(_Columns(list(dataset.column_names or first)), prompt_column, source)
+    return first, prompt_column, tokenized
+
+
+def _prompt_encoder(
     tokenizer: PreTrainedTokenizerBase,
-    *,
-    max_prompt_length: int | None = None,
-    overflow: str = "truncate_left",
-    prompt_column: str | None = None,
-    source: str | None = None,
-    chat_template_kwargs: dict[str, Any] | None = None,
-) -> Dataset:
-    """Tokenize prompts for generation: adds `input_ids` and sets `prompt` to the text after the
-    chat template; other columns are kept (reward functions receive them). A conversational
-    dataset also keeps each prompt's messages in `prompt_messages` (PROMPT_MESSAGES; None for a
-    plain-text row), which reward functions get as `prompts` in TRL 1.x's form.
-
-    The prompts are read from `prompt_column`; None reads `prompt`, or `query` (the name of
-    DeepSpeed-Chat-style and older TRL data) when the dataset has neither `prompt` nor `input_ids`.
-
-    Conversational prompts get the chat template with the generation prompt (and the keyword
-    arguments `chat_template_kwargs`, e.g. {"enable_thinking": False}). A dataset with only
-    `input_ids` (pre-tokenized, as TRL's PPO takes) is validated and decoded into `prompt`.
-    Prompts longer than `max_prompt_length` are cut from the left ("truncate_left", keeping the end
-    of the prompt, which the completion continues) or removed ("drop"); the count is logged.
-    """
-    if overflow not in ("truncate_left", "drop"):
-        raise ValueError(f"overflow must be 'truncate_left' or 'drop', got {overflow!r}")
-    source = _source_of(dataset, source)
-    prompt_column, tokenized = _prompt_column(dataset, prompt_column, source)
-    # A stored mask would go stale after truncation; the collator builds it from lengths.
-    if "attention_mask" in dataset.column_names:
-        dataset = dataset.remove_columns("attention_mask")
+    prompt_column: str,
+    tokenized: bool,
+    keep_messages: bool,
+    max_prompt_length: int | None,
+    overflow: str,
+    source: str,
+    chat_template_kwargs: dict[str, Any] | None,
+) -> Any:
+    """The batched `map` function of prepare_prompt_dataset (map-style or streaming): (batch, row
+    indices) -> input_ids, rendered prompt, the `__overlong` flag (and the messages of a
+    conversational prompt), refusing a bad row by its index."""
     vocab_size = len(tokenizer)
-    keep_messages = not tokenized and len(dataset) > 0 and isinstance(dataset[0][prompt_column], list)
-
     noted: set[str] = set()
 
     def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
@@ -246,6 +238,65 @@ def prepare_prompt_dataset(
             out[PROMPT_MESSAGES] = [v if c else None for v, c in zip(values, conversational)]
         return out
 
+    return encode
+
+
+def prepare_prompt_dataset(
+    dataset: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_prompt_length: int | None = None,
+    overflow: str = "truncate_left",
+    prompt_column: str | None = None,
+    source: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> Dataset:
+    """Tokenize prompts for generation: adds `input_ids` and sets `prompt` to the text after the
+    chat template; other columns are kept (reward functions receive them). A conversational
+    dataset also keeps each prompt's messages in `prompt_messages` (PROMPT_MESSAGES; None for a
+    plain-text row), which reward functions get as `prompts` in TRL 1.x's form.
+
+    The prompts are read from `prompt_column`; None reads `prompt`, or `query` (the name of
+    DeepSpeed-Chat-style and older TRL data) when the dataset has neither `prompt` nor `input_ids`.
+
+    Conversational prompts get the chat template with the generation prompt (and the keyword
+    arguments `chat_template_kwargs`, e.g. {"enable_thinking": False}). A dataset with only
+    `input_ids` (pre-tokenized, as TRL's PPO takes) is validated and decoded into `prompt`.
+    Prompts longer than `max_prompt_length` are cut from the left ("truncate_left", keeping the end
+    of the prompt, which the completion continues) or removed ("drop"); the count is logged.
+
+    A streaming `datasets.IterableDataset` (load_dataset(..., streaming=True)) is prepared lazily: its
+    first row is read here to find the prompt column and whether prompts are conversations, and the
+    same tokenization and per-row checks run as rows are read (a bad row is refused when it is
+    reached, by its place in the stream; overlong prompts are cut or skipped as they come).
+    """
+    from datasets import IterableDataset
+
+    if overflow not in ("truncate_left", "drop"):
+        raise ValueError(f"overflow must be 'truncate_left' or 'drop', got {overflow!r}")
+    streaming = isinstance(dataset, IterableDataset)
+    if streaming:
+        source = source or "dataset"
+        first, prompt_column, tokenized = _stream_columns(dataset, prompt_column, source)
+        columns = list(dataset.column_names or first)
+    else:
+        source = _source_of(dataset, source)
+        prompt_column, tokenized = _prompt_column(dataset, prompt_column, source)
+        columns = dataset.column_names
+        first = dataset[0] if len(dataset) > 0 else None
+    keep_messages = not tokenized and first is not None and isinstance(first[prompt_column], list)
+    # A stored mask would go stale after truncation; the collator builds it from lengths.
+    if "attention_mask" in columns:
+        dataset = dataset.remove_columns("attention_mask")
+    encode = _prompt_encoder(
+        tokenizer, prompt_column, tokenized, keep_messages, max_prompt_length, overflow, source, chat_template_kwargs
+    )
+    if streaming:
+        out = dataset.map(encode, batched=True, with_indices=True)
+        if overflow == "drop" and max_prompt_length is not None:
+            out = out.filter(lambda flags: [not f for f in flags], input_columns="__overlong", batched=True)
+        unused = [prompt_column] if prompt_column != "prompt" and prompt_column in columns else []
+        return out.remove_columns(["__overlong", *unused])
     out = dataset.map(encode, batched=True, with_indices=True, desc="Tokenizing prompts")
     out = _resolve_overflow(
         out,
@@ -263,6 +314,16 @@ def prepare_prompt_dataset(
     if prompt_column != "prompt" and prompt_column in out.column_names:
         out = out.remove_columns(prompt_column)
     return out
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """The column names of a stream, where the dataset checks ask for `column_names` and rows."""
+
+    column_names: list[str]
+
+    def __len__(self) -> int:
+        return 1  # a first row was read
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
   prompt_overflow), naming the dataset (`source`) in every error.
 - `PromptStream`: an endless stream of prompt batches, reshuffled each epoch from (seed, epoch),
   whose position is checkpointed for an exact resume; under data parallelism each rank takes its
-  own slice of every global batch.
+  own slice of every global batch. `StreamedPrompts`: the same over a streaming dataset, in its order.
 - `eval_dataset_sets`: an eval set, or a dict of named ones, prepared (streaming sets read into
   memory first, `materialize`).
 
@@ -26,6 +26,9 @@ def prompt_dataset(config: Any, tokenizer: Any, dataset: Any, source: str, limit
     must fit them all (see posttrain.positions for what is truncated, dropped or refused)."""
     from posttrain import positions
     from posttrain.data.prepare import prepare_prompt_dataset
+
+    if is_streaming(dataset):
+        return _prompt_stream_dataset(config, tokenizer, dataset, source, limits)
 
     def prepare(max_prompt_length: int | None) -> Any:
         return prepare_prompt_dataset(
@@ -61,6 +64,52 @@ def prompt_dataset(config: Any, tokenizer: Any, dataset: Any, source: str, limit
         source=source,
     )
     return prepared
+
+
+def _prompt_stream_dataset(config: Any, tokenizer: Any, dataset: Any, source: str, limits: Sequence[Any]) -> Any:
+    """prompt_dataset for a streaming dataset (prepare.prepare_prompt_dataset on a stream): its prompts cannot be
+    measured before training, so the room the tightest model leaves bounds them (prompt_overflow
+    applies to longer ones as they are read), and a user's own max_prompt_length that does not fit
+    that model is refused now; prompts re-tokenized for a reward model with its own tokenizer are
+    checked batch by batch (`check_prompt_batch`)."""
+    from posttrain import positions
+    from posttrain.data.prepare import prepare_prompt_dataset
+
+    bound, tight = positions.prompt_bound(
+        limits, response_length=config.response_length, max_prompt_length=config.max_prompt_length
+    )
+    if tight is not None and config.max_prompt_length is not None:
+        positions.check_fits(
+            [config.max_prompt_length],
+            tight,
+            response_length=config.response_length,
+            max_prompt_length=config.max_prompt_length,
+            overflow=config.prompt_overflow,
+            source=source,
+        )
+    return prepare_prompt_dataset(
+        dataset,
+        tokenizer,
+        max_prompt_length=bound,
+        overflow=config.prompt_overflow,
+        source=source,
+        chat_template_kwargs=getattr(config, "chat_template_kwargs", None),
+    )
+
+
+def check_prompt_batch(rows: list[dict], limits: Sequence[Any], *, response_length: int, source: str) -> None:
+    """A streamed batch of prepared prompts against the reward models that re-tokenize them
+    (positions.check_other_tokenizers; a map-style set is checked whole before training)."""
+    from posttrain import positions
+
+    if any(lim.tokenizer is not None for lim in limits):
+        positions.check_other_tokenizers(
+            [r["prompt"] for r in rows],
+            [len(r["input_ids"]) for r in rows],
+            limits,
+            response_length=response_length,
+            source=source,
+        )
 
 
 def is_streaming(dataset: Any) -> bool:
@@ -160,3 +209,69 @@ class PromptStream:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._permutation()
+
+
+class StreamedPrompts:
+    """PromptStream for a streaming dataset (`datasets.IterableDataset`): batches in the stream's own
+    order, which has no length and cannot be indexed.
+
+    Every rank reads the whole stream and keeps its own slice of each global batch, so N processes
+    train on exactly the batches one process would. A pass ends when the stream does (its last partial
+    global batch is dropped) and the next pass starts it again, after `set_epoch(epoch)` (a stream
+    shuffled with `.shuffle(seed, buffer_size)` reshuffles per pass). The position (pass, global batches
+    read in it) is checkpointed; a resume reads the stream again and skips the batches already trained
+    on, so it continues with the same rows. `check(rows)` (optional) runs on each global batch.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        collate: Callable[[list[dict]], dict],
+        rank: int = 0,
+        world_size: int = 1,
+        check: Callable[[list[dict]], None] | None = None,
+        source: str = "train_dataset",
+    ) -> None:
+        self.dataset, self.batch_size, self.collate, self.check = dataset, batch_size, collate, check
+        self.rank, self.world_size, self.source = rank, world_size, source
+        self.epoch, self.position = 0, 0
+        self._rows: Any = None  # the iterator of the current pass, opened on first use
+
+    def _open(self) -> None:
+        import itertools
+
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(self.epoch)
+        self._rows = itertools.islice(iter(self.dataset), self.position * self.batch_size * self.world_size, None)
+
+    def __iter__(self) -> StreamedPrompts:
+        return self
+
+    def __next__(self) -> dict:
+        import itertools
+
+        global_batch = self.batch_size * self.world_size
+        for _ in range(2):
+            if self._rows is None:
+                self._open()
+            rows = list(itertools.islice(self._rows, global_batch))
+            if len(rows) == global_batch:
+                break
+            if self.position == 0:
+                raise ConfigError(
+                    f"{self.source}: the streaming dataset yields {len(rows)} prompts in a pass, fewer than one "
+                    f"rollout batch needs ({global_batch} prompts = {self.batch_size} per device × "
+                    f"{self.world_size} devices); add prompts or lower per_device_train_batch_size."
+                )
+            self.epoch, self.position, self._rows = self.epoch + 1, 0, None
+        if self.check is not None:
+            self.check(rows)
+        self.position += 1
+        return self.collate(rows[self.rank * self.batch_size : (self.rank + 1) * self.batch_size])
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position, self._rows = int(state["epoch"]), int(state["position"]), None

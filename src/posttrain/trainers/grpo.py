@@ -74,10 +74,8 @@ import torch
 from torch import nn
 
 from posttrain import distributed as dist
-from posttrain import runtime
 from posttrain.advantages import kl_penalty
 from posttrain.configs import ConfigError
-from posttrain.data.prompts import PromptStream
 from posttrain.grpo_losses import (
     EntropyController,
     grpo_advantages,
@@ -228,13 +226,7 @@ class GRPOTrainer(OnlineTrainer):
         # pairs (`rank_rows`), so a group may span ranks. Same permutation and checkpoint state as
         # the per-rank stream it replaces.
         run = self.run
-        run.prompts = PromptStream(
-            run.train_dataset,
-            args.global_prompts_per_rollout,
-            run.collate,
-            runtime.data_seed(args),
-            shuffle=args.shuffle_dataset,
-        )
+        run.prompts = run.prompt_stream(args.global_prompts_per_rollout, shuffle=args.shuffle_dataset)
         self.entropy_control = EntropyController(
             args.entropy_coef,
             adaptive=args.use_adaptive_entropy,

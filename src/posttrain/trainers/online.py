@@ -42,10 +42,17 @@ from torch import nn
 from posttrain import checkpoint as ckpt
 from posttrain import distributed as dist
 from posttrain import hub, positions, runtime
-from posttrain.configs import ConfigError, OnPolicyConfig, launch_world_size
+from posttrain.configs import AcceleratorConfig, ConfigError, OnPolicyConfig, launch_world_size
 from posttrain.data.loading import load_split
 from posttrain.data.prepare import PROMPT_MESSAGES, check_prompt_columns
-from posttrain.data.prompts import PromptStream, eval_dataset_sets, is_streaming, prompt_dataset
+from posttrain.data.prompts import (
+    PromptStream,
+    StreamedPrompts,
+    check_prompt_batch,
+    eval_dataset_sets,
+    is_streaming,
+    prompt_dataset,
+)
 from posttrain.health import HealthMonitor, oom_advice
 from posttrain.models import compile_for_training, model_init_kwargs, uncompiled
 from posttrain.optim import build_optimizer, build_scheduler, clip_and_step
@@ -236,7 +243,7 @@ def load_parts(
                 "line --reward_model_path (a reward model) and/or --reward_funcs (module:function ...)."
             )
     if train_dataset is None and config.dataset_name:
-        train_dataset = load_split(config, config.dataset_train_split)
+        train_dataset = load_split(config, config.dataset_train_split, streaming=config.dataset_streaming)
         if eval_dataset is None:
             eval_dataset = load_split(config, config.dataset_test_split, required=False)
             if eval_dataset is None and config.num_sample_generations > 0:
@@ -245,6 +252,7 @@ def load_parts(
     if train_dataset is None:
         raise ConfigError(MISSING_TRAIN_DATASET)
     check_prompt_columns(train_dataset, source="train_dataset")
+    check_streaming(config, train_dataset)
     check_sizes_early(config, train_dataset)
     common = model_init_kwargs(config)
     if processing_class is None:
@@ -400,6 +408,34 @@ def default_config(config_cls: type, model: Any, algo: str) -> OnPolicyConfig:
     return config_cls(output_dir=f"{os.fspath(name).rstrip('/').split('/')[-1]}-{algo}")
 
 
+STREAMING_EPOCH_STRATEGIES = ("logging_strategy", "eval_strategy", "save_strategy")
+
+
+def check_streaming(config: OnPolicyConfig, train_dataset: Any) -> None:
+    """A streaming train set (datasets.IterableDataset) has no length: the run needs max_steps (or
+    total_episodes) to know when to stop, and cannot tell where an epoch ends before reading past it,
+    so "epoch" logging / eval / save strategies are refused. As TRL does for iterable sets,
+    dataloader_num_workers is set to 0 (the prompts are read in the training process) and
+    accelerator_config's dispatch_batches to False (every process reads the stream itself)."""
+    if not is_streaming(train_dataset):
+        return
+    stream = "train_dataset is a streaming datasets.IterableDataset (load_dataset(..., streaming=True))"
+    if config.max_steps <= 0 and config.total_episodes is None:
+        raise ConfigError(
+            f"{stream}, which has no length, so the number of training steps is unknown: set max_steps "
+            "(optimizer steps) to say when to stop, or load it without streaming=True."
+        )
+    for name in STREAMING_EPOCH_STRATEGIES:
+        if str(getattr(config, name, "")).split(".")[-1].lower() == "epoch":
+            raise ConfigError(
+                f'{stream}, whose epochs end only when the stream does: {name}="epoch" cannot be honoured; '
+                f'use {name}="steps" with a number of steps.'
+            )
+    # (dispatch_batches=True itself is refused with the config: posttrain.distributed.ACCELERATOR_CONFIG_KEYS)
+    config.accelerator_config = AcceleratorConfig({**(config.accelerator_config or {}), "dispatch_batches": False})
+    config.dataloader_num_workers = 0
+
+
 def check_sizes_early(config: OnPolicyConfig, train_dataset: Any) -> None:
     """`derive_sizes` on a copy of the config, with this launch's world size and the dataset's rows as
     given, so sizes that cannot divide are refused before any model loads. The config itself is
@@ -482,19 +518,15 @@ class OnlineRun:
         self.is_main = dist.is_main(self.accelerator)
         if train_dataset is None:
             raise ConfigError(MISSING_TRAIN_DATASET)
-        if is_streaming(train_dataset):
-            raise ConfigError(
-                "train_dataset is a streaming datasets.IterableDataset (load_dataset(..., streaming=True)), which "
-                "the online trainers cannot train on: they draw shuffled prompt batches by index and count passes "
-                "over the prompts. Load it without streaming=True (a datasets.Dataset; select rows with "
-                "split='train[:N]' if it is large). Streaming eval sets are fine: they are read into memory."
-            )
+        self.streaming = is_streaming(train_dataset)
+        check_streaming(config, train_dataset)
         self.position_limits = list(position_limits)
         self.train_dataset = prompt_dataset(
             config, tokenizer, train_dataset, source="train_dataset", limits=position_limits
         )
-        # Sizes count the prompts that survived validation (overflow="drop" may remove some).
-        derive_sizes(config, self.world_size, len(self.train_dataset))
+        # Sizes count the prompts that survived validation (overflow="drop" may remove some); a
+        # streaming set has no size: max_steps decides (check_streaming).
+        derive_sizes(config, self.world_size, None if self.streaming else len(self.train_dataset))
         # A resume at another world size keeps the global batch, and a DeepSpeed checkpoint its ZeRO
         # stage and world size: checked before any model step.
         resume = ckpt.resolve_checkpoint(config.output_dir, config.resume_from_checkpoint)
@@ -510,11 +542,8 @@ class OnlineRun:
         from posttrain.data import PromptCollator
 
         self.collate = data_collator or PromptCollator(tokenizer.pad_token_id)
-        self.prompts = PromptStream(
-            self.train_dataset,
+        self.prompts = self.prompt_stream(
             config.prompts_per_rollout,
-            self.collate,
-            runtime.data_seed(config),
             rank=dist.process_index(self.accelerator),
             world_size=self.world_size,
             # shuffle_dataset: GRPO / RLOO (configs.GroupRolloutOptions); train_sampling_strategy: every trainer
@@ -626,9 +655,28 @@ class OnlineRun:
             return None
         return dist.global_moments(values, mask, self.accelerator)
 
+    def prompt_stream(self, batch_size: int, *, rank: int = 0, world_size: int = 1, shuffle: bool = True) -> Any:
+        """The stream of `batch_size` prepared prompts per batch over this run's train set: PromptStream
+        (reshuffled per epoch from the data seed when `shuffle`), or for a streaming set StreamedPrompts
+        (the stream's order), whose batches are checked against the reward models that re-tokenize
+        them as they are read."""
+
+        def check(rows: list[dict]) -> None:
+            check_prompt_batch(
+                rows, self.position_limits, response_length=self.config.response_length, source="train_dataset"
+            )
+
+        if self.streaming:
+            return StreamedPrompts(self.train_dataset, batch_size, self.collate, rank, world_size, check)
+        seed = runtime.data_seed(self.config)
+        return PromptStream(self.train_dataset, batch_size, self.collate, seed, rank, world_size, shuffle)
+
     def epoch(self, episode: int) -> float:
         """Passes over the prompt dataset after `episode` completions (each prompt sampled
-        samples_per_prompt times per pass)."""
+        samples_per_prompt times per pass); of a streaming set, which has no length, the passes
+        completed so far."""
+        if self.streaming:
+            return float(self.prompts.epoch) if hasattr(self, "prompts") else 0.0
         return episode / max(len(self.train_dataset) * self.config.samples_per_prompt, 1)
 
     # -- logging, health, checkpoints -------------------------------------------------------------
