@@ -101,3 +101,25 @@ def test_load_empty_dataset(tmp_path):
     header_only.write_text("prompt\n", encoding="utf-8")
     with pytest.raises(DataError, match=r"empty\.csv: the file has no records"):
         load_any_dataset(header_only)
+
+
+def test_load_stream_reads_files_and_saved_folders_as_streams_and_refuses_what_cannot_stream(tmp_path):
+    from datasets import IterableDataset
+
+    from posttrain.data.loading import load_stream
+
+    rows = [{"prompt": f"p{i}"} for i in range(3)]
+    stream = load_stream(write_jsonl(tmp_path / "p.jsonl", rows), split="train")
+    assert isinstance(stream, IterableDataset) and [r["prompt"] for r in stream] == ["p0", "p1", "p2"]
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    saved = load_stream(tmp_path / "saved", split="train")
+    assert isinstance(saved, IterableDataset) and [r["prompt"] for r in saved] == ["p0", "p1", "p2"]
+    # a malformed line is reported by its number before anything streams, as when the file is loaded whole
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"prompt": \n', encoding="utf-8")
+    with pytest.raises(DataError, match="line 2"):
+        load_stream(bad, split="train")
+    with pytest.raises(DataError, match=r"split='train\[:2\]': a streamed split cannot be sliced"):
+        load_stream(tmp_path / "p.jsonl", split="train[:2]")
+    with pytest.raises(DataError, match="no such file or folder"):
+        load_stream(tmp_path / "missing.jsonl", split="train")

@@ -439,3 +439,13 @@ def test_a_flag_plugin_does_not_fight_accelerate_launchs(monkeypatch):
     monkeypatch.setattr(distributed, "require_deepspeed", lambda: None)
     with pytest.raises(ConfigError, match="--deepspeed is set, and accelerate launch's config already turns FSDP on"):
         TrainingConfig(deepspeed={"zero_optimization": {"stage": 3}})
+
+
+def test_accelerator_config_reads_as_attributes_with_transformers_defaults():
+    config = TrainingConfig(accelerator_config='{"even_batches": true}')
+    options = config.accelerator_config
+    assert options == {"even_batches": True}  # the mapping as given
+    assert options.even_batches is True and options.split_batches is False and options.dispatch_batches is None
+    with pytest.raises(AttributeError, match="accelerator_config has no key 'split_batch'"):
+        options.split_batch  # noqa: B018
+    assert TrainingConfig().accelerator_config is None
