@@ -104,30 +104,21 @@ def test_a_streamed_run_resumed_mid_pass_ends_where_the_uninterrupted_run_does(t
     assert all(torch.equal(p, expected[n]) for n, p in params(resumed).items())
 
 
+def on_a_stream(algo, out, tokenizer, prompts=6, **settings):
+    """online_trainer over `prompts` prompts given as a stream."""
+    return online_trainer(algo, out, tokenizer, train_dataset=online_prompts(prompts).to_iterable_dataset(), **settings)
+
+
 def test_a_stream_without_max_steps_is_refused_with_the_fix(tmp_path, tiny_tokenizer):
     with pytest.raises(ConfigError, match=r"streaming datasets.IterableDataset .* no length.* set max_steps"):
-        online_trainer(
-            "grpo",
-            tmp_path,
-            tiny_tokenizer,
-            train_dataset=online_prompts(6).to_iterable_dataset(),
-            total_episodes=None,
-        )
+        on_a_stream("grpo", tmp_path, tiny_tokenizer, total_episodes=None)
 
 
 @pytest.mark.parametrize("strategy", ["save_strategy", "eval_strategy"])
 def test_epoch_strategies_are_refused_on_a_stream(tmp_path, tiny_tokenizer, strategy):
     extra = {"eval_dataset": online_prompts(2)} if strategy == "eval_strategy" else {}
     with pytest.raises(ConfigError, match=rf'{strategy}="epoch" cannot be honoured; use {strategy}="steps"'):
-        online_trainer(
-            "rloo",
-            tmp_path,
-            tiny_tokenizer,
-            train_dataset=online_prompts(6).to_iterable_dataset(),
-            max_steps=2,
-            **{strategy: "epoch"},
-            **extra,
-        )
+        on_a_stream("rloo", tmp_path, tiny_tokenizer, max_steps=2, **{strategy: "epoch"}, **extra)
 
 
 def test_an_empty_stream_or_one_without_prompts_is_refused_before_training(tmp_path, tiny_tokenizer):
@@ -149,8 +140,7 @@ def test_a_bad_row_deep_in_the_stream_is_refused_by_its_place_when_it_is_read(tm
 
 
 def test_a_stream_shorter_than_one_rollout_batch_says_so(tmp_path, tiny_tokenizer):
-    stream = online_prompts(1).to_iterable_dataset()  # GRPO's batch here: 2 prompts
-    trainer = online_trainer("grpo", tmp_path, tiny_tokenizer, train_dataset=stream, max_steps=1)
+    trainer = on_a_stream("grpo", tmp_path, tiny_tokenizer, prompts=1, max_steps=1)  # GRPO's batch here: 2 prompts
     with pytest.raises(ConfigError, match="yields 1 prompts in a pass, fewer than one rollout batch needs"):
         trainer.train()
 

@@ -447,11 +447,12 @@ def _as_text_or_messages(value: Any, source: str, row: int, field: str) -> str |
     )
 
 
-def _require_columns(dataset: Any, columns: Sequence[str], source: str, purpose: str) -> None:
-    missing = [c for c in columns if c not in dataset.column_names]
+def _require_columns(available: Sequence[str], columns: Sequence[str], source: str, purpose: str) -> None:
+    """`columns` must be among the dataset's column names `available`."""
+    missing = [c for c in columns if c not in available]
     if missing:
         raise DataError(
-            f"missing column(s) {missing} needed for {purpose}; available columns: {dataset.column_names}",
+            f"missing column(s) {missing} needed for {purpose}; available columns: {list(available)}",
             source=source,
             field=missing[0],
             fix="rename the right column or pass its name",

@@ -151,13 +151,17 @@ def _prompt_column(dataset: Dataset, prompt_column: str | None, source: str) -> 
     """(column the prompts are read from, whether they are pre-tokenized `input_ids`) of a prompt
     dataset, refusing one without rows or without a prompt column (see prepare_prompt_dataset)."""
     _require_rows(dataset, source)
-    columns = dataset.column_names
+    return _prompt_column_of(dataset.column_names, prompt_column, source)
+
+
+def _prompt_column_of(columns: list[str], prompt_column: str | None, source: str) -> tuple[str, bool]:
+    """_prompt_column from the column names alone (a stream's, known from its first row)."""
     if prompt_column is None:
         fallback = "query" in columns and "prompt" not in columns and "input_ids" not in columns
         prompt_column = "query" if fallback else "prompt"
     tokenized = prompt_column not in columns and "input_ids" in columns
     if not tokenized:
-        _require_columns(dataset, [prompt_column], source, "prompts")
+        _require_columns(columns, [prompt_column], source, "prompts")
     return prompt_column, tokenized
 
 
@@ -179,7 +183,7 @@ def _stream_columns(dataset: Any, prompt_column: str | None, source: str) -> tup
     first = next(iter(dataset), None)
     if first is None:
         raise DataError("the streaming dataset yields no rows", source=source, fix="check the files / split / filters")
-    prompt_column, tokenized = _prompt_column(_Columns(list(dataset.column_names or first)), prompt_column, source)
+    prompt_column, tokenized = _prompt_column_of(list(dataset.column_names or first), prompt_column, source)
     return first, prompt_column, tokenized
 
 
@@ -316,16 +320,6 @@ def prepare_prompt_dataset(
     return out
 
 
-@dataclass(frozen=True)
-class _Columns:
-    """The column names of a stream, where the dataset checks ask for `column_names` and rows."""
-
-    column_names: list[str]
-
-    def __len__(self) -> int:
-        return 1  # a first row was read
-
-
 # --------------------------------------------------------------------------------------------
 # Preference datasets (reward models)
 # --------------------------------------------------------------------------------------------
@@ -372,7 +366,7 @@ def prepare_preference_dataset(
         None,
     )
     if pretokenized is None:
-        _require_columns(dataset, ["chosen", "rejected"], source, "preference pairs")
+        _require_columns(dataset.column_names, ["chosen", "rejected"], source, "preference pairs")
     prompt_field = None if pretokenized is not None else _preference_prompt_column(columns, prompt_column, source)
     has_prompt = prompt_field is not None
     has_margin = "margin" in columns

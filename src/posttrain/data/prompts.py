@@ -13,6 +13,7 @@ torch is imported on first use, so `import posttrain.data` stays light.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -239,8 +240,6 @@ class StreamedPrompts:
         self._rows: Any = None  # the iterator of the current pass, opened on first use
 
     def _open(self) -> None:
-        import itertools
-
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(self.epoch)
         self._rows = itertools.islice(iter(self.dataset), self.position * self.batch_size * self.world_size, None)
@@ -249,8 +248,6 @@ class StreamedPrompts:
         return self
 
     def __next__(self) -> dict:
-        import itertools
-
         global_batch = self.batch_size * self.world_size
         for _ in range(2):
             if self._rows is None:
