@@ -96,7 +96,7 @@ def _command_available(cmd: Command) -> bool:
 
 
 def _top_parser() -> argparse.ArgumentParser:
-    from posttrain.configs import CPU_LINEAR_ENV, MALLOC_ENV, TRACE_DECODE_ENV  # torch-free
+    from posttrain.configs import CONCURRENT_DECODE_ENV, CPU_LINEAR_ENV, MALLOC_ENV, TRACE_DECODE_ENV  # torch-free
 
     parser = argparse.ArgumentParser(
         prog="posttrain",
@@ -109,7 +109,9 @@ def _top_parser() -> argparse.ArgumentParser:
         "(auto, the default: bitwise the same tokens, faster on small models); "
         f"{MALLOC_ENV}=auto|off: on Linux with glibc, training keeps freed memory for reuse instead of "
         "returning it to the kernel (auto, the default, unless MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_, "
-        "MALLOC_TOP_PAD_, MALLOC_MMAP_MAX_ or glibc.malloc tunables in GLIBC_TUNABLES set malloc's thresholds).",
+        "MALLOC_TOP_PAD_, MALLOC_MMAP_MAX_ or glibc.malloc tunables in GLIBC_TUNABLES set malloc's thresholds); "
+        f"{CONCURRENT_DECODE_ENV}=auto|off: on CPU, XPO's policy and reference rollouts run side by side on two "
+        "threads (auto, the default).",
     )
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>")

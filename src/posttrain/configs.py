@@ -70,6 +70,16 @@ def malloc_mode() -> str:
     return _env_mode(MALLOC_ENV, MALLOC_MODES)
 
 
+CONCURRENT_DECODE_ENV = "POSTTRAIN_CONCURRENT_DECODE"
+CONCURRENT_DECODE_MODES = ("auto", "off")
+
+
+def concurrent_decode_mode() -> str:
+    """POSTTRAIN_CONCURRENT_DECODE, which XPO's rollouts read (`trainers.online.sample_with_reference`): `auto`
+    (unset or empty) or `off`."""
+    return _env_mode(CONCURRENT_DECODE_ENV, CONCURRENT_DECODE_MODES)
+
+
 @dataclass
 class TrainingConfig:
     """Fields every trainer shares: where to read and write, how to optimise, log and save."""
@@ -534,6 +544,7 @@ class TrainingConfig:
         cpu_linear_mode()  # read by train(); a bad value fails here, before any model loads
         trace_decode_mode()  # read by the decode loop; the same
         malloc_mode()  # read when training starts; the same
+        concurrent_decode_mode()  # read by XPO's rollouts; the same
         if self.bf16 is None:
             self.bf16 = False
         if self.report_to is None:

@@ -46,6 +46,7 @@ are kept apart.
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 import weakref
 from typing import Any
@@ -147,6 +148,9 @@ class _DecodeForward(nn.Module):
 # model -> (fingerprint, {(masked, cache_name, keep_kwargs, rows <= SMALL_ROWS, bf16 autocast, layers on packed
 # weights): traced step, or None where it is not used})
 _TRACES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, dict]] = weakref.WeakKeyDictionary()
+# Held while _TRACES is read or written and while a trace is made: two models decoding at once on two threads
+# (XPO's rollouts, runtime.side_by_side) never trace together (the warning filters a trace sets are global).
+_LOCK = threading.Lock()
 
 
 def _same(a: tuple, b: tuple) -> bool:
@@ -244,10 +248,11 @@ class TracedDecode:
         # which layer reads each of them (a trace feeds each input to the layer it was traced with)
         self.packed_layers = tuple(index for index, _ in inputs)
         fingerprint = _fingerprint(model)
-        entry = _TRACES.get(model)
-        if entry is None or entry[0] != fingerprint:
-            entry = (fingerprint, {})
-            _TRACES[model] = entry
+        with _LOCK:
+            entry = _TRACES.get(model)
+            if entry is None or entry[0] != fingerprint:
+                entry = (fingerprint, {})
+                _TRACES[model] = entry
         self.steps = entry[1]
 
     def __call__(
@@ -272,7 +277,9 @@ class TracedDecode:
         args = (input_ids, position_ids, *([mask] if mask is not None else []), *(t for pair in pairs for t in pair))
         args += self.packed
         if key not in self.steps:
-            self.steps[key] = _trace(self.model, key, args)
+            with _LOCK:
+                if key not in self.steps:
+                    self.steps[key] = _trace(self.model, key, args)
         step = self.steps[key]
         if step is None:
             return None

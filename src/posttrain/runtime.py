@@ -8,15 +8,19 @@
   counts as main), as transformers.Trainer sets it.
 - `reuse_freed_memory`: on Linux with glibc, when training starts, malloc keeps memory freed at the top of
   its heap for the next allocations instead of returning it to the kernel (POSTTRAIN_MALLOC).
+- `side_by_side`: two independent pieces of CPU work at once, on this thread and on one worker thread, with
+  torch's intra-op threads split between them (XPO's policy and reference rollouts).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import logging
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from posttrain import distributed as dist
 from posttrain.configs import malloc_mode
@@ -135,3 +139,47 @@ def reuse_freed_memory() -> bool:
             TRIM_THRESHOLD >> 20,
         )
     return _reusing
+
+
+A = TypeVar("A")
+B = TypeVar("B")
+_SIDE: concurrent.futures.ThreadPoolExecutor | None = None  # the worker of side_by_side, made on first use
+
+
+def _forget_side_worker() -> None:
+    global _SIDE
+    _SIDE = None  # a forked child has no copy of the worker thread: it makes its own if it needs one
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_side_worker)
+
+
+def side_by_side(main: Callable[[], A], side: Callable[[], B]) -> tuple[A, B]:
+    """(main(), side()), run at the same time: `side` on a worker thread with half of torch's intra-op
+    threads (rounded down, at least one), `main` on this thread with the rest; torch's thread count is
+    restored afterwards. For two jobs bound by per-operator overhead rather than arithmetic (a small model's
+    decode steps: one thread each does almost the work of two, so two such jobs take little longer than
+    one). The worker has finished when this returns or raises; an exception of either job is raised here,
+    main's first. Thread-local state (grad mode, autocast) is the worker's own: `side` sets what it needs.
+    Needs torch.get_num_threads() >= 2 to help; with one thread both jobs share it."""
+    import torch
+
+    global _SIDE
+    threads = torch.get_num_threads()
+    side_threads = max(threads // 2, 1)
+    if _SIDE is None:
+        _SIDE = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="posttrain-side")
+
+    def run_side() -> B:
+        torch.set_num_threads(side_threads)  # the worker thread's own OpenMP team (torch.set_num_threads)
+        return side()
+
+    future = _SIDE.submit(run_side)
+    torch.set_num_threads(max(threads - side_threads, 1))
+    try:
+        first = main()
+    finally:
+        concurrent.futures.wait([future])
+        torch.set_num_threads(threads)
+    return first, future.result()

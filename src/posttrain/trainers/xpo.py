@@ -5,7 +5,8 @@ Per rollout batch of P prompts:
   1. sample one completion per prompt from the policy and one from the reference (the reference
      model, or the PEFT policy with its adapter truly disabled — TRL sampled the "reference" with
      `get_base_model()`, which keeps LoRA active, peft#430); pair i = rows (2i: policy,
-     2i+1: reference);
+     2i+1: reference). The reference draws from a stream forked from the run's at each step, and
+     on CPU the two rollouts run side by side on two threads (online.sample_with_reference);
   2. rank each pair with the reward model / reward functions (policy chosen on ties, as TRL) or a
      pairwise judge (-1: the pair leaves the loss, counted in `judge/failures`); the missing-EOS
      penalty looks at the completion only (TRL searched prompt + completion, TRL#6805);
@@ -43,9 +44,8 @@ from posttrain.trainers import online
 from posttrain.trainers.online import (
     as_list,
     default_config,
-    reference_policy,
     row_texts,
-    sample,
+    sample_with_reference,
 )
 from posttrain.trainers.pairs import (
     PairTrainer,
@@ -127,9 +127,9 @@ class XPOTrainer(PairTrainer):
 
                 # 1. one completion from the policy, one from the reference; pair i = rows (2i, 2i+1)
                 prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
-                policy_rollout = sample(run, self.wrapped, prompt_ids, prompt_mask)
-                with reference_policy(self.wrapped, self.ref_model, run.accelerator) as ref:
-                    ref_rollout = sample(run, ref, prompt_ids, prompt_mask)
+                policy_rollout, ref_rollout = sample_with_reference(
+                    run, self.wrapped, self.ref_model, prompt_ids, prompt_mask
+                )
                 rollout = interleave_pairs(policy_rollout, ref_rollout)
 
                 # 2. rank: is the policy's completion the chosen one?
