@@ -257,8 +257,8 @@ def onednn_faster(out_features: int, in_features: int, bias: bool) -> Decision:
     packing: `pack_calls` is the packing's time over what each small call then saves, where the packed
     call is faster than the small calls' kernel at all. No FASTER margin there: these timings find the weight
     in cache, and inside a decode step it is not, where the packed call's lead is larger (the 14m LM head at 16
-    rows: 0.64 ms packed against 1.27 ms on torch's path inside a rollout; warm, 0.34–0.53 against 0.47–0.67
-    ms). With the margin, warm noise left that head unpacked in about one process in four
+    rows, under torch.profiler: 0.64 ms packed against 1.27 ms on torch's path inside rollouts; warm, 0.34–0.53
+    against 0.47–0.67 ms). With the margin, warm noise left that head unpacked in 2 of 5 fresh processes
     (benchmarks/README.md, "The LM head's packing decision")."""
     key = (out_features, in_features, bias, torch.get_num_threads())
     if key not in _DECISIONS:
