@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> None:
             subprocess.check_call(build, env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "2"})
         args.art, args.steps = tiny, 1
         env_extra = {"PROBE_AUDIT": str(BATCH * VOCAB)}
-    out_root = args.out or args.art / ("runs-audit" if args.audit else "runs-scale")
+    # absolute: each run starts in its own folder under it (its /usr/bin/time report is written there)
+    out_root = (args.out or args.art / ("runs-audit" if args.audit else "runs-scale")).resolve()
     out_root.mkdir(parents=True, exist_ok=True)
     results_path = out_root / "scale.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
