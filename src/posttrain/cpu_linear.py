@@ -65,7 +65,7 @@ PACK_ROWS = CALIBRATION_ROWS[0]
 # up to this many elements: timing the whole one would cost seconds, and both kernels' time per output
 # column is flat at these widths (a 16,384-column slice of Qwen2.5-0.5B's LM head gave the same ratio as
 # the whole head, 2.2–2.7×, at 4, 16 and 80 rows, on a 2-core EPYC; benchmarks/README.md, "oneDNN linear
-# layers"). On a 2-core Xeon the slice, in cache, understated oneDNN's lead: `onednn_faster` asks no margin there.
+# layers"); on a 2-core Xeon the slice understated oneDNN's lead (`onednn_faster`).
 MAX_CALIBRATED_ELEMENTS = 1 << 24
 # The bf16 decision (`bf16_pack_calls`) times a pass over a model's first layers up to this many bytes of
 # bf16 weights: 512 MiB, more than this Xeon's 300 MiB L3, and a transient 1 GiB for its two copies.
@@ -255,12 +255,9 @@ def onednn_faster(out_features: int, in_features: int, bias: bool) -> Decision:
     MAX_CALIBRATED_ELEMENTS weights), at 16 rows for calls of ≤ SMALL_ROWS rows and at 256 for larger
     ones (once per shape and thread count per process); each field is True when oneDNN takes ≤ FASTER
     of the default path's time at that size, or takes less time at all where only the weight's first outputs
-    were timed: a timed prefix sits in cache and the whole weight does not, and out of cache oneDNN's lead is
-    larger (Qwen2.5-0.5B's LM head, 151,936 × 896, on a 2-core Xeon: oneDNN took 0.69–0.83 of the default's
-    time on the prefix at 16 rows, 0.59–0.64 on the whole head; at 256 rows 0.91 against 0.80). With the
-    margin, that head's small calls stayed on the default path in some processes, whose GRPO steps took
-    7.3–8.8 s against 5.8–6.3 (benchmarks/README.md, "The 0.5B LM head's kernel decision"). At 16 rows
-    it also times oneDNN on a packed weight and the
+    were timed: that prefix sits in cache and the whole weight does not, and out of cache oneDNN's lead is
+    larger (Qwen2.5-0.5B's LM head: 0.59–0.64 of the default's time whole against 0.69–0.83 on the prefix;
+    docs/internals.md, "cpu_linear.py"). At 16 rows it also times oneDNN on a packed weight and the
     packing: `pack_calls` is the packing's time over what each small call then saves, where the packed
     call is faster than the small calls' kernel at all. No FASTER margin there: these timings find the weight
     in cache, and inside a decode step it is not, where the packed call's lead is larger (the 14m LM head at 16
@@ -270,9 +267,7 @@ def onednn_faster(out_features: int, in_features: int, bias: bool) -> Decision:
     key = (out_features, in_features, bias, torch.get_num_threads())
     if key not in _DECISIONS:
         timed_out = min(out_features, max(1, MAX_CALIBRATED_ELEMENTS // in_features))
-        # A prefix of a larger weight sits in cache while it is timed; the whole weight never does, and
-        # out of cache oneDNN's lead is larger, so there any lead counts.
-        prefix = timed_out < out_features
+        prefix = timed_out < out_features  # timed on its first outputs: any lead counts (see above)
         faster, pack_calls = [], math.inf
         with torch.no_grad():
             w = torch.randn(timed_out, in_features)
