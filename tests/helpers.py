@@ -616,3 +616,33 @@ def checkpoint_steps(out: Path, complete_only: bool = False) -> list[int]:
     folders = Path(out).glob("checkpoint-*")
     done = [p for p in folders if not complete_only or (p / "checkpoint_complete.json").exists()]
     return sorted(int(p.name.split("-")[1]) for p in done)
+
+
+def make_rollout(
+    prompts: list[list[int]], completions: list[list[int]], T: int, pad: int, ended: list[bool] | None = None
+) -> Rollout:
+    """A Rollout of the given token ids: prompts left-padded, completions right-padded to T with `pad`;
+    `ended` defaults to "shorter than T"."""
+    from posttrain.ops import lengths_to_mask
+
+    P = max(map(len, prompts))
+    prompt_ids = torch.full((len(prompts), P), pad)
+    prompt_mask = torch.zeros(len(prompts), P, dtype=torch.bool)
+    completion_ids = torch.full((len(prompts), T), pad)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        prompt_ids[i, P - len(p) :] = torch.tensor(p)
+        prompt_mask[i, P - len(p) :] = True
+        if c:
+            completion_ids[i, : len(c)] = torch.tensor(c)
+    lengths = torch.tensor([len(c) for c in completions])
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=lengths_to_mask(lengths, T),
+        completion_lengths=lengths,
+        ended=torch.tensor(ended) if ended is not None else lengths < T,
+        logprobs=None,
+        entropy=None,
+        pad_token_id=pad,
+    )

@@ -470,6 +470,34 @@ def test_shared_prefill_runs_each_prompt_once_and_compaction_shrinks_the_batch()
     assert len(compact_sizes) == len(legacy_sizes) == shared.completion_ids.size(1)
 
 
+def test_repeated_prompt_rows_are_prefilled_once():
+    # RLOO's and GRPO's layout: k = 3 copies of each prompt as blocks of rows, pad id 9 (a real token
+    # elsewhere); the copies share one prefill, and every row samples what a prefill per row gives.
+    model = tiny_llama()
+    sizes = record_batch_sizes(model)
+    ids, mask = left_pad([[5, 6, 7, 8, 9], [11, 12], [20, 21, 22]] * 3, pad=9)
+    cfg = SamplingConfig(max_new_tokens=12, stop_token_ids=(2, 3, 5, 7))
+
+    def run(**options):
+        sizes.clear()
+        g = torch.Generator().manual_seed(5)
+        return generate(model, ids, mask, cfg, pad_token_id=0, generator=g, compact=False, **options), list(sizes)
+
+    (each, each_sizes), (shared, shared_sizes) = run(share_prefill=False), run()
+    assert each_sizes[0] == 9 and shared_sizes[0] == 3  # 3 distinct prompts prefilled, then 9 rows decode
+    assert shared_sizes[1:] == each_sizes[1:] == [9] * (len(each_sizes) - 1)
+    assert torch.equal(shared.completion_ids, each.completion_ids)
+    torch.testing.assert_close(shared.logprobs, each.logprobs, atol=1e-5, rtol=1e-5)
+    # The rollout reports each row's own prompt, padding ids included.
+    assert torch.equal(shared.prompt_ids, ids) and torch.equal(shared.prompt_mask, mask)
+    # In chunks of 4 rows each chunk shares what it holds: (p0, p1, p2, p0) -> 3 prefills, (p1, p2, p0, p1)
+    # -> 3, (p2) -> 1; the tokens are still those of a prefill per row.
+    (each, _), (chunked, chunked_sizes) = run(share_prefill=False, batch_size=4), run(batch_size=4)
+    not_four = [n for n in chunked_sizes if n != 4]  # the prefills of 3, then the last chunk's single row
+    assert chunked_sizes[0] == 3 and not_four[:2] == [3, 3] and set(not_four[2:]) == {1}
+    assert torch.equal(chunked.completion_ids, each.completion_ids) and torch.equal(chunked.prompt_ids, ids)
+
+
 def test_unindexable_cache_falls_back_to_one_prefill_per_row():
     ids, mask = left_pad([[1, 2], [3]], pad=0)
     cfg = SamplingConfig(max_new_tokens=6, stop_token_ids=(4,))

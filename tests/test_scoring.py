@@ -11,8 +11,7 @@ import torch
 from torch import nn
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from posttrain.ops import lengths_to_mask
-from posttrain.rollout import Rollout
+from helpers import make_rollout
 from posttrain.scoring import (
     apply_missing_eos_penalty,
     batched_completion_logprobs,
@@ -40,32 +39,6 @@ class ScoreModel(nn.Module):
         self.backbone = PositionalBackbone()
         self.score = nn.Identity()
         self.anchor = nn.Parameter(torch.zeros(1))
-
-
-def make_rollout(
-    prompts: list[list[int]], completions: list[list[int]], T: int, pad: int, ended: list[bool]
-) -> Rollout:
-    P = max(map(len, prompts))
-    prompt_ids = torch.full((len(prompts), P), pad)
-    prompt_mask = torch.zeros(len(prompts), P, dtype=torch.bool)
-    completion_ids = torch.full((len(prompts), T), pad)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        prompt_ids[i, P - len(p) :] = torch.tensor(p)
-        prompt_mask[i, P - len(p) :] = True
-        if c:
-            completion_ids[i, : len(c)] = torch.tensor(c)
-    lengths = torch.tensor([len(c) for c in completions])
-    return Rollout(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        completion_ids=completion_ids,
-        completion_mask=lengths_to_mask(lengths, T),
-        completion_lengths=lengths,
-        ended=torch.tensor(ended),
-        logprobs=None,
-        entropy=None,
-        pad_token_id=pad,
-    )
 
 
 EOS = 50

@@ -80,6 +80,16 @@ def concurrent_decode_mode() -> str:
     return _env_mode(CONCURRENT_DECODE_ENV, CONCURRENT_DECODE_MODES)
 
 
+SHARED_PROMPTS_ENV = "POSTTRAIN_SHARED_PROMPTS"
+SHARED_PROMPTS_MODES = ("auto", "off")
+
+
+def shared_prompts_mode() -> str:
+    """POSTTRAIN_SHARED_PROMPTS, which `posttrain.scoring`'s forwards over a rollout read: `auto` (unset or
+    empty: completions of the same prompt share one pass over it where that costs fewer operations) or `off`."""
+    return _env_mode(SHARED_PROMPTS_ENV, SHARED_PROMPTS_MODES)
+
+
 @dataclass
 class TrainingConfig:
     """Fields every trainer shares: where to read and write, how to optimise, log and save."""

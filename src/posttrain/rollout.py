@@ -421,6 +421,21 @@ def _select_cache_rows(past: Any, index: torch.Tensor) -> Any:
     return None
 
 
+def _distinct_prompts(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(distinct prompts (U, P), their mask, row_prompt (B,)) of left-padded rows that repeat prompts, as
+    RLOO's and GRPO's k copies of each prompt do; (prompts, mask, None) when no two rows are the same."""
+    key = prompt_ids.masked_fill(~prompt_mask, -1)
+    distinct, row_prompt = torch.unique(key, dim=0, return_inverse=True)
+    B, U = key.size(0), distinct.size(0)
+    if U == B:
+        return prompt_ids, prompt_mask, None
+    rows = torch.arange(B, device=key.device)
+    first = torch.full((U,), B, dtype=torch.long, device=key.device).scatter_reduce(0, row_prompt, rows, "amin")
+    return prompt_ids[first], prompt_mask[first], row_prompt
+
+
 def _default_generator(device: torch.device) -> torch.Generator | None:
     """The generator torch.rand uses on `device` when given none (CPU and CUDA; None elsewhere)."""
     if device.type == "cpu":
@@ -719,7 +734,8 @@ def generate(
     Engine options (none changes which tokens a generator state samples, except that compiled
     kernels round differently; benchmarks/README.md "Decode engine" has the measurements):
     - share_prefill: the num_samples completions of a prompt share one prompt prefill (its KV cache
-      rows are repeated) instead of prefilling the prompt num_samples times.
+      rows are repeated) instead of prefilling the prompt num_samples times; so do rows that repeat a
+      prompt themselves (RLOO's and GRPO's k copies of each prompt, within a chunk of `batch_size` rows).
     - compact: once at least half the rows of the batch have stopped, they are dropped from the
       batch (KV cache, mask, positions) and decoding continues on the live rows. Each step still
       draws one uniform per original row, so the live rows' random numbers are unchanged.
@@ -811,14 +827,16 @@ def generate(
         for s in range(0, n, step):
             e = min(s + step, n)
             first, last = s // k, (e - 1) // k + 1  # the prompts of rows s .. e-1
-            row_prompt = None
+            chunk_ids, chunk_mask, row_prompt = prompt_ids[first:last], prompt_mask[first:last], None
             if last - first != e - s:
                 row_prompt = torch.arange(s, e, device=device) // k - first
+            elif k == 1 and share_prefill and not static:
+                chunk_ids, chunk_mask, row_prompt = _distinct_prompts(chunk_ids, chunk_mask)
             chunks.append(
                 _generate_chunk(
                     model,
-                    prompt_ids[first:last],
-                    prompt_mask[first:last],
+                    chunk_ids,
+                    chunk_mask,
                     row_prompt,
                     sampling,
                     pad_token_id,

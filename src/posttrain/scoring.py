@@ -83,6 +83,146 @@ def _trimmed_inputs(rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch
     return ids.masked_fill(~mask, 0), mask, position_ids_from_mask(mask), P - start, end - P
 
 
+# ---------------------------------------------------------------------------------------------
+# completions of one prompt share one pass over it
+# ---------------------------------------------------------------------------------------------
+# Estimated operations of the packed forward, as a fraction of the row-per-completion forward, at or
+# under which the packed one runs (benchmarks/README.md, "Completions of one prompt in one row").
+SHARED_PROMPT_MAX_COST = 0.85
+# Per model: (parameters outside the embeddings, layers, hidden size, vocabulary), or None.
+_MODEL_SHAPE: weakref.WeakKeyDictionary[nn.Module, tuple[int, int, int, int] | None] = weakref.WeakKeyDictionary()
+
+
+def _model_shape(bare: nn.Module) -> tuple[int, int, int, int] | None:
+    if bare in _MODEL_SHAPE:
+        return _MODEL_SHAPE[bare]
+    shape = None
+    config = getattr(bare, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers, hidden = getattr(text, "num_hidden_layers", None), getattr(text, "hidden_size", None)
+    if isinstance(layers, int) and isinstance(hidden, int) and layers > 0 and hidden > 0:
+        embeddings = set()
+        for get in ("get_input_embeddings", "get_output_embeddings"):
+            try:
+                module = getattr(bare, get)() if hasattr(bare, get) else None
+            except (AttributeError, NotImplementedError):
+                module = None
+            if isinstance(module, nn.Module):
+                embeddings.update(id(p) for p in module.parameters())
+        numel = lambda p: int(getattr(p, "ds_numel", 0) or p.numel())  # noqa: E731 (ZeRO-3 keeps an empty tensor)
+        body = sum(numel(p) for p in bare.parameters() if id(p) not in embeddings)
+        vocab = int(getattr(text, "vocab_size", 0) or 0)
+        shape = (body, layers, hidden, vocab) if body > 0 else None
+    _MODEL_SHAPE[bare] = shape
+    return shape
+
+
+class SharedPrompts:
+    """A rollout's rows laid out with the completions of one prompt in one row: [prompt | c_0 | c_1 | …].
+
+    Rows whose prompt (ids and padding) is the same form a group; a group's row holds the prompt's P'
+    columns once, then one segment of T' columns per member completion, so the model runs over the
+    prompt once instead of once per completion (k completions per prompt: RLOO, GRPO, Online DPO). A
+    (groups, 1, L, L) bool mask lets each completion attend to the prompt's real tokens and causally to
+    its own segment only, and each segment's position ids continue from the prompt's, so every real
+    token sees exactly the keys, values and positions of its own row-per-completion forward (the values
+    agree within float32 rounding: the matrix multiplies see other row counts). Padding queries attend
+    to themselves only, so no softmax row is empty.
+
+    ids / mask / positions: the packed (G, L) inputs and the (G, 1, L, L) mask; `group` (B,) the packed
+    row of each rollout row; `index` (B, T') the packed column whose last hidden state predicts each
+    completion token (the prompt's last column for token 0).
+    """
+
+    def __init__(
+        self, ids: torch.Tensor, mask: torch.Tensor, P: int, Tc: int, group: torch.Tensor, member: torch.Tensor
+    ):
+        G, k = int(group.max()) + 1, int(member.max()) + 1
+        device = ids.device
+        first = torch.full((G,), ids.size(0), dtype=torch.long, device=device).scatter_reduce(
+            0, group, torch.arange(ids.size(0), device=device), "amin"
+        )
+        prompt_ids, prompt_mask = ids[first, :P], mask[first, :P]
+        segments = ids.new_zeros(G, k, Tc)
+        segments[group, member] = ids[:, P : P + Tc]
+        segment_mask = mask.new_zeros(G, k, Tc)
+        segment_mask[group, member] = mask[:, P : P + Tc]
+        self.ids = torch.cat([prompt_ids, segments.view(G, k * Tc)], 1)
+        keys = torch.cat([prompt_mask, segment_mask.view(G, k * Tc)], 1)
+        length = P + k * Tc
+        self.positions = torch.cat(
+            [
+                position_ids_from_mask(prompt_mask),
+                (prompt_mask.sum(-1, keepdim=True) + torch.arange(Tc, device=device)).repeat(1, k),
+            ],
+            1,
+        )
+        segment = torch.cat([torch.full((P,), -1, device=device), torch.arange(k, device=device).repeat_interleave(Tc)])
+        column = torch.arange(length, device=device)
+        allowed = (column[None, :] <= column[:, None]) & (
+            (segment[None, :] == -1) | (segment[None, :] == segment[:, None])
+        )
+        real = allowed[None] & keys[:, None, :] & keys[:, :, None]
+        self.mask = (real | torch.eye(length, dtype=torch.bool, device=device))[:, None]
+        self.group, self.member, self.P, self.Tc = group, member, P, Tc
+        steps = torch.arange(Tc - 1, device=device)
+        self.index = torch.cat(
+            [torch.full((len(group), 1), P - 1, device=device), P + member[:, None] * Tc + steps[None, :]], 1
+        )
+
+    def states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, T', H) of the packed (G, L, H) last hidden states: those that predict each completion token."""
+        return hidden[self.group[:, None], self.index]
+
+    def last(self, lengths: torch.Tensor) -> torch.Tensor:
+        """(B,) packed column of each row's last real token (its prompt's last for an empty completion)."""
+        return torch.where(lengths > 0, self.P + self.member * self.Tc + lengths - 1, self.P - 1)
+
+
+def share_prompts(
+    model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, P: int, Tc: int, *, lm_head: bool
+) -> SharedPrompts | None:
+    """The packed layout of `_trimmed_inputs`' (ids, mask, P', T') when it pays, else None.
+
+    It pays when rows share prompts and the estimated multiply-adds of the packed forward, body
+    (parameters outside the embeddings, per token) plus attention (2 · layers · hidden per query and
+    key: a dense mask attends over the whole packed row) plus the LM head on the completion positions
+    (`lm_head`, the same either way), are at most SHARED_PROMPT_MAX_COST of the row-per-completion
+    forward's: long prompts with short completions (the TL;DR setting: 1.7× fewer seconds at 70m, k = 2).
+    Long completions make the packed row's attention grow as (P' + k·T')² and keep the usual layout.
+    Only for models whose own mask is plain causal + padding and runs through SDPA
+    (`compat.takes_prepared_decode_mask`, which also passes 4-D masks through unchanged); never
+    inside torch.compile (`torch_compile=True`) or with POSTTRAIN_SHARED_PROMPTS=off.
+    """
+    from posttrain.compat import takes_prepared_decode_mask
+    from posttrain.configs import shared_prompts_mode
+
+    B = ids.size(0)
+    if B < 2 or Tc < 1 or shared_prompts_mode() == "off" or torch.compiler.is_compiling():
+        return None  # (under torch.compile: a data-dependent layout would break the graph at every call)
+    bare = bare_module(model)
+    shape = _model_shape(bare)
+    if shape is None:
+        return None
+    key = ids[:, :P].masked_fill(~mask[:, :P], -1)
+    _, group, counts = torch.unique(key, dim=0, return_inverse=True, return_counts=True)
+    G, k = counts.numel(), int(counts.max())
+    if G == B:
+        return None
+    body, layers, hidden, vocab = shape
+    attention = 2 * layers * hidden
+    head = B * Tc * hidden * vocab if lm_head else 0
+    usual = B * (P + Tc) * body + attention * B * (P + Tc) ** 2 + head
+    packed = G * (P + k * Tc) * body + attention * G * (P + k * Tc) ** 2 + head
+    if packed > SHARED_PROMPT_MAX_COST * usual or not takes_prepared_decode_mask(bare, P + k * Tc):
+        return None
+    order = torch.argsort(group, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    member = torch.empty_like(group)
+    member[order] = torch.arange(B, device=ids.device) - starts[group[order]]
+    return SharedPrompts(ids, mask, P, Tc, group, member)
+
+
 class CompletionForward:
     """One forward of a causal LM over a rollout, cut to the completion columns.
 
@@ -240,7 +380,9 @@ def completion_forward(
     later, block by block (`forward_logprobs`), so the float32 (B, T', V) logits and their gradient
     never exist. Otherwise, or with full_logits: the model's own logits of the completion positions
     (an index tensor `logits_to_keep`: the LM head never runs on prompt positions), at most 64 MiB of
-    float32 (one block) without full_logits, with no recompute in backward."""
+    float32 (one block) without full_logits, with no recompute in backward. Completions that share a
+    prompt (k per prompt: RLOO, GRPO, Online DPO) run as one row per prompt where `share_prompts` finds
+    that it pays; the result has the same (B, T') layout either way."""
     if is_encoder_decoder(model):
         return seq2seq_completion_forward(model, rollout, output_hidden_states=output_hidden_states)
     rollout = rollout.to(_device(model))
@@ -251,15 +393,21 @@ def completion_forward(
     if router_aux:
         kwargs["output_router_logits"] = True
     takes_keep = accepts_logits_to_keep(model)
-    found = lm_head(model) if takes_keep and not full_logits and _HEAD_MATCHES.get(bare_module(model), True) else None
-    if found is not None and ids.size(0) * Tc > head_chunk_rows(found[1], chunk_tokens):
+    found = lm_head(model) if takes_keep and _HEAD_MATCHES.get(bare_module(model), True) else None
+    shared = share_prompts(model, ids, mask, P, Tc, lm_head=True) if found and not router_aux else None
+    chunked = found is not None and not full_logits and ids.size(0) * Tc > head_chunk_rows(found[1], chunk_tokens)
+    if shared is not None or chunked:
         head, vocab = found
+        if shared is not None:  # one row per prompt (`share_prompts`)
+            kwargs.update(input_ids=shared.ids, attention_mask=shared.mask, position_ids=shared.positions)
         out = model(**kwargs, output_hidden_states=True, logits_to_keep=1)
         last = out.hidden_states[-1]
         if _head_matches(model, head, out.logits[:, -1], last[:, -1]):
-            states = last[:, P - 1 : P - 1 + Tc]
-            keep = out.logits.sum() * 0.0 if torch.is_grad_enabled() else None
+            states = shared.states(last) if shared is not None else last[:, P - 1 : P - 1 + Tc]
             hidden = states if output_hidden_states else None
+            if not chunked:  # one row per prompt, and the completion positions' logits fit one block
+                return CompletionForward(head(states), hidden, targets, completion_mask, T)
+            keep = out.logits.sum() * 0.0 if torch.is_grad_enabled() else None
             result = CompletionForward(
                 None,
                 hidden,
@@ -274,7 +422,8 @@ def completion_forward(
             )
             result.aux_loss = _router_aux_loss(out, router_aux)
             return result
-        del out, last  # the head does not reproduce this model's logits: the full path below
+        del out, last  # the head does not reproduce this model's logits: one row per completion, full logits
+        kwargs.update(input_ids=ids, attention_mask=mask, position_ids=positions)
     if output_hidden_states:
         kwargs["output_hidden_states"] = True
     if takes_keep:
@@ -624,8 +773,14 @@ def reward_model_scores(
     scores = []
     for s in range(0, len(rollout), batch_size):
         chunk = rollout.select(slice(s, s + batch_size)).to(device)
-        ids, mask, _, P, _ = _trimmed_inputs(chunk)
-        scores.append(last_token_scores(reward_model, ids, mask, P + chunk.completion_lengths - 1))
+        ids, mask, _, P, Tc = _trimmed_inputs(chunk)
+        shared = share_prompts(reward_model, ids, mask, P, Tc, lm_head=False)
+        if shared is None:
+            scores.append(last_token_scores(reward_model, ids, mask, P + chunk.completion_lengths - 1))
+            continue
+        hidden = _backbone_hidden(reward_model, shared.ids, shared.mask, shared.positions)
+        picked = hidden[shared.group, shared.last(chunk.completion_lengths)]
+        scores.append(_score(reward_model, picked[:, None], first_label=True).squeeze(-1))
     return torch.cat(scores)
 
 
