@@ -12,6 +12,8 @@
 #     PT_PYTHON    interpreter with posttrain's dependencies (default: .venv/bin/python of the repository);
 #                  posttrain itself is imported from this checkout's src/ (PYTHONPATH)
 #     LOCK         a file to flock around each TRL + posttrain pair (default: $BENCH_LOCK, or none)
+#     ART          the artifacts both libraries read (default: the bench's); benchmarks/build_long_prompts.py
+#                  makes a copy with TL;DR-shaped prompts (~400 tokens) for the same rows
 #     OUT          result folder (default: benchmarks/results/compare-<UTC date-time>): raw.txt (one line per
 #                  pair: repeat, then compare.sh's line), table.md
 #

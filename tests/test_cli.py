@@ -55,6 +55,7 @@ def test_help_lists_every_command():
     flat = " ".join(out.split())  # argparse wraps the epilog
     assert "POSTTRAIN_CPU_LINEAR=auto|onednn|off" in flat and "POSTTRAIN_TRACE_DECODE=auto|off" in flat
     assert "POSTTRAIN_MALLOC=auto|off" in flat and "POSTTRAIN_CONCURRENT_DECODE=auto|off" in flat
+    assert "POSTTRAIN_SHARED_PROMPTS=auto|off" in flat
 
 
 def test_version():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from helpers import make_rollout
+from posttrain import scoring
 from posttrain.scoring import (
     SharedPrompts,
     _trimmed_inputs,
@@ -142,9 +143,15 @@ def test_one_row_per_completion_where_packing_does_not_pay(models, tiny_tokenize
     r = _long_prompt_rollout(V, "pairs").select([0, 3, 5])
     ids, mask, _, P, Tc = _trimmed_inputs(r)
     assert share_prompts(policy, ids, mask, P, Tc, lm_head=True) is None
-    # Switched off.
+    # The packed mask over its element budget: 3 groups of rows of 24 + 3 · 5 = 39 columns hold 3 · 39² elements.
     r = _long_prompt_rollout(V, "pairs")
     ids, mask, _, P, Tc = _trimmed_inputs(r)
+    monkeypatch.setattr(scoring, "SHARED_PROMPT_MAX_MASK", 3 * 39**2)
+    assert share_prompts(policy, ids, mask, P, Tc, lm_head=True) is not None
+    monkeypatch.setattr(scoring, "SHARED_PROMPT_MAX_MASK", 3 * 39**2 - 1)
+    assert share_prompts(policy, ids, mask, P, Tc, lm_head=True) is None
+    monkeypatch.undo()
+    # Switched off.
     monkeypatch.setenv("POSTTRAIN_SHARED_PROMPTS", "off")
     assert share_prompts(policy, ids, mask, P, Tc, lm_head=True) is None
     monkeypatch.setenv("POSTTRAIN_SHARED_PROMPTS", "sometimes")
@@ -162,3 +169,12 @@ def test_one_row_per_completion_where_packing_does_not_pay(models, tiny_tokenize
     lp = completion_logprobs(eager, r)[0]
     monkeypatch.setenv("POSTTRAIN_SHARED_PROMPTS", "off")
     torch.testing.assert_close(lp, completion_logprobs(eager, r)[0])
+
+
+def test_a_bad_mode_stops_the_run_when_its_config_is_built(tmp_path, monkeypatch):
+    from helpers import rloo_config
+    from posttrain.configs import ConfigError
+
+    monkeypatch.setenv("POSTTRAIN_SHARED_PROMPTS", "sometimes")
+    with pytest.raises(ConfigError, match="POSTTRAIN_SHARED_PROMPTS='sometimes': expected one of auto, off"):
+        rloo_config(tmp_path)

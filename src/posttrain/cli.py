@@ -96,7 +96,13 @@ def _command_available(cmd: Command) -> bool:
 
 
 def _top_parser() -> argparse.ArgumentParser:
-    from posttrain.configs import CONCURRENT_DECODE_ENV, CPU_LINEAR_ENV, MALLOC_ENV, TRACE_DECODE_ENV  # torch-free
+    from posttrain.configs import (  # torch-free
+        CONCURRENT_DECODE_ENV,
+        CPU_LINEAR_ENV,
+        MALLOC_ENV,
+        SHARED_PROMPTS_ENV,
+        TRACE_DECODE_ENV,
+    )
 
     parser = argparse.ArgumentParser(
         prog="posttrain",
@@ -111,7 +117,9 @@ def _top_parser() -> argparse.ArgumentParser:
         "returning it to the kernel (auto, the default, unless MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_, "
         "MALLOC_TOP_PAD_, MALLOC_MMAP_MAX_ or glibc.malloc tunables in GLIBC_TUNABLES set malloc's thresholds); "
         f"{CONCURRENT_DECODE_ENV}=auto|off: on CPU, XPO's policy and reference rollouts run side by side on two "
-        "threads (auto, the default).",
+        "threads (auto, the default); "
+        f"{SHARED_PROMPTS_ENV}=auto|off: the completions of one prompt share one forward pass over it where "
+        "that costs fewer operations (auto, the default: long prompts, short completions).",
     )
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>")

@@ -555,6 +555,7 @@ class TrainingConfig:
         trace_decode_mode()  # read by the decode loop; the same
         malloc_mode()  # read when training starts; the same
         concurrent_decode_mode()  # read by XPO's rollouts; the same
+        shared_prompts_mode()  # read by the forwards over a rollout; the same
         if self.bf16 is None:
             self.bf16 = False
         if self.report_to is None:

@@ -89,6 +89,9 @@ def _trimmed_inputs(rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch
 # Estimated operations of the packed forward, as a fraction of the row-per-completion forward, at or
 # under which the packed one runs (benchmarks/README.md, "Completions of one prompt in one row").
 SHARED_PROMPT_MAX_COST = 0.85
+# The packed rows' (groups, 1, L, L) mask stays at or under this many elements (16 MiB of bool; SDPA may
+# expand it to a float bias of 4× that); a larger forward keeps one row per completion.
+SHARED_PROMPT_MAX_MASK = 1 << 24
 # Per model: (parameters outside the embeddings, layers, hidden size, vocabulary), or None.
 _MODEL_SHAPE: weakref.WeakKeyDictionary[nn.Module, tuple[int, int, int, int] | None] = weakref.WeakKeyDictionary()
 
@@ -189,7 +192,9 @@ def share_prompts(
     key: a dense mask attends over the whole packed row) plus the LM head on the completion positions
     (`lm_head`, the same either way), are at most SHARED_PROMPT_MAX_COST of the row-per-completion
     forward's: long prompts with short completions (the TL;DR setting: 1.7× fewer seconds at 70m, k = 2).
-    Long completions make the packed row's attention grow as (P' + k·T')² and keep the usual layout.
+    Long completions make the packed row's attention grow as (P' + k·T')² and keep the usual layout, as
+    does a forward whose packed mask would exceed SHARED_PROMPT_MAX_MASK elements (fewer rows per
+    forward, `local_rollout_forward_batch_size`, bring it back under).
     Only for models whose own mask is plain causal + padding and runs through SDPA
     (`compat.takes_prepared_decode_mask`, which also passes 4-D masks through unchanged); never
     inside torch.compile (`torch_compile=True`) or with POSTTRAIN_SHARED_PROMPTS=off.
@@ -214,7 +219,9 @@ def share_prompts(
     head = B * Tc * hidden * vocab if lm_head else 0
     usual = B * (P + Tc) * body + attention * B * (P + Tc) ** 2 + head
     packed = G * (P + k * Tc) * body + attention * G * (P + k * Tc) ** 2 + head
-    if packed > SHARED_PROMPT_MAX_COST * usual or not takes_prepared_decode_mask(bare, P + k * Tc):
+    if packed > SHARED_PROMPT_MAX_COST * usual or G * (P + k * Tc) ** 2 > SHARED_PROMPT_MAX_MASK:
+        return None
+    if not takes_prepared_decode_mask(bare, P + k * Tc):
         return None
     order = torch.argsort(group, stable=True)
     starts = torch.cumsum(counts, 0) - counts
