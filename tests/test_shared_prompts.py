@@ -28,7 +28,7 @@ def test_layout_by_hand():
     assert (P, Tc) == (2, 2)
     group = torch.tensor([0, 1, 0])
     member = torch.tensor([0, 0, 1])
-    s = SharedPrompts(ids, mask, P, Tc, group, member)
+    s = SharedPrompts(ids, mask, P, Tc, torch.tensor([0, 1]), group, member)
     # [prompt | member 0 | member 1]; padding (ids 0 after _trimmed_inputs) where a segment is unused.
     assert s.ids.tolist() == [[7, 8, 11, 12, 14, 0], [0, 9, 13, 0, 0, 0]]
     # Prompt positions from its mask; each segment continues from the prompt's real length.

@@ -421,18 +421,26 @@ def _select_cache_rows(past: Any, index: torch.Tensor) -> Any:
     return None
 
 
+def prompt_groups(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows with the same prompt (ids and left padding) form a group: (first (U,) the first row of each
+    group, group (B,) each row's group, counts (U,) the rows per group), groups in `torch.unique`'s order."""
+    key = prompt_ids.masked_fill(~prompt_mask, -1)
+    _, group, counts = torch.unique(key, dim=0, return_inverse=True, return_counts=True)
+    rows = torch.arange(key.size(0), device=key.device)
+    first = torch.full_like(counts, key.size(0)).scatter_reduce(0, group, rows, "amin")
+    return first, group, counts
+
+
 def _distinct_prompts(
     prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(distinct prompts (U, P), their mask, row_prompt (B,)) of left-padded rows that repeat prompts, as
     RLOO's and GRPO's k copies of each prompt do; (prompts, mask, None) when no two rows are the same."""
-    key = prompt_ids.masked_fill(~prompt_mask, -1)
-    distinct, row_prompt = torch.unique(key, dim=0, return_inverse=True)
-    B, U = key.size(0), distinct.size(0)
-    if U == B:
+    first, row_prompt, _ = prompt_groups(prompt_ids, prompt_mask)
+    if first.numel() == prompt_ids.size(0):
         return prompt_ids, prompt_mask, None
-    rows = torch.arange(B, device=key.device)
-    first = torch.full((U,), B, dtype=torch.long, device=key.device).scatter_reduce(0, row_prompt, rows, "amin")
     return prompt_ids[first], prompt_mask[first], row_prompt
 
 

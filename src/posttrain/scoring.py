@@ -53,6 +53,7 @@ from posttrain.rollout import (
     decode_completions,
     decode_prompts,
     position_ids_from_mask,
+    prompt_groups,
 )
 
 logger = logging.getLogger(__name__)
@@ -112,8 +113,8 @@ def _model_shape(bare: nn.Module) -> tuple[int, int, int, int] | None:
                 module = None
             if isinstance(module, nn.Module):
                 embeddings.update(id(p) for p in module.parameters())
-        numel = lambda p: int(getattr(p, "ds_numel", 0) or p.numel())  # noqa: E731 (ZeRO-3 keeps an empty tensor)
-        body = sum(numel(p) for p in bare.parameters() if id(p) not in embeddings)
+        # ZeRO-3 leaves an empty tensor in place and keeps the parameter's size in ds_numel.
+        body = sum(int(getattr(p, "ds_numel", 0) or p.numel()) for p in bare.parameters() if id(p) not in embeddings)
         vocab = int(getattr(text, "vocab_size", 0) or 0)
         shape = (body, layers, hidden, vocab) if body > 0 else None
     _MODEL_SHAPE[bare] = shape
@@ -132,19 +133,24 @@ class SharedPrompts:
     agree within float32 rounding: the matrix multiplies see other row counts). Padding queries attend
     to themselves only, so no softmax row is empty.
 
-    ids / mask / positions: the packed (G, L) inputs and the (G, 1, L, L) mask; `group` (B,) the packed
-    row of each rollout row; `index` (B, T') the packed column whose last hidden state predicts each
-    completion token (the prompt's last column for token 0).
+    `first` (G,) a row of each group (`rollout.prompt_groups`), `group` (B,) each row's group, `member`
+    (B,) its segment. ids / mask / positions: the packed (G, L) inputs and the (G, 1, L, L) mask;
+    `index` (B, T') the packed column whose last hidden state predicts each completion token (the
+    prompt's last column for token 0).
     """
 
     def __init__(
-        self, ids: torch.Tensor, mask: torch.Tensor, P: int, Tc: int, group: torch.Tensor, member: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        P: int,
+        Tc: int,
+        first: torch.Tensor,
+        group: torch.Tensor,
+        member: torch.Tensor,
     ):
-        G, k = int(group.max()) + 1, int(member.max()) + 1
+        G, k = first.numel(), int(member.max()) + 1
         device = ids.device
-        first = torch.full((G,), ids.size(0), dtype=torch.long, device=device).scatter_reduce(
-            0, group, torch.arange(ids.size(0), device=device), "amin"
-        )
         prompt_ids, prompt_mask = ids[first, :P], mask[first, :P]
         segments = ids.new_zeros(G, k, Tc)
         segments[group, member] = ids[:, P : P + Tc]
@@ -209,8 +215,7 @@ def share_prompts(
     shape = _model_shape(bare)
     if shape is None:
         return None
-    key = ids[:, :P].masked_fill(~mask[:, :P], -1)
-    _, group, counts = torch.unique(key, dim=0, return_inverse=True, return_counts=True)
+    first, group, counts = prompt_groups(ids[:, :P], mask[:, :P])
     G, k = counts.numel(), int(counts.max())
     if G == B:
         return None
@@ -227,7 +232,7 @@ def share_prompts(
     starts = torch.cumsum(counts, 0) - counts
     member = torch.empty_like(group)
     member[order] = torch.arange(B, device=ids.device) - starts[group[order]]
-    return SharedPrompts(ids, mask, P, Tc, group, member)
+    return SharedPrompts(ids, mask, P, Tc, first, group, member)
 
 
 class CompletionForward:
