@@ -490,12 +490,18 @@ def test_repeated_prompt_rows_are_prefilled_once():
     torch.testing.assert_close(shared.logprobs, each.logprobs, atol=1e-5, rtol=1e-5)
     # The rollout reports each row's own prompt, padding ids included.
     assert torch.equal(shared.prompt_ids, ids) and torch.equal(shared.prompt_mask, mask)
-    # In chunks of 4 rows each chunk shares what it holds: (p0, p1, p2, p0) -> 3 prefills, (p1, p2, p0, p1)
-    # -> 3, (p2) -> 1; the tokens are still those of a prefill per row.
+    # In chunks of 4 rows the copies of a prompt are taken together: rows (0, 3, 6, 1 | 4, 7, 2, 5 | 8), that
+    # is (p0, p0, p0, p1) -> 2 prefills, (p1, p1, p2, p2) -> 2, (p2) -> 1 (the blocks as they are would need
+    # 3, 3 and 1); the tokens are still those of a prefill per row, and the rows come back in their order.
     (each, _), (chunked, chunked_sizes) = run(share_prefill=False, batch_size=4), run(batch_size=4)
-    not_four = [n for n in chunked_sizes if n != 4]  # the prefills of 3, then the last chunk's single row
-    assert chunked_sizes[0] == 3 and not_four[:2] == [3, 3] and set(not_four[2:]) == {1}
+    not_four = [n for n in chunked_sizes if n != 4]  # the prefills of 2, then the last chunk's single row
+    assert chunked_sizes[0] == 2 and not_four[:2] == [2, 2] and set(not_four[2:]) == {1}
     assert torch.equal(chunked.completion_ids, each.completion_ids) and torch.equal(chunked.prompt_ids, ids)
+    order = torch.tensor([0, 3, 6, 1, 4, 7, 2, 5, 8])
+    g = torch.Generator().manual_seed(5)
+    grouped = generate(model, ids[order], mask[order], cfg, pad_token_id=0, generator=g, compact=False, batch_size=4)
+    assert torch.equal(chunked.completion_ids[order], grouped.completion_ids)
+    assert torch.equal(chunked.completion_lengths[order], grouped.completion_lengths)
 
 
 def test_unindexable_cache_falls_back_to_one_prefill_per_row():

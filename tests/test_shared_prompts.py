@@ -9,9 +9,11 @@ import torch
 
 from helpers import make_rollout
 from posttrain import scoring
+from posttrain.rollout import grouped_rows
 from posttrain.scoring import (
     SharedPrompts,
     _trimmed_inputs,
+    batched_completion_logprobs,
     completion_forward,
     completion_logprobs,
     forward_logprobs,
@@ -132,6 +134,114 @@ def test_same_reward_scores(models, monkeypatch, arch):
     torch.testing.assert_close(split, usual, atol=2e-5, rtol=1e-5)
 
 
+def test_grouped_rows_by_hand():
+    ids = torch.tensor([[4, 5], [6, 7], [8, 9]] * 2)  # k = 2 blocks of 3 prompts
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    assert grouped_rows(ids, mask, 2).tolist() == [0, 3, 1, 4, 2, 5]
+    assert grouped_rows(ids, mask, 6) is None  # one chunk: nothing to regroup
+    assert grouped_rows(ids[:3], mask[:3], 2) is None  # no prompt repeats
+    assert grouped_rows(ids[[0, 3, 1, 4]], mask[[0, 3, 1, 4]], 2) is None  # already grouped
+    # The same ids with different left padding are different prompts.
+    padded = mask.clone()
+    padded[3, 0] = False
+    assert grouped_rows(ids, padded, 2).tolist() == [0, 1, 4, 2, 5, 3]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_forwards_in_chunks_take_whole_groups(models, monkeypatch, arch):
+    # Blocks: rows (g0, g1, g2, g0, g1, g0). Chunks of 3 rows taken as they are hold no two rows of one prompt;
+    # taken group by group they are rows (0, 3, 5) -> one packed row and (1, 4, 2) -> two.
+    policy, reward = models[arch]
+    r = _long_prompt_rollout(policy.config.vocab_size, "blocks")
+    assert grouped_rows(r.prompt_ids, r.prompt_mask, 3).tolist() == [0, 3, 5, 1, 4, 2]
+    sizes = []
+    hook = policy.register_forward_pre_hook(
+        lambda mod, args, kwargs: sizes.append(kwargs["input_ids"].size(0)), with_kwargs=True
+    )
+    try:
+        (lp, ent), (lp0, ent0) = _both(
+            monkeypatch, lambda: batched_completion_logprobs(policy, r, batch_size=3, with_entropy=True)
+        )
+    finally:
+        hook.remove()
+    assert sizes == [1, 2, 3, 3]  # grouped and packed, then POSTTRAIN_SHARED_PROMPTS=off: as they are
+    torch.testing.assert_close(lp, lp0, atol=2e-5, rtol=1e-5)  # every row's own result, in the rollout's order
+    torch.testing.assert_close(ent, ent0, atol=2e-5, rtol=1e-5)
+    assert torch.equal(lp == 0, ~r.completion_mask)
+    scores, scores0 = _both(monkeypatch, lambda: reward_model_scores(reward, r, batch_size=3))
+    torch.testing.assert_close(scores, scores0, atol=2e-5, rtol=1e-5)
+
+
+def test_prompt_grouped_minibatches_by_hand(monkeypatch):
+    from posttrain.trainers.online import prompt_grouped
+
+    # k = 2 blocks of prompts A, B, C, D: rows 0-3 and 4-7.
+    r = make_rollout([[10], [11], [12], [13]] * 2, [[5]] * 8, T=1, pad=1)
+    order = torch.tensor([5, 2, 1, 0, 4, 7, 6, 3])
+    # Minibatches of 4: (5 B, 2 C, 1 B, 0 A) -> B's pair first, then C and A; (4 A, 7 D, 6 C, 3 D) -> D's pair first.
+    assert prompt_grouped([order], r, 4, 2)[0].tolist() == [5, 1, 2, 0, 7, 3, 4, 6]
+    # One minibatch of 8: four pairs, in the order of their first rows.
+    assert prompt_grouped([order], r, 8, 2)[0].tolist() == [5, 1, 2, 6, 0, 4, 7, 3]
+    # A group of 3 before a pair, whatever comes first: rows 0, 1, 2, 3, 4 with prompts A, B, B, A, B.
+    r3 = make_rollout([[10], [11], [11], [10], [11]], [[5]] * 5, T=1, pad=1)
+    assert prompt_grouped([torch.arange(5)], r3, 5, 1)[0].tolist() == [1, 2, 4, 0, 3]
+    assert prompt_grouped([order], r, 4, 4)[0] is order  # one micro-batch per minibatch: nothing to regroup
+    monkeypatch.setenv("POSTTRAIN_SHARED_PROMPTS", "off")
+    assert prompt_grouped([order], r, 4, 2)[0] is order
+
+
+def _long_prompt_dataset():
+    """4 prompts of about 40 tokens: with 4-token completions, a pair of them packs (`share_prompts`)."""
+    from datasets import Dataset
+
+    long = " ".join(["the long prompt"] * 12)
+    return Dataset.from_dict({"prompt": [f"{long} number {i}" for i in range(4)]})
+
+
+def test_rloo_update_packs_grouped_micro_batches_and_learns_the_same(tmp_path, tiny_tokenizer, monkeypatch):
+    """RLOO's k blocks through chunks of 2 rows and micro-batches of 2: with the rows grouped by prompt every
+    forward holds one prompt's pair, packed into one row; the trained weights are those of one row per
+    completion in the blocks' own chunks (POSTTRAIN_SHARED_PROMPTS=off), since each minibatch keeps its rows."""
+    from helpers import rloo_config
+    from posttrain.trainers.rloo import RLOOTrainer
+
+    prompts = _long_prompt_dataset()
+
+    def train(name):
+        cfg = rloo_config(
+            tmp_path,
+            name,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=4,
+            local_rollout_forward_batch_size=2,
+            num_ppo_epochs=2,
+            total_episodes=8,
+            response_length=4,
+            seed=3,
+        )
+        policy = build_tiny_causal_lm(tiny_tokenizer)
+        reward = build_tiny_reward_model(tiny_tokenizer, seed=1)
+        rows = []
+        for model in (policy, reward):
+            model.register_forward_pre_hook(
+                lambda mod, args, kwargs: rows.append((mod.training, kwargs["input_ids"].size(0))), with_kwargs=True
+            )
+        RLOOTrainer(cfg, tiny_tokenizer, policy, None, reward, prompts).train()
+        return policy, rows
+
+    grouped, grouped_rows_seen = train("auto")
+    monkeypatch.setenv("POSTTRAIN_SHARED_PROMPTS", "off")
+    usual, usual_rows_seen = train("off")
+    # 8 rows = 4 prompts x 2 in chunks of 2: generation takes a prompt's pair together (one prefill, 3 decode
+    # steps) either way; then the reward model's 4 chunks, and the 4 micro-batches of the old log-probs and of
+    # each of 2 epochs: one packed row each where rows are grouped, two rows each as the blocks come.
+    assert grouped_rows_seen[:16] == usual_rows_seen[:16] == [(False, 1), (False, 2), (False, 2), (False, 2)] * 4
+    assert grouped_rows_seen[16:] == [(False, 1)] * 4 + [(True, 1)] * 12
+    assert usual_rows_seen[16:] == [(False, 2)] * 4 + [(True, 2)] * 12
+    for p, p0 in zip(grouped.parameters(), usual.parameters()):
+        torch.testing.assert_close(p, p0, atol=1e-5, rtol=1e-4)
+
+
 def test_one_row_per_completion_where_packing_does_not_pay(models, tiny_tokenizer, monkeypatch):
     policy = models["llama"][0]
     V = policy.config.vocab_size
@@ -178,3 +288,39 @@ def test_a_bad_mode_stops_the_run_when_its_config_is_built(tmp_path, monkeypatch
     monkeypatch.setenv("POSTTRAIN_SHARED_PROMPTS", "sometimes")
     with pytest.raises(ConfigError, match="POSTTRAIN_SHARED_PROMPTS='sometimes': expected one of auto, off"):
         rloo_config(tmp_path)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
+def test_grpo_groups_micro_batches_where_its_loss_allows(tmp_path, tiny_tokenizer, loss_type):
+    """GRPO's dapo loss sums over the minibatch's tokens, so a prompt's completions share micro-batches (one
+    packed row each); bnpo's token mean is per micro-batch, so its micro-batches stay as the shuffle drew them."""
+    from helpers import grpo_config
+    from posttrain.trainers.grpo import GRPOTrainer
+
+    prompts = _long_prompt_dataset()
+    cfg = grpo_config(
+        tmp_path,
+        num_generations=2,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+        num_iterations=2,
+        local_rollout_forward_batch_size=2,
+        total_episodes=8,
+        response_length=4,
+        seed=3,
+        loss_type=loss_type,
+    )
+    policy = build_tiny_causal_lm(tiny_tokenizer)
+    rows = []
+    policy.register_forward_pre_hook(
+        lambda mod, args, kwargs: rows.append(kwargs["input_ids"].size(0)) if mod.training else None, with_kwargs=True
+    )
+    reward = build_tiny_reward_model(tiny_tokenizer, seed=1)
+    GRPOTrainer(
+        model=policy, reward_funcs=reward, args=cfg, train_dataset=prompts, processing_class=tiny_tokenizer
+    ).train()
+    assert len(rows) == 12  # the old log-probs' 4 micro-batches and 2 iterations' 4
+    if loss_type == "dapo":
+        assert rows == [1] * 12
+    else:
+        assert 2 in rows

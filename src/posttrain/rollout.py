@@ -433,6 +433,25 @@ def prompt_groups(
     return first, group, counts
 
 
+def grouped_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, chunk: int) -> torch.Tensor | None:
+    """The order in which chunks of `chunk` rows keep rows that share a prompt together, or None where
+    there is one chunk or the rows already are in it.
+
+    Groups (`prompt_groups`) follow each other in the order of their first rows, and the rows of a group
+    keep their own order. RLOO's and GRPO's k blocks (row = sample · prompts + prompt) then run as chunks
+    of whole groups. A chunk prefills each prompt once in generation, and it packs a prompt's completions
+    into one row in the scoring forwards (`scoring.share_prompts`)."""
+    n = prompt_ids.size(0)
+    if chunk >= n:
+        return None
+    first, group, _ = prompt_groups(prompt_ids, prompt_mask)
+    if first.numel() == n:
+        return None
+    rows = torch.arange(n, device=prompt_ids.device)
+    order = torch.argsort(first[group] * n + rows)
+    return None if torch.equal(order, rows) else order
+
+
 def _distinct_prompts(
     prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -735,15 +754,17 @@ def generate(
 
     Rows are prompt-major: row = prompt_index * num_samples + sample_index. Generation runs in
     chunks of `batch_size` rows (local_rollout_forward_batch_size; None = all at once), each chunk
-    ending as soon as all its rows stopped. `generator` makes sampling reproducible (it must live on
-    the model's device); the same generator state gives the same tokens for the same chunking.
+    ending as soon as all its rows stopped; prompt rows that repeat a prompt (RLOO's and GRPO's k
+    blocks) are taken into the chunks group by group (`grouped_rows`), so a prompt's copies share a
+    chunk. `generator` makes sampling reproducible (it must live on the model's device); the same
+    generator state gives the same tokens for the same chunking.
     Call inside `generation_mode(model)` to get eval mode without gradient checkpointing.
 
     Engine options (none changes which tokens a generator state samples, except that compiled
     kernels round differently; benchmarks/README.md "Decode engine" has the measurements):
     - share_prefill: the num_samples completions of a prompt share one prompt prefill (its KV cache
       rows are repeated) instead of prefilling the prompt num_samples times; so do rows that repeat a
-      prompt themselves (RLOO's and GRPO's k copies of each prompt, within a chunk of `batch_size` rows).
+      prompt themselves (RLOO's and GRPO's k copies of each prompt, within a chunk).
     - compact: once at least half the rows of the batch have stopped, they are dropped from the
       batch (KV cache, mask, positions) and decoding continues on the live rows. Each step still
       draws one uniform per original row, so the live rows' random numbers are unchanged.
@@ -817,6 +838,11 @@ def generate(
     step = n if batch_size is None else batch_size
     if step < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    # Chunks hold whole groups of rows that repeat a prompt (RLOO's and GRPO's k blocks); the rows come back
+    # in the caller's order.
+    order = grouped_rows(prompt_ids, prompt_mask, step) if k == 1 else None
+    if order is not None:
+        prompt_ids, prompt_mask = prompt_ids[order], prompt_mask[order]
     chunks = []
     # Layers that posttrain.cpu_linear switched to oneDNN decode on weights packed once for this call,
     # where that pays within its max_new_tokens steps (the weights do not change during the call); under
@@ -860,7 +886,8 @@ def generate(
                     traced,
                 )
             )
-    return chunks[0] if len(chunks) == 1 else Rollout.cat(chunks)
+    rollout = chunks[0] if len(chunks) == 1 else Rollout.cat(chunks)
+    return rollout if order is None else rollout.select(torch.argsort(order))
 
 
 def decode_prompts(tokenizer: Any, rollout: Rollout, skip_special_tokens: bool = True) -> list[str]:

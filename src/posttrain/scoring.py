@@ -52,6 +52,7 @@ from posttrain.rollout import (
     bare_module,
     decode_completions,
     decode_prompts,
+    grouped_rows,
     position_ids_from_mask,
     prompt_groups,
 )
@@ -233,6 +234,28 @@ def share_prompts(
     member = torch.empty_like(group)
     member[order] = torch.arange(B, device=ids.device) - starts[group[order]]
     return SharedPrompts(ids, mask, P, Tc, first, group, member)
+
+
+def chunk_order(rollout: Rollout, batch_size: int) -> tuple[Rollout, torch.Tensor | None]:
+    """The rollout in the row order for forwards of `batch_size` rows, and the index that puts their
+    results back in the rollout's order (None: the order is unchanged).
+
+    Rows that repeat a prompt are taken group by group (`rollout.grouped_rows`), so each forward holds
+    whole groups and `share_prompts` can pack them. RLOO's k blocks put a prompt's copies in different
+    chunks otherwise. With POSTTRAIN_SHARED_PROMPTS=off the order is left as it is."""
+    from posttrain.configs import shared_prompts_mode
+
+    if shared_prompts_mode() == "off":
+        return rollout, None
+    order = grouped_rows(rollout.prompt_ids, rollout.prompt_mask, batch_size)
+    if order is None:
+        return rollout, None
+    return rollout.select(order), torch.argsort(order)
+
+
+def in_rollout_order(results: torch.Tensor, restore: torch.Tensor | None) -> torch.Tensor:
+    """Per-row `results` of a `chunk_order`ed rollout, back in the rollout's row order."""
+    return results if restore is None else results[restore.to(results.device)]
 
 
 class CompletionForward:
@@ -619,19 +642,21 @@ def batched_completion_logprobs(
     with_entropy: bool = False,
     chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`completion_logprobs` without grad, `batch_size` rows per forward (old / reference logprobs)."""
+    """`completion_logprobs` without grad, `batch_size` rows per forward (old / reference logprobs),
+    rows that share a prompt in the same forward (`chunk_order`)."""
+    ordered, restore = chunk_order(rollout, batch_size)
     parts = [
         completion_logprobs(
             model,
-            rollout.select(slice(s, s + batch_size)),
+            ordered.select(slice(s, s + batch_size)),
             temperature=temperature,
             with_entropy=with_entropy,
             chunk_tokens=chunk_tokens,
         )
         for s in range(0, len(rollout), batch_size)
     ]
-    logprobs = torch.cat([p[0] for p in parts])
-    entropy = torch.cat([p[1] for p in parts]) if with_entropy else None
+    logprobs = in_rollout_order(torch.cat([p[0] for p in parts]), restore)
+    entropy = in_rollout_order(torch.cat([p[1] for p in parts]), restore) if with_entropy else None
     return logprobs, entropy
 
 
@@ -783,8 +808,9 @@ def reward_model_scores(
         return torch.cat(scores)
 
     scores = []
+    ordered, restore = chunk_order(rollout, batch_size)
     for s in range(0, len(rollout), batch_size):
-        chunk = rollout.select(slice(s, s + batch_size)).to(device)
+        chunk = ordered.select(slice(s, s + batch_size)).to(device)
         ids, mask, _, P, Tc = _trimmed_inputs(chunk)
         shared = share_prompts(reward_model, ids, mask, P, Tc, lm_head=False)
         if shared is None:
@@ -793,7 +819,7 @@ def reward_model_scores(
         hidden = _backbone_hidden(reward_model, shared.ids, shared.mask, shared.positions)
         picked = hidden[shared.group, shared.last(chunk.completion_lengths)]
         scores.append(_score(reward_model, picked[:, None], first_label=True).squeeze(-1))
-    return torch.cat(scores)
+    return in_rollout_order(torch.cat(scores), restore)
 
 
 class RewardFunctionError(ValueError):

@@ -410,6 +410,13 @@ class GRPOTrainer(OnlineTrainer):
         config, run, acc, metrics = self.args, self.run, self.run.accelerator, self.run.metrics
         policy, temperature = self.wrapped, run.sampling.logprob_temperature
         orders = online.shuffled_orders(run, len(rollout), config.num_iterations)
+        if config.loss_type != "bnpo" and config.top_entropy_quantile == 1.0:
+            # Every other aggregation sums over the minibatch's rows (token or sequence terms over a
+            # normalizer, or means over its equal micro-batches), so it is the same whichever rows share a
+            # micro-batch: a prompt's completions go into the same ones, where they can be packed.
+            orders = online.prompt_grouped(
+                orders, rollout, config.local_mini_batch_size, config.per_device_train_batch_size
+            )
         policy.train()
         old_logprobs = None
         if not (config.num_iterations == 1 and config.num_mini_batches == 1):

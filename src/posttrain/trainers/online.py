@@ -48,6 +48,7 @@ from posttrain.configs import (
     OnPolicyConfig,
     concurrent_decode_mode,
     launch_world_size,
+    shared_prompts_mode,
 )
 from posttrain.data.loading import load_split
 from posttrain.data.prepare import PROMPT_MESSAGES, check_prompt_columns
@@ -71,16 +72,19 @@ from posttrain.rollout import (
     decode_prompts,
     generate,
     generation_mode,
+    prompt_groups,
 )
 from posttrain.scoring import (
     CompletionForward,
     RewardSource,
     batched_completion_logprobs,
+    chunk_order,
     completion_forward,
     completion_logprobs,
     forward_full_kl,
     forward_logprobs,
     import_reward_function,
+    in_rollout_order,
     same_tokenizer,
 )
 from posttrain.tracking import MetricAccumulator, ProgressBar, Tracker
@@ -972,9 +976,10 @@ def reference_full_kl(
     from posttrain.models import adapters_disabled
 
     size, out = run.config.local_rollout_forward_batch_size, []
+    ordered, restore = chunk_order(rollout, size)
     with run.autocast():
         for start in range(0, len(rollout), size):
-            part = rollout.select(slice(start, start + size))
+            part = ordered.select(slice(start, start + size))
             current = completion_forward(policy, part)
             if ref_model is not None:
                 ref = completion_forward(ref_model, part)
@@ -984,7 +989,7 @@ def reference_full_kl(
                 if ref.chunked:  # the reference's LM head runs later, block by block: adapters off there too
                     ref.head = _with_adapters_disabled(policy, ref.head)
             out.append(forward_full_kl(current, ref, temperature=temperature))
-    return torch.cat(out)
+    return in_rollout_order(torch.cat(out), restore)
 
 
 def _with_adapters_disabled(policy: nn.Module, head: Any) -> Any:
@@ -1299,6 +1304,36 @@ def shuffled_orders(run: OnlineRun, n: int, num_epochs: int) -> list[torch.Tenso
     ]
 
 
+def prompt_grouped(orders: list[torch.Tensor], rollout: Rollout, minibatch: int, micro: int) -> list[torch.Tensor]:
+    """Each permutation with the rows of every minibatch (its consecutive `minibatch` rows) regrouped so
+    that rows sharing a prompt are next to each other, and so share micro-batches, where
+    `scoring.share_prompts` packs them into one row: groups with more rows in the minibatch first, then
+    by their first row there; a group's rows, and the single rows, keep their order.
+
+    Each minibatch keeps its rows, so a loss summed over its rows and divided by the minibatch's
+    normalizer is the same whichever rows share a micro-batch. Callers use it only for such losses.
+    Unchanged with POSTTRAIN_SHARED_PROMPTS=off, with one micro-batch of `micro` rows per minibatch, or
+    where no two rows share a prompt."""
+    if shared_prompts_mode() == "off" or minibatch <= micro:
+        return orders
+    first, group, _ = prompt_groups(rollout.prompt_ids, rollout.prompt_mask)
+    if first.numel() == len(rollout):
+        return orders
+    group = group.to(orders[0].device)
+    regrouped = []
+    for order in orders:
+        parts = []
+        for start in range(0, order.numel(), minibatch):
+            rows = order[start : start + minibatch]
+            g, n = group[rows], rows.numel()
+            where = torch.arange(n, device=rows.device)
+            first_here = torch.full_like(first, n, device=rows.device).scatter_reduce(0, g, where, "amin")
+            size = torch.bincount(g, minlength=first.numel())
+            parts.append(rows[torch.argsort((n - size[g]) * n * n + first_here[g] * n + where)])
+        regrouped.append(torch.cat(parts))
+    return regrouped
+
+
 @dataclass
 class UpdateLayout:
     """How the update cuts one rollout batch of local rows: micro-batches of `micro` rows, `accum`
@@ -1336,7 +1371,9 @@ def policy_update(
 
     Each epoch draws a permutation of the rows; each minibatch (local_mini_batch_size rows) is split
     into micro-batches of per_device_train_batch_size whose losses are divided by the minibatch's
-    GLOBAL `count` (sequences or tokens), gradients synchronised on the last micro-batch only.
+    GLOBAL `count` (sequences or tokens), gradients synchronised on the last micro-batch only. A
+    minibatch's rows that share a prompt go into the same micro-batches (`prompt_grouped`), which the
+    global `count` leaves the minibatch's loss unchanged by.
     `loss_fn(rows, micro_rollout, logprobs, old_logprobs, normalizer)` returns the micro-batch loss
     and logs its own metrics; this loop logs policy/entropy_avg. log π_old comes from a no-grad pass
     over the first epoch's micro-batches (ratio exactly 1 on the first minibatch); with one epoch
@@ -1345,7 +1382,12 @@ def policy_update(
     """
     config, acc = run.config, run.accelerator
     temperature = run.sampling.logprob_temperature
-    orders = shuffled_orders(run, len(rollout), num_epochs)
+    orders = prompt_grouped(
+        shuffled_orders(run, len(rollout), num_epochs),
+        rollout,
+        config.local_mini_batch_size,
+        config.per_device_train_batch_size,
+    )
     policy.train()
     old_logprobs = None
     if not (num_epochs == 1 and config.num_mini_batches == 1):
