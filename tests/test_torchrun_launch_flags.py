@@ -5,11 +5,13 @@ one clear error (the sharded runs themselves: tests/test_fsdp.py)."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
-from helpers import launch, read_metrics
+from helpers import child_env, launch, posttrain_command, read_metrics
 
 
 def command(name: str, root: Path, out: Path) -> list[str]:
@@ -44,3 +46,23 @@ def test_fsdp_option_cpu_processes_cannot_honour_is_one_clear_error(cli_files, t
     # Each rank prints the one-line ConfigError (torchrun then reports the failed children).
     assert "--fsdp offload (cpu_offload)" in result.stderr, result.stderr[-3000:]
     assert 'File "' + str(Path(__file__).parents[1] / "src") not in result.stderr
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine without GPUs")
+def test_torchrun_without_gpus_or_use_cpu_is_one_two_process_run(cli_files, tmp_path):
+    # A GPU recipe typed as it is on a CPU machine: no --use_cpu, no ACCELERATE_USE_CPU. accelerate joins the
+    # processes only when told to use the CPU; without that, each trained alone and both wrote one output_dir.
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [*posttrain_command(2), *command("rloo", cli_files, out)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2]  # one writer
+    assert [r["episode"] for r in records] == [4, 8]  # 2 processes x 2 completions a step
+    assert result.stdout.count("step 1 ") == 1  # one process prints

@@ -20,12 +20,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from posttrain.configs import ConfigError
+from posttrain.configs import ConfigError, launch_world_size
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
 MIXED_PRECISION_CHOICES = ("no", "bf16", "fp16")
+
+
+def accelerator_device_available() -> bool:
+    """Whether torch sees a device other than the CPU (CUDA, XPU, MPS, ...)."""
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return bool(accelerator.is_available())
+    xpu = getattr(torch, "xpu", None)
+    return torch.cuda.is_available() or (xpu is not None and xpu.is_available())
 
 
 def build_accelerator(
@@ -63,6 +72,11 @@ def build_accelerator(
         raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1.")
     if tf32:
         check_tf32_available(cpu)
+    if not cpu and launch_world_size() > 1 and not accelerator_device_available():
+        # A launcher's processes on a machine without GPUs: accelerate joins them into one gloo group only
+        # with cpu=True. Without it every process would train alone on the whole run and write the same
+        # output_dir (`torchrun --nproc_per_node 2` of a GPU recipe on a CPU machine).
+        cpu = True
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
