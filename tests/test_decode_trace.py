@@ -114,6 +114,28 @@ def test_weight_updates_reach_the_trace_and_new_parameters_retrace():
     assert traces(model)[key] is not step
 
 
+@pytest.mark.parametrize("builder", [tiny_neox, tiny_llama])
+def test_trace_is_used_after_a_forward_that_asked_for_hidden_states(builder):
+    # transformers 5 installs its output-capturing hooks on the layers at the first forward that asks for
+    # hidden states (the packed forwards, the chunked LM head, a value head) and keeps them: the rollouts
+    # after the first update must still replay the trace.
+    model = builder()
+    ids, mask = left_pad(ROWS, pad=2)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    hooked = [m for m in model.modules() if m._forward_hooks]
+    if compat.transformers_version() >= (5, 0):
+        assert hooked  # the case this test is about
+    assert all(decode_trace._inactive_output_capture(h) for m in hooked for h in m._forward_hooks.values())
+    assert decode_trace.traceable(model)
+    assert_same(sample(model), sample(model, trace=False))
+    assert any(step is not None for step in traces(model).values())  # the rollout replayed a trace
+    other = model.model.layers[0] if hasattr(model, "model") else model.gpt_neox.layers[0]
+    handle = other.register_forward_hook(lambda module, args, out: None)
+    assert not decode_trace.traceable(model)  # any other hook still keeps the eager step
+    handle.remove()
+
+
 def test_trace_is_not_used_with_hooks_train_mode_fp16_autocast_or_when_switched_off(monkeypatch, tmp_path):
     model = tiny_neox()
     assert decode_trace.traceable(model)

@@ -13,7 +13,8 @@ used only where every decision is the same at every decode step of the engine's 
 - a CPU model in eval mode (as `generation_mode` puts it; a trace would freeze dropout out) of torch's
   own tensors (no DTensor or DeepSpeed-partitioned parameters), with no module hooks (accelerate's
   offload hooks, ZeRO-3, FSDP, PEFT adapters that can be switched off: none of their Python runs in a
-  trace) and no autocast but CPU bf16 autocast (`--bf16` on CPU; see below);
+  trace; transformers' own output-capturing hooks, which do nothing in a decode step, aside) and no
+  autocast but CPU bf16 autocast (`--bf16` on CPU; see below);
 - a transformers DynamicCache of plain layers, fed with the prepared (rows, 1, 1, keys) bool mask or no
   mask (`compat.takes_prepared_decode_mask`: plain causal attention through SDPA);
 - no rotary embedding whose frequencies depend on the sequence length reached (transformers' "dynamic"
@@ -88,12 +89,23 @@ def traceable(model: nn.Module) -> bool:
     for module in model.modules():
         if module.training:  # a trace freezes eval-mode behaviour: dropout would be lost
             return False
-        if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
+        hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+        if any(not _inactive_output_capture(hook) for hook in hooks) or hasattr(module, "_hf_hook"):
             return False
         if type(module).__module__.split(".")[0] == "peft" or _length_dependent_rope(module):
             return False
     tensors = [*model.parameters(), *model.buffers()]
     return bool(tensors) and all(_plain(t) for t in tensors)
+
+
+def _inactive_output_capture(hook: Any) -> bool:
+    """Whether a forward hook is transformers' output-capturing hook (transformers 5: installed on the
+    layers by the first forward that asks for hidden states or attentions, e.g. `completion_forward`'s
+    hidden states, and kept). It records outputs only while such a forward runs, never in the decode
+    step, which asks for neither: a trace that leaves it out computes the same step."""
+    return getattr(hook, "__name__", None) == "output_capturing_hook" and str(
+        getattr(hook, "__module__", "")
+    ).startswith("transformers.")
 
 
 def _fingerprint(model: nn.Module) -> tuple:
