@@ -368,6 +368,34 @@ def test_rloo_router_aux_loss_of_a_moe_policy(tmp_path, tiny_tokenizer):
         RLOOConfig(router_aux_loss_coef=-1)
 
 
+@pytest.mark.parametrize("trainer_cls", [RLOOTrainer, GRPOTrainer])
+def test_router_aux_loss_keeps_the_shuffled_micro_batches(tmp_path, tiny_tokenizer, monkeypatch, trainer_cls):
+    """The router aux loss is a mean per micro-batch, so with it the update's micro-batches stay as the shuffle
+    drew them; without it a prompt's completions are put into the same micro-batches (online.prompt_grouped)."""
+    from posttrain.trainers import online
+
+    grouped = []
+    regroup = online.prompt_grouped
+    monkeypatch.setattr(online, "prompt_grouped", lambda *a: grouped.append(1) or regroup(*a))
+    kwargs = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, total_episodes=4)
+    for coef in (0.0, 0.5):
+        grouped.clear()
+        if trainer_cls is RLOOTrainer:
+            cfg = rloo_config(tmp_path, name=f"c{coef}", router_aux_loss_coef=coef, **kwargs)
+        else:
+            cfg = grpo_config(tmp_path, name=f"c{coef}", router_aux_loss_coef=coef, num_generations=2, **kwargs)
+        trainer = trainer_cls(
+            model=tiny_moe(tiny_tokenizer),
+            reward_funcs=length_reward,
+            args=cfg,
+            train_dataset=prompt_dataset(8),
+            processing_class=tiny_tokenizer,
+        )
+        trainer.train()
+        assert trainer.aux_loss_enabled == (coef > 0)
+        assert grouped == ([] if coef > 0 else [1])
+
+
 ENGINE_CONFIGS = [*CONFIGS, pytest.param(OnlineDPOConfig, id="online_dpo"), pytest.param(XPOConfig, id="xpo")]
 
 

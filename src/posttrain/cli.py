@@ -119,7 +119,9 @@ def _top_parser() -> argparse.ArgumentParser:
         f"{CONCURRENT_DECODE_ENV}=auto|off: on CPU, XPO's policy and reference rollouts run side by side on two "
         "threads (auto, the default); "
         f"{SHARED_PROMPTS_ENV}=auto|off: the completions of one prompt share one forward pass over it where "
-        "that costs fewer operations (auto, the default: long prompts, short completions).",
+        "that costs fewer operations (auto, the default: long prompts, short completions), and the forward "
+        "chunks and update micro-batches keep a prompt's completions together; off: one row per completion, "
+        "rows in their own order.",
     )
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>")

@@ -86,7 +86,8 @@ SHARED_PROMPTS_MODES = ("auto", "off")
 
 def shared_prompts_mode() -> str:
     """POSTTRAIN_SHARED_PROMPTS, which `posttrain.scoring`'s forwards over a rollout read: `auto` (unset or
-    empty: completions of the same prompt share one pass over it where that costs fewer operations) or `off`."""
+    empty: completions of the same prompt share one pass over it where that costs fewer operations, and the
+    chunked forwards and the update's micro-batches keep them together) or `off`."""
     return _env_mode(SHARED_PROMPTS_ENV, SHARED_PROMPTS_MODES)
 
 

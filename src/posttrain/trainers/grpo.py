@@ -410,10 +410,11 @@ class GRPOTrainer(OnlineTrainer):
         config, run, acc, metrics = self.args, self.run, self.run.accelerator, self.run.metrics
         policy, temperature = self.wrapped, run.sampling.logprob_temperature
         orders = online.shuffled_orders(run, len(rollout), config.num_iterations)
-        if config.loss_type != "bnpo" and config.top_entropy_quantile == 1.0:
+        if config.loss_type != "bnpo" and config.top_entropy_quantile == 1.0 and not self.aux_loss_enabled:
             # Every other aggregation sums over the minibatch's rows (token or sequence terms over a
             # normalizer, or means over its equal micro-batches), so it is the same whichever rows share a
-            # micro-batch: a prompt's completions go into the same ones, where they can be packed.
+            # micro-batch: a prompt's completions go into the same ones, where they can be packed. (bnpo's
+            # token mean, top_entropy_quantile's threshold and a router aux loss are per micro-batch.)
             orders = online.prompt_grouped(
                 orders, rollout, config.local_mini_batch_size, config.per_device_train_batch_size
             )

@@ -1373,7 +1373,8 @@ def policy_update(
     into micro-batches of per_device_train_batch_size whose losses are divided by the minibatch's
     GLOBAL `count` (sequences or tokens), gradients synchronised on the last micro-batch only. A
     minibatch's rows that share a prompt go into the same micro-batches (`prompt_grouped`), which the
-    global `count` leaves the minibatch's loss unchanged by.
+    global `count` leaves the minibatch's loss unchanged by (not with a router aux loss: a mean per
+    micro-batch).
     `loss_fn(rows, micro_rollout, logprobs, old_logprobs, normalizer)` returns the micro-batch loss
     and logs its own metrics; this loop logs policy/entropy_avg. log π_old comes from a no-grad pass
     over the first epoch's micro-batches (ratio exactly 1 on the first minibatch); with one epoch
@@ -1382,12 +1383,9 @@ def policy_update(
     """
     config, acc = run.config, run.accelerator
     temperature = run.sampling.logprob_temperature
-    orders = prompt_grouped(
-        shuffled_orders(run, len(rollout), num_epochs),
-        rollout,
-        config.local_mini_batch_size,
-        config.per_device_train_batch_size,
-    )
+    orders = shuffled_orders(run, len(rollout), num_epochs)
+    if not router_aux_loss_coef:  # a router aux loss is a mean per micro-batch, and refuses packing anyway
+        orders = prompt_grouped(orders, rollout, config.local_mini_batch_size, config.per_device_train_batch_size)
     policy.train()
     old_logprobs = None
     if not (num_epochs == 1 and config.num_mini_batches == 1):
