@@ -317,6 +317,15 @@ def tiny_moe(tokenizer):
     return model
 
 
+def trained_on_length(trainer_cls, policy, cfg, tokenizer):
+    """A `trainer_cls` (RLOO or GRPO) of `policy` on length_reward over 8 prompts, trained."""
+    trainer = trainer_cls(
+        model=policy, reward_funcs=length_reward, args=cfg, train_dataset=prompt_dataset(8), processing_class=tokenizer
+    )
+    trainer.train()
+    return trainer
+
+
 def test_grpo_router_aux_loss_of_a_moe_policy(tmp_path, tiny_tokenizer):
     """TRL 1.9's router_aux_loss_coef: a mixture-of-experts policy's load-balancing loss joins the
     policy loss, coef · aux_loss (one micro-batch per optimizer step), logged as aux_loss; the same
@@ -352,14 +361,7 @@ def test_rloo_router_aux_loss_of_a_moe_policy(tmp_path, tiny_tokenizer):
     for coef in (0.0, 5.0):
         policy = tiny_moe(tiny_tokenizer)
         cfg = rloo_config(tmp_path, name=f"c{coef}", router_aux_loss_coef=coef, total_episodes=4)
-        trainer = RLOOTrainer(
-            model=policy,
-            reward_funcs=length_reward,
-            args=cfg,
-            train_dataset=prompt_dataset(8),
-            processing_class=tiny_tokenizer,
-        )
-        trainer.train()
+        trainer = trained_on_length(RLOOTrainer, policy, cfg, tiny_tokenizer)
         assert trainer.aux_loss_enabled == (coef > 0)
         assert ("aux_loss" in trainer.state.log_history[-1]) == (coef > 0)
         params[coef] = flat(policy).clone()
@@ -384,14 +386,7 @@ def test_router_aux_loss_keeps_the_shuffled_micro_batches(tmp_path, tiny_tokeniz
             cfg = rloo_config(tmp_path, name=f"c{coef}", router_aux_loss_coef=coef, **kwargs)
         else:
             cfg = grpo_config(tmp_path, name=f"c{coef}", router_aux_loss_coef=coef, num_generations=2, **kwargs)
-        trainer = trainer_cls(
-            model=tiny_moe(tiny_tokenizer),
-            reward_funcs=length_reward,
-            args=cfg,
-            train_dataset=prompt_dataset(8),
-            processing_class=tiny_tokenizer,
-        )
-        trainer.train()
+        trainer = trained_on_length(trainer_cls, tiny_moe(tiny_tokenizer), cfg, tiny_tokenizer)
         assert trainer.aux_loss_enabled == (coef > 0)
         assert grouped == ([] if coef > 0 else [1])
 
