@@ -47,11 +47,6 @@ DIFFERENCES = {
         "GRPOConfig's beta defaults to 0 (TRL >= 0.20; TRL 0.19's was 0.04), and sync_ref_model without a "
         "reference model (beta 0) is refused, as TRL >= 0.20 refuses it"
     ),
-    "tests/test_grpo_trainer.py::GRPOTrainerTester::test_training_with_mask_truncated_completions": (
-        "it patches transformers' GenerationMixin.generate to return completions that end on EOS; posttrain's "
-        "rollout engine does not call generate(), so the tiny random model's completions are all truncated "
-        "and masked, and nothing is trained"
-    ),
 }
 ZEN_PROMPTS = [
     "The sun is",
@@ -162,6 +157,41 @@ def build_checkout_fixtures(root: Path) -> None:
     tokenizer.save_pretrained(base / "tiny-Qwen3ForSequenceClassification")
 
 
+# Qwen2.5's special-token ids and vocabulary size, which TRL's tests write as numbers (a patched generate()
+# returns completions ending in 151645, its <|im_end|>, padded with 151643, its <|endoftext|>).
+QWEN_PAD, QWEN_IM_START, QWEN_EOS, QWEN_VOCAB = 151643, 151644, 151645, 151665
+
+
+def qwen_ids_tokenizer(tokenizer):
+    """`tokenizer` (posttrain.testing's tiny BPE) renumbered with Qwen2.5's special ids: its BPE tokens from
+    0, unused reserved tokens up to 151642, then <|endoftext|> (pad), <|im_start|> and <|im_end|> (eos)."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    specials = {t["content"] for t in state["added_tokens"]}
+    regular = [
+        tok for tok, _ in sorted(state["model"]["vocab"].items(), key=lambda item: item[1]) if tok not in specials
+    ]
+    vocab = {tok: i for i, tok in enumerate(regular)}
+    vocab.update({f"<|reserved_{i}|>": i for i in range(len(regular), QWEN_PAD)})
+    added = {"<|endoftext|>": QWEN_PAD, "<|im_start|>": QWEN_IM_START, "<|im_end|>": QWEN_EOS}
+    vocab.update(added)
+    state["model"]["vocab"] = vocab
+    flags = dict(single_word=False, lstrip=False, rstrip=False, normalized=False, special=True)
+    state["added_tokens"] = [dict(id=i, content=tok, **flags) for tok, i in added.items()]
+    qwen = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(state)),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        padding_side="right",
+    )
+    qwen.chat_template = tokenizer.chat_template
+    return qwen
+
+
 def build_fixtures(root: Path) -> None:
     """The hub repos the tests load, as local folders under root (from_pretrained and load_dataset
     take a relative folder before the hub)."""
@@ -189,20 +219,27 @@ def build_fixtures(root: Path) -> None:
     shape = dict(vocab_size=len(tokenizer) + 64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4)
     shape.update(num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
     shape.update(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    # the Qwen2 stand-ins with Qwen2.5's vocabulary size and special ids, as the hub's tiny Qwen2 models
+    qwen_tokenizer = qwen_ids_tokenizer(tokenizer)
+    qwen = dict(shape, vocab_size=QWEN_VOCAB, eos_token_id=QWEN_EOS, bos_token_id=None, pad_token_id=QWEN_PAD)
     models = {
-        "tiny-Qwen2ForCausalLM-2.5": Qwen2ForCausalLM(Qwen2Config(hidden_size=16, **shape)),
-        "small-Qwen2ForCausalLM-2.5": Qwen2ForCausalLM(Qwen2Config(hidden_size=32, **shape)),
-        "tiny-Qwen2ForSequenceClassification-2.5": Qwen2ForSequenceClassification(
-            Qwen2Config(hidden_size=16, num_labels=1, pad_token_id=tokenizer.pad_token_id, **shape)
+        "tiny-Qwen2ForCausalLM-2.5": (Qwen2ForCausalLM(Qwen2Config(hidden_size=16, **qwen)), qwen_tokenizer),
+        "small-Qwen2ForCausalLM-2.5": (Qwen2ForCausalLM(Qwen2Config(hidden_size=32, **qwen)), qwen_tokenizer),
+        "tiny-Qwen2ForSequenceClassification-2.5": (
+            Qwen2ForSequenceClassification(Qwen2Config(hidden_size=16, num_labels=1, **qwen)),
+            qwen_tokenizer,
         ),
-        "tiny-LlamaForCausalLM-3.2": LlamaForCausalLM(LlamaConfig(hidden_size=16, **shape)),
-        "tiny-LlamaForSequenceClassification-3.2": LlamaForSequenceClassification(
-            LlamaConfig(hidden_size=16, num_labels=1, pad_token_id=tokenizer.pad_token_id, **shape)
+        "tiny-LlamaForCausalLM-3.2": (LlamaForCausalLM(LlamaConfig(hidden_size=16, **shape)), tokenizer),
+        "tiny-LlamaForSequenceClassification-3.2": (
+            LlamaForSequenceClassification(
+                LlamaConfig(hidden_size=16, num_labels=1, pad_token_id=tokenizer.pad_token_id, **shape)
+            ),
+            tokenizer,
         ),
     }
-    for name, model in models.items():
+    for name, (model, model_tokenizer) in models.items():
         model.save_pretrained(base / name)
-        tokenizer.save_pretrained(base / name)
+        model_tokenizer.save_pretrained(base / name)
     zen, configs = base / "zen", ""
     columns = {
         "standard_prompt_only": ZEN_PROMPTS,

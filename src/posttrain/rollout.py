@@ -32,6 +32,7 @@ import contextlib
 import functools
 import inspect
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -699,10 +700,137 @@ def _generate_chunk(
     )
 
 
+def model_generate(model: torch.nn.Module) -> Any:
+    """The model's own `generate` where its class replaces transformers' `GenerationMixin.generate`
+    (a subclass or remote code that defines one, or one patched in), else None.
+
+    Such a model is sampled through its `generate` (`_generate_with_model`), as TRL calls it; a model
+    that inherits transformers' generate is sampled by this module's engine. Only transformers models
+    qualify: posttrain's value-head wrappers delegate `generate` to the model they wrap."""
+    base = bare_module(model)
+    try:
+        from transformers import GenerationMixin
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    if not isinstance(base, GenerationMixin):
+        return None
+    module = getattr(getattr(type(base), "generate", None), "__module__", None) or ""
+    if module == "transformers" or module.startswith("transformers."):
+        return None
+    return base.generate
+
+
+def _generation_config(sampling: SamplingConfig, pad_token_id: int) -> Any:
+    """`SamplingConfig` as a transformers `GenerationConfig` (filters at their off values left out)."""
+    from transformers import GenerationConfig
+
+    kwargs: dict[str, Any] = {"max_new_tokens": sampling.max_new_tokens, "pad_token_id": pad_token_id}
+    kwargs["eos_token_id"] = list(sampling.stop_token_ids) or None
+    if sampling.repetition_penalty != 1.0:
+        kwargs["repetition_penalty"] = sampling.repetition_penalty
+    if sampling.greedy:
+        return GenerationConfig(do_sample=False, **kwargs)
+    kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None)
+    if sampling.top_p < 1.0:
+        kwargs["top_p"] = sampling.top_p
+    if sampling.min_p > 0:
+        kwargs["min_p"] = sampling.min_p
+    return GenerationConfig(**kwargs)
+
+
+def _generate_with_model(
+    model: torch.nn.Module,
+    generate_fn: Any,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    sampling: SamplingConfig,
+    pad_token_id: int,
+    generator: torch.Generator | None,
+    return_logprobs: bool,
+    return_entropy: bool,
+) -> Rollout:
+    """One chunk sampled by the model's own `generate` (`model_generate`), held to this module's
+    contract: the completion is cut after its first stop id, later positions are padding, masks come
+    from the lengths, and log-probs / entropy come from one forward over prompt + completion (the
+    temperature-scaled full distribution, as the engine records them). With a `generator`, the call
+    runs on the default generator seeded from it, so a generator state still gives the same tokens."""
+    device = prompt_ids.device
+    N, P = prompt_ids.shape
+    config = _generation_config(sampling, pad_token_id)
+    with contextlib.ExitStack() as stack:
+        if generator is not None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+            stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
+            torch.random.default_generator.manual_seed(seed)
+            if device.type == "cuda":
+                torch.cuda.manual_seed(seed)
+        out = generate_fn(prompt_ids, attention_mask=prompt_mask.long(), generation_config=config)
+    sequences = getattr(out, "sequences", out)
+    if (
+        not isinstance(sequences, torch.Tensor)
+        or sequences.dim() != 2
+        or sequences.size(0) != N
+        or sequences.size(1) < P
+        or not torch.equal(sequences[:, :P].to(prompt_ids.device), prompt_ids)
+    ):
+        shape = tuple(sequences.shape) if isinstance(sequences, torch.Tensor) else type(sequences).__name__
+        raise ValueError(
+            f"{type(bare_module(model)).__name__}.generate returned {shape} for {N} prompts of {P} tokens: "
+            "a model's own generate() must return the prompts followed by the completions, (prompts, "
+            "prompt tokens + new tokens), as transformers' generate() does"
+        )
+    completion = sequences[:, P : P + sampling.max_new_tokens].to(device=device, dtype=torch.long)
+    T = completion.size(1)
+    stops = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=device)
+    hit = torch.isin(completion, stops) if len(stops) else torch.zeros_like(completion, dtype=torch.bool)
+    ended = hit.any(-1)
+    lengths = torch.where(ended, hit.long().argmax(-1) + 1, torch.full_like(ended, T, dtype=torch.long))
+    width = int(lengths.max()) if N else 0
+    mask = lengths_to_mask(lengths, width)
+    completion = completion[:, :width].masked_fill(~mask, pad_token_id)
+    logprobs = entropy = None
+    if (return_logprobs or return_entropy) and width > 0:
+        ids = torch.cat([prompt_ids.masked_fill(~prompt_mask, 0), completion], dim=1)
+        attention = torch.cat([prompt_mask, mask], dim=1)
+        kwargs = {"logits_to_keep": width + 1} if accepts_logits_to_keep(model) else {}
+        with torch.no_grad():
+            logits = model(
+                input_ids=ids,
+                attention_mask=attention.long(),
+                position_ids=position_ids_from_mask(attention),
+                use_cache=False,
+                **kwargs,
+            ).logits
+        logits = logits[:, -(width + 1) : -1].float()
+        if sampling.logprob_temperature != 1.0:
+            logits = logits / sampling.logprob_temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        if return_logprobs:
+            logprobs = logp.gather(-1, completion[..., None]).squeeze(-1).masked_fill(~mask, 0.0)
+        if return_entropy:
+            entropy = (-(logp.exp() * logp).sum(-1)).masked_fill(~mask, 0.0)
+    elif return_logprobs or return_entropy:
+        empty = torch.zeros(N, 0, dtype=torch.float32, device=device)
+        logprobs = empty if return_logprobs else None
+        entropy = empty if return_entropy else None
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion,
+        completion_mask=mask,
+        completion_lengths=lengths,
+        ended=ended,
+        logprobs=logprobs,
+        entropy=entropy,
+        pad_token_id=pad_token_id,
+    )
+
+
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
 COMPILED_PROMPT_BUCKET = 64  # prompt widths a compiled decode step rounds up to (see _generate_chunk)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _COMPILED: dict[str, Any] = {}
+_OWN_GENERATE_ANNOUNCED: set[str] = set()  # model classes whose own generate() was announced
 
 
 def _call(model: torch.nn.Module, **kwargs: Any) -> Any:
@@ -823,6 +951,37 @@ def generate(
             "prompts must be left-padded with at least one real token each (prompt_mask[:, -1] all True); "
             "use a left-padding collator (data.PromptCollator) and give empty prompts a BOS token"
         )
+    own_generate = model_generate(model)
+    if own_generate is not None:
+        # The model's class defines its own generate(): sample with it (engine options do not apply).
+        name = f"{type(bare_module(model)).__module__}.{type(bare_module(model)).__qualname__}"
+        if name not in _OWN_GENERATE_ANNOUNCED:
+            _OWN_GENERATE_ANNOUNCED.add(name)
+            warnings.warn(
+                f"{name}.generate is not transformers' GenerationMixin.generate: rollouts call it (the sampling "
+                "settings as a GenerationConfig, the log-probs from one forward after it) instead of posttrain's "
+                "decode engine",
+                stacklevel=2,
+            )
+        ids, mask = prompt_ids.repeat_interleave(num_samples, 0), prompt_mask.repeat_interleave(num_samples, 0)
+        step = ids.size(0) if batch_size is None else batch_size
+        if step < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        parts = [
+            _generate_with_model(
+                model,
+                own_generate,
+                ids[s : s + step],
+                mask[s : s + step],
+                sampling,
+                pad_token_id,
+                generator,
+                return_logprobs,
+                return_entropy,
+            )
+            for s in range(0, ids.size(0), step)
+        ]
+        return parts[0] if len(parts) == 1 else Rollout.cat(parts)
     k = num_samples
     if k > 1 and (static or not share_prefill):  # a static cache is filled by one prefill per row
         prompt_ids = prompt_ids.repeat_interleave(k, dim=0)
