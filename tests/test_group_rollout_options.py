@@ -14,7 +14,7 @@ from torch import nn
 
 from helpers import flat, grpo_config, length_reward, prompt_dataset, rloo_config
 from posttrain import cli
-from posttrain.configs import ConfigError
+from posttrain.configs import ConfigError, transformers_generation_kwargs
 from posttrain.data.prompts import prompt_dataset as prepared_prompts
 from posttrain.models import mix_into
 from posttrain.rollout import Rollout
@@ -66,7 +66,8 @@ def test_steps_per_generation_sets_the_minibatches(config_cls, monkeypatch):
         (dict(steps_per_generation=4, gradient_accumulation_steps=2, num_mini_batches=3), "num_mini_batches=3 was"),
         (dict(generation_batch_size=10, per_device_train_batch_size=4), "generation_batch_size=10 must be a"),
         (dict(steps_per_generation=0), "steps_per_generation=0 must be >= 1"),
-        (dict(generation_kwargs={"num_beams": 4}), "'num_beams', which posttrain's rollout engine cannot"),
+        (dict(generation_kwargs={"num_return_sequences": 2}), "which the run sets itself: use num_generations"),
+        (dict(generation_kwargs={"num_beam": 4}), "'num_beam', which is not a setting of transformers' Generation"),
         (dict(generation_kwargs='{"max_new_tokens": 4}'), "use max_completion_length"),
         (dict(generation_kwargs={"do_sample": False}), "do_sample=False"),
         (dict(min_p=1.5), r"min_p=1.5 must be in \[0, 1\]"),
@@ -116,12 +117,24 @@ def test_generation_kwargs_override_the_sampling_fields(config_cls):
 @pytest.mark.parametrize("config_cls", CONFIGS)
 def test_beam_search_kwargs_without_beams_are_accepted_with_a_warning(config_cls):
     """TRL's GRPO test passes length_penalty with sampling; transformers' generate ignores it without beams,
-    and so does posttrain's engine, saying so. num_beams=1 is the default; more beams is refused (above)."""
+    and so does posttrain's engine, saying so. num_beams=1 is the default; with more beams see below."""
     with pytest.warns(UserWarning, match=r"length_penalty=-0.1 has no effect: it applies to beam search"):
         c = config_cls(generation_kwargs={"do_sample": True, "top_k": 50, "length_penalty": -0.1, "num_beams": 1})
     assert c.top_k == 50
     with pytest.warns(UserWarning, match=r"early_stopping=True has no effect"):
         config_cls(generation_kwargs={"early_stopping": True})
+
+
+@pytest.mark.parametrize("config_cls", CONFIGS)
+def test_settings_the_engine_lacks_go_to_transformers_generate(config_cls):
+    """Beam search and the other GenerationConfig settings posttrain's engine does not implement are
+    handed to the model's generate() (with a warning that it is slower); the engine's own still set fields."""
+    kwargs = {"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty": -0.1, "no_repeat_ngram_size": 3}
+    with pytest.warns(UserWarning, match=r"length_penalty, no_repeat_ngram_size, num_beams: posttrain's rollout"):
+        c = config_cls(generation_kwargs=kwargs)
+    assert c.top_k == 50
+    assert transformers_generation_kwargs(c) == {"num_beams": 2, "length_penalty": -0.1, "no_repeat_ngram_size": 3}
+    assert transformers_generation_kwargs(config_cls(generation_kwargs={"top_p": 0.9})) == {}
 
 
 def test_options_on_the_command_line():

@@ -1,6 +1,8 @@
 """A model whose class defines its own generate() (a subclass, remote code, or a patched
-GenerationMixin.generate, as TRL's tests do) is sampled through it, held to the rollout contract:
-cut after the first stop id, padding after it, masks from lengths, log-probs from a forward."""
+GenerationMixin.generate, as TRL's tests do), or a run whose generation_kwargs hold settings the engine
+does not implement (beam search, no_repeat_ngram_size, ...), is sampled through generate(), held to the
+rollout contract: cut after the first stop id, padding after it, masks from lengths, log-probs from a
+forward."""
 
 from __future__ import annotations
 
@@ -9,13 +11,15 @@ from unittest.mock import patch
 
 import pytest
 import torch
+from transformers import GenerationMixin
 
 import posttrain.trainers.grpo as grpo
-from helpers import flat, grpo_config, length_reward, prompt_dataset, train_and_last_log
+from helpers import flat, grpo_config, length_reward, prompt_dataset, rloo_config, train_and_last_log
 from posttrain.models import CausalLMWithValueHead
 from posttrain.rollout import SamplingConfig, generate, model_generate, position_ids_from_mask
 from posttrain.testing import build_tiny_causal_lm
 from posttrain.trainers.grpo import GRPOTrainer
+from posttrain.trainers.rloo import RLOOTrainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -157,4 +161,44 @@ def test_grpo_trains_on_the_ended_completions_of_a_patched_generate(tmp_path, ti
     assert last["val/num_eos_tokens"] == 4 and last["completions/mean_length"] == pytest.approx((4 + 3 + 4) / 3)
     # the loss sees the two completions of each group that ended, whole, and nothing of the truncated one
     assert [sorted(m.sum(-1).tolist()) for m in masks] == [[0, 0, 3, 3, 4, 4]] * 2
+    assert not torch.equal(before, flat(trainer.model))
+
+
+def test_settings_the_engine_lacks_reach_transformers_generate(tiny_tokenizer):
+    """no_repeat_ngram_size=1 (transformers' processor; the engine has none): no completion token repeats a
+    token of its row, prompt included, and the log-probs are the forward's, as for the engine's rollouts."""
+    model = build_tiny_causal_lm(tiny_tokenizer).eval()
+    ids, mask = prompts(tiny_tokenizer)
+    sampling = SamplingConfig(max_new_tokens=12, stop_token_ids=(), generation_kwargs={"no_repeat_ngram_size": 1})
+    g = torch.Generator().manual_seed(0)
+    out = generate(model, ids, mask, sampling, pad_token_id=tiny_tokenizer.pad_token_id, num_samples=2, generator=g)
+    assert out.completion_ids.shape == (4, 12) and out.completion_mask.all()
+    for row in range(4):
+        tokens = out.prompt_ids[row][out.prompt_mask[row]].tolist() + out.completion_ids[row].tolist()
+        assert len(set(tokens)) == len(tokens)
+    plain = SamplingConfig(max_new_tokens=12, stop_token_ids=())
+    engine = generate(model, ids, mask, plain, pad_token_id=tiny_tokenizer.pad_token_id, num_samples=2, generator=g)
+    assert any(len(set(r.tolist())) < 12 for r in engine.completion_ids)  # the engine's own rollout does repeat
+
+
+def test_rloo_trains_with_beam_search_settings(tmp_path, tiny_tokenizer):
+    """TRL's test_training_with_generation_kwargs: num_beams=2 and length_penalty with sampling."""
+    calls = []
+    original = GenerationMixin.generate
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs["generation_config"])
+        return original(self, *args, **kwargs)
+
+    with pytest.warns(UserWarning, match="length_penalty, num_beams: posttrain's rollout engine does not implement"):
+        cfg = rloo_config(
+            tmp_path, num_generations=2, learning_rate=0.1,
+            generation_kwargs={"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty": -0.1},
+        )  # fmt: skip
+    policy = build_tiny_causal_lm(tiny_tokenizer)
+    before = flat(policy).clone()
+    trainer = RLOOTrainer(policy, length_reward, cfg, prompt_dataset(8), processing_class=tiny_tokenizer)
+    with patch.object(GenerationMixin, "generate", spy):
+        train_and_last_log(trainer)
+    assert calls and all((c.num_beams, c.length_penalty, c.top_k, c.do_sample) == (2, -0.1, 50, True) for c in calls)
     assert not torch.equal(before, flat(trainer.model))

@@ -118,8 +118,10 @@ def copy_checkout_tests(checkout: Path, work: Path) -> None:
 
 def build_checkout_fixtures(root: Path) -> None:
     """The extra text models of TRL 1.x's RLOO / GRPO tests, tiny, on the fixtures' tokenizer."""
+    import torch
     import transformers
 
+    torch.manual_seed(1)
     base = root / "trl-internal-testing"
     tokenizer = transformers.AutoTokenizer.from_pretrained(base / "tiny-Qwen2ForCausalLM-2.5")
     shape = dict(vocab_size=len(tokenizer) + 64, hidden_size=16, intermediate_size=32, num_hidden_layers=2)
@@ -195,6 +197,7 @@ def qwen_ids_tokenizer(tokenizer):
 def build_fixtures(root: Path) -> None:
     """The hub repos the tests load, as local folders under root (from_pretrained and load_dataset
     take a relative folder before the hub)."""
+    import torch
     from datasets import Dataset
     from transformers import (
         LlamaConfig,
@@ -207,6 +210,7 @@ def build_fixtures(root: Path) -> None:
 
     from posttrain.testing import build_tiny_tokenizer
 
+    torch.manual_seed(0)  # the stand-ins' random weights, and so the tests' numbers, the same in every build
     tokenizer = build_tiny_tokenizer(vocab_size=512)
     tokenizer.padding_side = "right"  # as the hub tokenizers; the tests set left padding where they need it
     # a Qwen-style template: the tests apply it to conversational prompts

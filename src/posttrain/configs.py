@@ -1089,6 +1089,21 @@ class OnPolicyConfig(TrainingConfig):
 GENERATION_KWARGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample")
 # beam-search settings, which transformers' generate ignores without beams (num_beams 1): accepted with a warning
 BEAM_ONLY_KWARGS = ("length_penalty", "early_stopping")
+# generation_kwargs keys that would override what the run itself decides: the completion length, the row
+# layout, the stop and pad ids, the outputs and the cache
+RUN_OWNED_KWARGS = {
+    "max_new_tokens": "use max_completion_length (response_length)",
+    "max_length": "use max_completion_length (response_length)",
+    "num_return_sequences": "use num_generations: each completion is its own row",
+    "eos_token_id": "use stop_token / stop_token_id (the tokenizer's EOS is a stop token already)",
+    "pad_token_id": "the tokenizer's pad token pads the completions",
+    "return_dict_in_generate": "the rollout records what training needs",
+    "output_scores": "the rollout records the log-probs training needs",
+    "output_logits": "the rollout records the log-probs training needs",
+    "output_attentions": "not recorded",
+    "output_hidden_states": "not recorded",
+    "cache_implementation": "use the config's cache_implementation field",
+}
 
 
 def launch_world_size() -> int:
@@ -1114,7 +1129,9 @@ class SamplingOptions:
     )
     generation_kwargs: dict[str, Any] | str | None = flag(
         "Sampling settings as a dict (JSON on the command line) that override the fields of the same name: "
-        f"{', '.join(GENERATION_KWARGS)} (do_sample must be true). Any other key is refused.",
+        f"{', '.join(GENERATION_KWARGS)} (do_sample must be true). Any other transformers generation setting "
+        "(num_beams, no_repeat_ngram_size, bad_words_ids, ...) is passed to the model's generate(), which then "
+        "samples the completions instead of posttrain's faster engine.",
         default=None,
     )
 
@@ -1257,13 +1274,34 @@ def _pad_multiple(value: int | str | None) -> int | None:
     return pad
 
 
+def generation_config_fields() -> set[str]:
+    """The settings a default transformers `GenerationConfig` holds (imports transformers)."""
+    from transformers import GenerationConfig
+
+    return set(GenerationConfig().to_dict())
+
+
+def transformers_generation_kwargs(config: Any) -> dict[str, Any]:
+    """The generation_kwargs the rollout engine does not implement itself (those left after
+    check_sampling_options applied the engine's own and dropped beam settings without beams):
+    passed to the model's transformers generate(), which then samples the completions."""
+    kwargs = parse_json_field("generation_kwargs", getattr(config, "generation_kwargs", None)) or {}
+    beams = kwargs.get("num_beams", 1) != 1
+    return {
+        key: value
+        for key, value in kwargs.items()
+        if key not in GENERATION_KWARGS and (beams or (key not in BEAM_ONLY_KWARGS and key != "num_beams"))
+    }
+
+
 def check_sampling_options(config: Any, stacklevel: int = 4) -> None:
     """Validate and apply `SamplingOptions`: generation_kwargs (a dict, or JSON text from the command
     line) override the sampling fields of the same name; min_p and repetition_penalty are checked.
     `stacklevel`: of the warnings, to point at the line that built the config."""
     config.generation_kwargs = parse_json_field("generation_kwargs", config.generation_kwargs)
+    beams = (config.generation_kwargs or {}).get("num_beams", 1) != 1
     for key, value in (config.generation_kwargs or {}).items():
-        if key in BEAM_ONLY_KWARGS or (key == "num_beams" and value == 1):
+        if not beams and (key in BEAM_ONLY_KWARGS or key == "num_beams"):
             if key != "num_beams":
                 warnings.warn(
                     f"generation_kwargs {key}={value!r} has no effect: it applies to beam search, and completions "
@@ -1271,12 +1309,16 @@ def check_sampling_options(config: Any, stacklevel: int = 4) -> None:
                     stacklevel=stacklevel,
                 )
             continue
+        if key in RUN_OWNED_KWARGS:
+            raise ConfigError(f"generation_kwargs has {key!r}, which the run sets itself: {RUN_OWNED_KWARGS[key]}.")
         if key not in GENERATION_KWARGS:
-            raise ConfigError(
-                f"generation_kwargs has {key!r}, which posttrain's rollout engine cannot honour; it takes "
-                f"{', '.join(GENERATION_KWARGS)}. Remove {key!r}"
-                + (" (use max_completion_length)." if key in ("max_new_tokens", "max_length") else ".")
-            )
+            known = generation_config_fields()
+            if key not in known:
+                raise ConfigError(
+                    f"generation_kwargs has {key!r}, which is not a setting of transformers' GenerationConfig; "
+                    f"remove it or correct its name (the engine's own: {', '.join(GENERATION_KWARGS)})."
+                )
+            continue
         if key == "do_sample":
             if value is not True:
                 raise ConfigError(
@@ -1285,6 +1327,15 @@ def check_sampling_options(config: Any, stacklevel: int = 4) -> None:
                 )
             continue
         setattr(config, key, value)  # as TRL: generation_kwargs override the fields of the same name
+    extra = transformers_generation_kwargs(config)
+    if extra:
+        warnings.warn(
+            f"generation_kwargs {', '.join(sorted(extra))}: posttrain's rollout engine does not implement "
+            f"{'this setting' if len(extra) == 1 else 'these settings'}, so the completions are sampled by the "
+            "model's transformers generate() with them (no shared prompt prefill, row compaction or traced decode "
+            "step: slower); log-probs come from one forward after it.",
+            stacklevel=stacklevel,
+        )
     if config.min_p is not None and not 0.0 <= config.min_p <= 1.0:
         raise ConfigError(f"min_p={config.min_p} must be in [0, 1] (None or 0: off).")
     if not config.repetition_penalty > 0:

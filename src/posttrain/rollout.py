@@ -33,8 +33,8 @@ import functools
 import inspect
 import math
 import warnings
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -54,7 +54,9 @@ class SamplingConfig:
     logits of every token already in the row's prompt or completion (transformers'
     RepetitionPenaltyLogitsProcessor; greedy decoding too, as there). stop_token_ids: ids at which a
     row stops (usually the EOS id, plus e.g. an end-of-turn id); empty means every row runs to
-    max_new_tokens.
+    max_new_tokens. generation_kwargs: transformers `GenerationConfig` settings this engine does not
+    implement (num_beams, no_repeat_ngram_size, ...); when any is given, `generate` samples with the
+    model's transformers generate() instead (`_generate_with_model`).
     """
 
     max_new_tokens: int
@@ -65,6 +67,9 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    # transformers GenerationConfig settings the engine does not implement (num_beams, no_repeat_ngram_size,
+    # ...): when given, the completions are sampled by the model's transformers generate() with them
+    generation_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -729,13 +734,13 @@ def _generation_config(sampling: SamplingConfig, pad_token_id: int) -> Any:
     if sampling.repetition_penalty != 1.0:
         kwargs["repetition_penalty"] = sampling.repetition_penalty
     if sampling.greedy:
-        return GenerationConfig(do_sample=False, **kwargs)
+        return GenerationConfig(do_sample=False, **kwargs, **sampling.generation_kwargs)
     kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None)
     if sampling.top_p < 1.0:
         kwargs["top_p"] = sampling.top_p
     if sampling.min_p > 0:
         kwargs["min_p"] = sampling.min_p
-    return GenerationConfig(**kwargs)
+    return GenerationConfig(**kwargs, **sampling.generation_kwargs)
 
 
 def _generate_with_model(
@@ -952,7 +957,9 @@ def generate(
             "use a left-padding collator (data.PromptCollator) and give empty prompts a BOS token"
         )
     own_generate = model_generate(model)
-    if own_generate is not None:
+    if own_generate is None and sampling.generation_kwargs:
+        own_generate = bare_module(model).generate  # transformers' generate() with settings the engine lacks
+    elif own_generate is not None:
         # The model's class defines its own generate(): sample with it (engine options do not apply).
         name = f"{type(bare_module(model)).__module__}.{type(bare_module(model)).__qualname__}"
         if name not in _OWN_GENERATE_ANNOUNCED:
@@ -963,6 +970,7 @@ def generate(
                 "decode engine",
                 stacklevel=2,
             )
+    if own_generate is not None:
         ids, mask = prompt_ids.repeat_interleave(num_samples, 0), prompt_mask.repeat_interleave(num_samples, 0)
         step = ids.size(0) if batch_size is None else batch_size
         if step < 1:

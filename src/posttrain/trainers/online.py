@@ -49,6 +49,7 @@ from posttrain.configs import (
     concurrent_decode_mode,
     launch_world_size,
     shared_prompts_mode,
+    transformers_generation_kwargs,
 )
 from posttrain.data.loading import load_split
 from posttrain.data.prepare import PROMPT_MESSAGES, check_prompt_columns
@@ -147,6 +148,7 @@ def sampling_config(config: OnPolicyConfig, tokenizer: Any, max_new_tokens: int 
         # GRPO / RLOO (configs.GroupRolloutOptions); the other online configs have neither field
         min_p=getattr(config, "min_p", None) or 0.0,
         repetition_penalty=getattr(config, "repetition_penalty", 1.0),
+        generation_kwargs=transformers_generation_kwargs(config),
     )
 
 
