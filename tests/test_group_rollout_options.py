@@ -67,6 +67,7 @@ def test_steps_per_generation_sets_the_minibatches(config_cls, monkeypatch):
         (dict(generation_batch_size=10, per_device_train_batch_size=4), "generation_batch_size=10 must be a"),
         (dict(steps_per_generation=0), "steps_per_generation=0 must be >= 1"),
         (dict(generation_kwargs={"num_return_sequences": 2}), "which the run sets itself: use num_generations"),
+        (dict(generation_kwargs={"stop_strings": ["\n"]}), "'stop_strings', which the run sets itself: .*stop_token"),
         (dict(generation_kwargs={"num_beam": 4}), "'num_beam', which is not a setting of transformers' Generation"),
         (dict(generation_kwargs='{"max_new_tokens": 4}'), "use max_completion_length"),
         (dict(generation_kwargs={"do_sample": False}), "do_sample=False"),

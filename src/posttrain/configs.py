@@ -1103,6 +1103,7 @@ RUN_OWNED_KWARGS = {
     "output_attentions": "not recorded",
     "output_hidden_states": "not recorded",
     "cache_implementation": "use the config's cache_implementation field",
+    "stop_strings": "completions stop at token ids: use stop_token / stop_token_id",
 }
 
 
