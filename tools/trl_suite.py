@@ -159,9 +159,9 @@ def build_checkout_fixtures(root: Path) -> None:
     tokenizer.save_pretrained(base / "tiny-Qwen3ForSequenceClassification")
 
 
-# Qwen2.5's special-token ids and vocabulary size, which TRL's tests write as numbers (a patched generate()
-# returns completions ending in 151645, its <|im_end|>, padded with 151643, its <|endoftext|>).
-QWEN_PAD, QWEN_IM_START, QWEN_EOS, QWEN_VOCAB = 151643, 151644, 151645, 151665
+# Qwen2.5's special-token ids, which TRL's tests write as numbers (a patched generate() returns completions
+# ending in 151645, its <|im_end|>, padded with 151643, its <|endoftext|>).
+QWEN_PAD, QWEN_IM_START, QWEN_EOS = 151643, 151644, 151645
 
 
 def qwen_ids_tokenizer(tokenizer):
@@ -223,9 +223,11 @@ def build_fixtures(root: Path) -> None:
     shape = dict(vocab_size=len(tokenizer) + 64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4)
     shape.update(num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
     shape.update(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    # the Qwen2 stand-ins with Qwen2.5's vocabulary size and special ids, as the hub's tiny Qwen2 models
+    # the Qwen2 stand-ins with Qwen2.5's special ids, as the hub's tiny Qwen2 models; room above the tokenizer's
+    # ids as every stand-in has, so the models built on this tokenizer share one vocabulary size
     qwen_tokenizer = qwen_ids_tokenizer(tokenizer)
-    qwen = dict(shape, vocab_size=QWEN_VOCAB, eos_token_id=QWEN_EOS, bos_token_id=None, pad_token_id=QWEN_PAD)
+    qwen_vocab = len(qwen_tokenizer) + 64
+    qwen = dict(shape, vocab_size=qwen_vocab, eos_token_id=QWEN_EOS, bos_token_id=None, pad_token_id=QWEN_PAD)
     models = {
         "tiny-Qwen2ForCausalLM-2.5": (Qwen2ForCausalLM(Qwen2Config(hidden_size=16, **qwen)), qwen_tokenizer),
         "small-Qwen2ForCausalLM-2.5": (Qwen2ForCausalLM(Qwen2Config(hidden_size=32, **qwen)), qwen_tokenizer),
