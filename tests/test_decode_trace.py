@@ -114,6 +114,19 @@ def test_weight_updates_reach_the_trace_and_new_parameters_retrace():
     assert traces(model)[key] is not step
 
 
+def test_a_tied_embedding_is_one_input_of_the_trace_and_its_updates_reach_both_uses():
+    model = tiny_llama(tie_word_embeddings=True)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    sample(model)
+    step = next(step for step in traces(model).values() if step is not None)
+    tied = model.get_input_embeddings().weight
+    assert sum(t is tied for t in decode_trace.state_tensors(model)) == 1
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(3.0)  # the head reads the same tensor: both change
+    assert_same(sample(model), sample(model, trace=False))
+    assert next(step for step in traces(model).values() if step is not None) is step
+
+
 @pytest.mark.parametrize("builder", [tiny_neox, tiny_llama])
 def test_trace_is_used_after_a_forward_that_asked_for_hidden_states(builder):
     # transformers 5 installs its output-capturing hooks on the layers at the first forward that asks for

@@ -1,54 +1,22 @@
+"""torch.profiler's self-time table of three rollouts at Online DPO's shape (the 14m policy, 8 prompts x 2, 53
+new tokens), after 3 warm-up rollouts and the mean of 5 timed ones.
+
+    PYTHONPATH=src OMP_NUM_THREADS=2 python benchmarks/results/session-2026-12-07-3/opprof.py
+"""
+
 import os
-import time
+import sys
 
 import torch
-from datasets import load_from_disk
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from posttrain.rollout import SamplingConfig, generate, generation_mode
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "session-2026-12-07-4"))
+from ab_rollout import rollout_at_online_dpo_shape  # noqa: E402
 
-A = os.path.expanduser("~/.cache/posttrain-bench/artifacts")
-tok = AutoTokenizer.from_pretrained(f"{A}/policy-14m")
-m = AutoModelForCausalLM.from_pretrained(f"{A}/policy-14m")
-ds = load_from_disk(f"{A}/prompts")["train"]
-enc = tok([r["prompt"] for r in ds.select(range(8))], return_tensors="pt", padding=True)
-s = SamplingConfig(max_new_tokens=53, temperature=0.9, stop_token_ids=())
-g = torch.Generator().manual_seed(0)
-with generation_mode(m), torch.no_grad():
+timed_rollout = rollout_at_online_dpo_shape("14m")
+for _ in range(3):
+    timed_rollout()
+print("ms/rollout", sum(timed_rollout()[1] for _ in range(5)) / 5)
+with torch.profiler.profile() as p:
     for _ in range(3):
-        generate(
-            m,
-            enc.input_ids,
-            enc.attention_mask.bool(),
-            s,
-            pad_token_id=tok.pad_token_id,
-            num_samples=2,
-            generator=g,
-            return_logprobs=False,
-        )
-    t = time.perf_counter()
-    for _ in range(5):
-        generate(
-            m,
-            enc.input_ids,
-            enc.attention_mask.bool(),
-            s,
-            pad_token_id=tok.pad_token_id,
-            num_samples=2,
-            generator=g,
-            return_logprobs=False,
-        )
-    print("ms/rollout", (time.perf_counter() - t) / 5 * 1000)
-    with torch.profiler.profile() as p:
-        for _ in range(3):
-            generate(
-                m,
-                enc.input_ids,
-                enc.attention_mask.bool(),
-                s,
-                pad_token_id=tok.pad_token_id,
-                num_samples=2,
-                generator=g,
-                return_logprobs=False,
-            )
+        timed_rollout()
 print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
