@@ -730,16 +730,15 @@ def _generation_config(sampling: SamplingConfig, pad_token_id: int) -> Any:
     from transformers import GenerationConfig
 
     kwargs: dict[str, Any] = {"max_new_tokens": sampling.max_new_tokens, "pad_token_id": pad_token_id}
-    kwargs["eos_token_id"] = list(sampling.stop_token_ids) or None
+    kwargs.update(eos_token_id=list(sampling.stop_token_ids) or None, do_sample=not sampling.greedy)
     if sampling.repetition_penalty != 1.0:
         kwargs["repetition_penalty"] = sampling.repetition_penalty
-    if sampling.greedy:
-        return GenerationConfig(do_sample=False, **kwargs, **sampling.generation_kwargs)
-    kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None)
-    if sampling.top_p < 1.0:
-        kwargs["top_p"] = sampling.top_p
-    if sampling.min_p > 0:
-        kwargs["min_p"] = sampling.min_p
+    if not sampling.greedy:
+        kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k or None)
+        if sampling.top_p < 1.0:
+            kwargs["top_p"] = sampling.top_p
+        if sampling.min_p > 0:
+            kwargs["min_p"] = sampling.min_p
     return GenerationConfig(**kwargs, **sampling.generation_kwargs)
 
 
@@ -793,42 +792,30 @@ def _generate_with_model(
     width = int(lengths.max()) if N else 0
     mask = lengths_to_mask(lengths, width)
     completion = completion[:, :width].masked_fill(~mask, pad_token_id)
-    logprobs = entropy = None
-    if (return_logprobs or return_entropy) and width > 0:
-        ids = torch.cat([prompt_ids.masked_fill(~prompt_mask, 0), completion], dim=1)
-        attention = torch.cat([prompt_mask, mask], dim=1)
-        kwargs = {"logits_to_keep": width + 1} if accepts_logits_to_keep(model) else {}
-        with torch.no_grad():
-            logits = model(
-                input_ids=ids,
-                attention_mask=attention.long(),
-                position_ids=position_ids_from_mask(attention),
-                use_cache=False,
-                **kwargs,
-            ).logits
-        logits = logits[:, -(width + 1) : -1].float()
-        if sampling.logprob_temperature != 1.0:
-            logits = logits / sampling.logprob_temperature
-        logp = torch.log_softmax(logits, dim=-1)
-        if return_logprobs:
-            logprobs = logp.gather(-1, completion[..., None]).squeeze(-1).masked_fill(~mask, 0.0)
-        if return_entropy:
-            entropy = (-(logp.exp() * logp).sum(-1)).masked_fill(~mask, 0.0)
-    elif return_logprobs or return_entropy:
-        empty = torch.zeros(N, 0, dtype=torch.float32, device=device)
-        logprobs = empty if return_logprobs else None
-        entropy = empty if return_entropy else None
-    return Rollout(
+    rollout = Rollout(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
         completion_ids=completion,
         completion_mask=mask,
         completion_lengths=lengths,
         ended=ended,
-        logprobs=logprobs,
-        entropy=entropy,
+        logprobs=None,
+        entropy=None,
         pad_token_id=pad_token_id,
     )
+    if (return_logprobs or return_entropy) and width == 0:
+        empty = torch.zeros(N, 0, dtype=torch.float32, device=device)
+        rollout.logprobs, rollout.entropy = (empty if return_logprobs else None), (empty if return_entropy else None)
+    elif return_logprobs or return_entropy:
+        from posttrain.scoring import completion_logprobs  # the training forward's own log-probs
+
+        with torch.no_grad():
+            logprobs, entropy = completion_logprobs(
+                model, rollout, temperature=sampling.logprob_temperature, with_entropy=return_entropy
+            )
+        rollout.logprobs = logprobs.float() if return_logprobs else None
+        rollout.entropy = entropy.float() if return_entropy else None
+    return rollout
 
 
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
