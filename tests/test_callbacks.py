@@ -557,7 +557,8 @@ def test_log_completions_callback_in_rloo_training(tmp_path, tiny_tokenizer):
 
 
 TWO_PROCESS_SCRIPT = """
-import json, sys
+import atexit, json, os, pathlib, sys
+import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 from posttrain.testing import build_tiny_causal_lm, build_tiny_tokenizer
@@ -565,6 +566,18 @@ from posttrain.trainers.sft import SFTTrainer
 from posttrain.trainers.sft_config import SFTConfig
 
 out, batch, sentences = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+
+
+@atexit.register  # runs as the interpreter starts to exit
+def threads_left_at_exit():
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            names.append(pathlib.Path(f"/proc/self/task/{task}/comm").read_text().strip())
+        except FileNotFoundError:  # a thread that ended after the listing
+            pass
+    left = {"group": torch.distributed.is_initialized(), "gloo_threads": [n for n in names if "gloo" in n]}
+    pathlib.Path(out, f"exit-{os.environ.get('RANK', '0')}.json").write_text(json.dumps(left))
 
 
 class Steps(TrainerCallback):
@@ -585,6 +598,9 @@ result = {"global_step": output.global_step, "training_loss": output.training_lo
           "history": trainer.state.log_history, "world_zero": trainer.state.is_world_process_zero}
 with open(f"{out}/rank{trainer.accelerator.process_index}.json", "w") as f:
     json.dump(result, f)
+del trainer, output
+from posttrain.distributed import shutdown
+shutdown()
 """
 
 
@@ -602,6 +618,13 @@ def test_two_processes_sft_state_equals_one_process(tmp_path):
         run_processes([str(script), str(out), str(batch), json.dumps(SENTENCES)], nproc, check=True)
         runs[name] = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     (one,), (rank0, rank1) = runs["one"], runs["two"]
+    # The script ends as README.md's "several processes" says: the trainer dropped, then shutdown(). No gloo
+    # thread was left for interpreter teardown, where one made a rank of a finished run abort with SIGABRT
+    # (docs/internals.md, "Process exit"); with the trainer still referenced, the DDP-wrapped model keeps the
+    # group and its three gloo threads alive through shutdown().
+    for rank in (0, 1):
+        left = json.loads((tmp_path / "two" / f"exit-{rank}.json").read_text())
+        assert left == {"group": False, "gloo_threads": []}, left
     assert rank0["world_zero"] and not rank1["world_zero"]
     for rank in (rank0, rank1):
         assert rank["global_step"] == 3 and rank["steps"] == [1, 2, 3]
