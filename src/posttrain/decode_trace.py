@@ -222,7 +222,8 @@ def _simplify(graph: Any) -> None:
     """Removes from a trace's graph what repeats or does nothing, in place: common subexpressions (the
     rotary embedding's cos/sin views and the shape arithmetic every layer redoes), eval-mode dropout and
     what folds to constants. Every remaining kernel sees the values it saw before, so the logits are
-    bitwise the same (`_trace` checks them); at pythia-14m's shape a replay takes 4% less time."""
+    bitwise the same (`_trace` checks them). Without it, replayed with the optimizer off, rollouts of a
+    pythia-14m-shaped policy took 1.5% longer (benchmarks/README.md, "The traced decode step, traced faster")."""
     torch._C._jit_pass_cse(graph)
     for node in list(graph.nodes()):
         if node.kind() == "aten::dropout" and node.inputsAt(2).toIValue() is False:
