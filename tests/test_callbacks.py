@@ -598,9 +598,6 @@ result = {"global_step": output.global_step, "training_loss": output.training_lo
           "history": trainer.state.log_history, "world_zero": trainer.state.is_world_process_zero}
 with open(f"{out}/rank{trainer.accelerator.process_index}.json", "w") as f:
     json.dump(result, f)
-del trainer, output
-from posttrain.distributed import shutdown
-shutdown()
 """
 
 
@@ -618,10 +615,10 @@ def test_two_processes_sft_state_equals_one_process(tmp_path):
         run_processes([str(script), str(out), str(batch), json.dumps(SENTENCES)], nproc, check=True)
         runs[name] = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     (one,), (rank0, rank1) = runs["one"], runs["two"]
-    # The script ends as README.md's "several processes" says: the trainer dropped, then shutdown(). No gloo
-    # thread was left for interpreter teardown, where one made a rank of a finished run abort with SIGABRT
-    # (docs/internals.md, "Process exit"); with the trainer still referenced, the DDP-wrapped model keeps the
-    # group and its three gloo threads alive through shutdown().
+    # The script ends after train() with its trainer in module globals, as TRL's examples do, and never calls
+    # shutdown(): posttrain destroyed and freed the process group as exit began, so no gloo thread was left
+    # for interpreter teardown, where one made a rank of a finished run abort with SIGABRT (docs/internals.md,
+    # "Process exit"; the DDP-wrapped model kept the group and its three gloo threads alive before).
     for rank in (0, 1):
         left = json.loads((tmp_path / "two" / f"exit-{rank}.json").read_text())
         assert left == {"group": False, "gloo_threads": []}, left

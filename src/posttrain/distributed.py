@@ -8,6 +8,7 @@ friends are imported inside the functions so that `import posttrain` stays light
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
@@ -137,6 +138,8 @@ def build_accelerator(
         warn_if_bf16_is_emulated()
     if seed is not None:
         set_seed(seed)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        release_process_group_at_exit()
     return accelerator
 
 
@@ -984,6 +987,41 @@ def shutdown() -> None:
         return
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    _release_process_groups()
+
+
+_RELEASE_AT_EXIT = False
+
+
+def release_process_group_at_exit() -> None:
+    """Have the process group destroyed and freed when the interpreter begins to exit.
+
+    A script that builds a trainer under torchrun and ends after `train()`, as TRL's examples do, still holds
+    its trainer in module globals at exit, and the trainer's DDP-wrapped model holds the group, so the
+    group's gloo threads ran on into interpreter teardown, where a rank of a finished run could abort with
+    SIGABRT ("terminate called without an active exception"; docs/internals.md, "Process exit"). An
+    `atexit` handler runs while the interpreter and its threads are alive: it destroys the group, has every
+    DistributedDataParallel wrapper drop its reducer, logger and group (nothing trains after exit has
+    begun), and frees the group (`_release_process_groups`), which joins its threads. It waits for no other
+    rank (after an error a barrier could wait forever). Registered once per process, by `build_accelerator`
+    when a process group exists."""
+    global _RELEASE_AT_EXIT
+    if not _RELEASE_AT_EXIT:
+        _RELEASE_AT_EXIT = True
+        atexit.register(_release_at_exit)
+
+
+def _release_at_exit() -> None:
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    for obj in gc.get_objects():
+        if isinstance(obj, DistributedDataParallel):
+            for name in ("reducer", "logger", "process_group"):
+                obj.__dict__.pop(name, None)
     _release_process_groups()
 
 
