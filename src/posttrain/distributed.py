@@ -986,7 +986,13 @@ def shutdown() -> None:
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    _destroy_and_free()
+
+
+def _destroy_and_free() -> None:
+    """Destroy this process's group if it still exists, then free it (`_release_process_groups`)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     _release_process_groups()
 
 
@@ -1016,13 +1022,11 @@ def _release_at_exit() -> None:
 
     from torch.nn.parallel import DistributedDataParallel
 
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
     for obj in gc.get_objects():
         if isinstance(obj, DistributedDataParallel):
             for name in ("reducer", "logger", "process_group"):
                 obj.__dict__.pop(name, None)
-    _release_process_groups()
+    _destroy_and_free()
 
 
 def _release_process_groups() -> None:
