@@ -1023,7 +1023,9 @@ def _release_at_exit() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     for obj in gc.get_objects():
-        if isinstance(obj, DistributedDataParallel):
+        # type(), not isinstance(): isinstance reads obj.__class__, which on some objects torch keeps for
+        # deprecated names (torch.distributed.reduce_op) prints a FutureWarning at every exit
+        if issubclass(type(obj), DistributedDataParallel):
             for name in ("reducer", "logger", "process_group"):
                 obj.__dict__.pop(name, None)
     _destroy_and_free()
